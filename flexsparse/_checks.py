@@ -1,0 +1,56 @@
+"""Input validation shared by the public entry points: clear errors that name the argument."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q, k, v, *, self_attention: bool) -> None:
+    """Check q ``(B, H, Nq, D)``, k, v ``(B, Hk, Nk, D)`` with ``H % Hk == 0``, one dtype and device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H, N, D) (4 dims), got {x.dim()} dims {tuple(x.shape)}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+        if x.numel() == 0:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim D, got {q.shape[3]} and {k.shape[3]}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"the number of query heads ({q.shape[1]}) must be a multiple of the number of key/value heads "
+            f"({k.shape[1]}) for grouped-query attention")
+    if self_attention and q.shape[2] != k.shape[2]:
+        raise ValueError(f"this method is self-attention: q and k must have the same length N, "
+                         f"got {q.shape[2]} and {k.shape[2]}")
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """``1/sqrt(D)`` when ``scale`` is None, else a positive finite float."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def check_topk_fits(name: str, topk: int, available: int, what: str) -> None:
+    """Raise if a top-K asks for more blocks than exist."""
+    if topk > available:
+        raise ValueError(f"config key {name!r}={topk} is larger than the number of {what} ({available}); "
+                         f"lower it or use a longer sequence / smaller block")

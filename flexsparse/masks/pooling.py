@@ -1,0 +1,91 @@
+"""Mean pooling over token blocks and the pooling pyramid.
+
+Ragged tails are true means over the real tokens: padding never enters a pooled mean.
+Sums are accumulated in fp32 (or fp64 for fp64 inputs) and the means are returned in that
+accumulation dtype; callers cast where they need the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def num_blocks(n: int, block: int) -> int:
+    """Number of blocks of ``block`` tokens covering ``n`` tokens (the last may be ragged)."""
+    return -(-n // block)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; every other floating dtype accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def token_counts(n: int, span: int, device=None) -> torch.Tensor:
+    """Real fine tokens under each coarse token of ``span`` fine tokens: ``(ceil(n/span),)`` int64."""
+    starts = torch.arange(num_blocks(n, span), device=device) * span
+    return (n - starts).clamp(max=span)
+
+
+def log_token_weights(n: int, span: int, length: int | None = None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``ln(count)`` of each coarse token of ``span`` fine tokens, ``-inf`` for padding.
+
+    Returns ``(length,)`` with ``length >= ceil(n/span)`` (default equal): entries past the
+    real tokens are ``-inf`` so that padded tokens never enter a softmax.
+    """
+    real = num_blocks(n, span)
+    length = real if length is None else length
+    counts = torch.zeros(length, dtype=dtype, device=device)
+    counts[:real] = token_counts(n, span, device=device).to(dtype)
+    return counts.log()
+
+
+def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums over consecutive blocks of ``block`` tokens along dim -2, zero-padded tail.
+
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype.
+    """
+    n = x.shape[-2]
+    t = num_blocks(n, block)
+    x = x.to(accumulation_dtype(x.dtype))
+    if t * block != n:
+        x = F.pad(x, (0, 0, 0, t * block - n))
+    return x.unflatten(-2, (t, block)).sum(-2)
+
+
+def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Block means over ``block`` consecutive tokens (true means on the ragged tail).
+
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype.
+    """
+    n = x.shape[-2]
+    sums = block_sums(x, block)
+    return sums / token_counts(n, block, device=x.device).to(sums.dtype).unsqueeze(-1)
+
+
+def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]:
+    """Levels 1..L of the mean-pooling pyramid of ``x`` (level 0, ``x`` itself, is not included).
+
+    Level l holds the mean of the real fine tokens under each span of ``block**l`` tokens,
+    computed recursively from block sums. x: ``(B, H, N, D)``; level l: ``(B, H, ceil(N/block**l), D)``,
+    in the accumulation dtype (differentiable).
+    """
+    n = x.shape[-2]
+    out = []
+    sums = x
+    for level in range(1, levels + 1):
+        sums = block_sums(sums, block)
+        counts = token_counts(n, block**level, device=x.device).to(sums.dtype)
+        out.append(sums / counts.unsqueeze(-1))
+    return out
+
+
+def auto_levels(n: int, block: int, topk: int | tuple[int, ...], max_top_tokens: int = 256) -> int:
+    """Levels L for LLSA at length ``n``: the fewest with at most ``max_top_tokens`` top-level tokens,
+    reduced while the top level has fewer tokens than its top-K. At least 1."""
+    levels = 1
+    while num_blocks(n, block**levels) > max_top_tokens:
+        levels += 1
+    top_k = topk if isinstance(topk, int) else max(topk)
+    while levels > 1 and num_blocks(n, block**levels) < top_k:
+        levels -= 1
+    return levels

@@ -1,0 +1,58 @@
+"""Selection results: the index tables every backend consumes.
+
+One selection feeds the reference, torch, flex and triton paths, so they are comparable on
+identical selections. Index tables are int32, sorted ascending along the last dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pooling import num_blocks
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """Top-K key blocks per query block.
+
+    indices: ``(B, H, Tq, K)`` int32 key-block ids, ascending, distinct per row.
+    excluded: optional ``(B, H, Tq, Kx)`` int32 blocks that no branch may use (SLA's
+    "negligible" class); ``None`` when there are none.
+    """
+
+    indices: torch.Tensor
+    block_q: int
+    block_k: int
+    n_q: int
+    n_k: int
+    excluded: torch.Tensor | None = None
+
+    @property
+    def num_q_blocks(self) -> int:
+        return num_blocks(self.n_q, self.block_q)
+
+    @property
+    def num_k_blocks(self) -> int:
+        return num_blocks(self.n_k, self.block_k)
+
+
+@dataclass(frozen=True)
+class LLSASelection:
+    """Hierarchical selection of LLSA.
+
+    indices[l-1] is ``S_l``, ``(B, H, T_l, K_l)`` int32 for l = 1..L: row i belongs to level-l
+    query token i (the level-(l-1) query block i), entries are level-l key token ids, ascending.
+    """
+
+    indices: tuple[torch.Tensor, ...]
+    block: int
+    n: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.indices)
+
+    def tokens(self, level: int) -> int:
+        """Real tokens at ``level`` (level 0 is the input)."""
+        return num_blocks(self.n, self.block**level)

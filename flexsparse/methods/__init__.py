@@ -1,0 +1,16 @@
+"""One module per method, each reading top-down: select (``flexsparse.masks``) -> attend (a backend) -> combine.
+
+Every method module defines:
+  ``BACKENDS``        backends it supports (besides ``"auto"``),
+  ``SELF_ATTENTION``  whether q and k must have the same length,
+  ``init_params(cfg, head_dim, num_heads, seq_len) -> dict[str, Tensor]`` its learnable parameters,
+  ``forward(q, k, v, cfg, *, backend, scale, params) -> (o, lse)``.
+"""
+from . import full, llsa, topk, vsa
+
+MODULES = {"full": full, "topk": topk, "vsa": vsa, "llsa": llsa}
+
+
+def method_module(name: str):
+    """The module implementing method ``name``."""
+    return MODULES[name]

@@ -1,0 +1,33 @@
+"""``full``: dense softmax attention (the baseline every sparse method is compared with)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference.dense import expand_kv_heads, masked_softmax_attention
+
+BACKENDS = ("reference", "torch")
+SELF_ATTENTION = False
+
+
+def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+    return {}
+
+
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+    """Dense attention. ``torch`` uses SDPA (its LSE computed separately); ``reference`` explicit softmax."""
+    heads = q.shape[1]
+    if backend == "reference":
+        return masked_softmax_attention(q, [expand_kv_heads(k, heads)], [expand_kv_heads(v, heads)], [None], [None],
+                                        scale)
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != k.shape[1])
+    with torch.no_grad():
+        lse = _chunked_lse(q, expand_kv_heads(k, heads), scale)
+    return out, lse
+
+
+def _chunked_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 1024) -> torch.Tensor:
+    """Natural-log LSE of dense attention, computed in row chunks (no N x N tensor)."""
+    parts = [torch.logsumexp((q[:, :, s:s + rows].float() @ k.float().transpose(-1, -2)) * scale, dim=-1)
+             for s in range(0, q.shape[2], rows)]
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,55 @@
+"""``llsa``: log-linear sparse attention.
+
+select: pooling pyramid of Q and K (block b, L levels), dense raw-dot top-K at level L, then at each
+finer level top-K among the children of the parent's selection (``flexsparse.masks.hierarchical_topk``).
+attend: one softmax over the fine children of the level-1 selection, the whole candidate set at every
+level 1..L-1, and all level-L tokens; a level-l token adds ``ln(count)`` (``ln b^l`` for full spans)
+to its logit. combine: nothing, the output is that softmax's.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_topk_fits
+from ..backends import torch_sparse
+from ..masks import LLSASelection, auto_levels, hierarchical_topk, num_blocks, pool_pyramid
+from ..reference import llsa_dense
+
+BACKENDS = ("reference", "torch")
+SELF_ATTENTION = True
+
+
+def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
+    return {}
+
+
+def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
+    """Levels L and ``(K_1, ..., K_L)`` for length ``n``, checked against the number of tokens."""
+    b = cfg.block_size
+    levels = auto_levels(n, b, cfg.topk) if cfg.levels == "auto" else cfg.levels
+    topk = cfg.topk_per_level(levels)
+    check_topk_fits(f"topk[{levels - 1}]" if isinstance(cfg.topk, tuple) else "topk", topk[-1],
+                    num_blocks(n, b**levels), f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")
+    for level in range(levels - 1):
+        reachable = (topk[level + 1] - 1) * b + 1
+        if topk[level] > reachable:
+            raise ValueError(f"config key 'topk': K_{level + 1}={topk[level]} can exceed the candidates of a ragged "
+                             f"parent set ((K_{level + 2} - 1) * block_size + 1 = {reachable}); lower it")
+    return levels, topk
+
+
+def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk: tuple[int, ...]) -> LLSASelection:
+    """Hierarchical top-K from the pooled pyramid of q and the given K pyramid (levels 1..L)."""
+    with torch.no_grad():
+        q_levels = pool_pyramid(q, cfg.block_size, levels)
+        return hierarchical_topk(q_levels, [x.detach() for x in k_levels], topk, cfg.block_size, q.shape[2])
+
+
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+    levels, topk = plan(cfg, q.shape[2])
+    k_levels = pool_pyramid(k, cfg.block_size, levels)
+    selection = select(q, k_levels, cfg, levels, topk)
+    if backend == "reference":
+        return llsa_dense(q, k, v, selection, scale)
+    v_levels = pool_pyramid(v, cfg.block_size, levels)
+    return torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], selection, scale)

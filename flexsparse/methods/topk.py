@@ -1,0 +1,24 @@
+"""``topk``: single-level block top-K (MoBA/VMoBA style).
+
+select: mean-pool Q and K blocks, raw-dot scores, top-K key blocks per query block.
+attend: softmax attention over the selected blocks (scale ``1/sqrt(D)``).
+"""
+from __future__ import annotations
+
+from ..backends import torch_sparse
+from ..reference import topk_dense
+from ._blocks import select_blocks
+
+BACKENDS = ("reference", "torch")
+SELF_ATTENTION = False
+
+
+def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
+    return {}
+
+
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+    selection = select_blocks(q, k, cfg)
+    if backend == "reference":
+        return topk_dense(q, k, v, selection, scale)
+    return torch_sparse.block_sparse_attention(q, k, v, selection, scale)

@@ -1,0 +1,52 @@
+"""``vsa``: video sparse attention = coarse tile attention + fine top-K block-sparse attention.
+
+select: pooled tiles, raw-dot scores, top-K key tiles per query tile.
+attend: coarse attention over all pooled tiles (dense at tile level) and fine block-sparse attention.
+combine: ``o_fine + g * o_coarse`` with ``g = 1`` or, with ``gate: true``, a learned per-token gate
+``g = q . w + c`` per head (zero-initialised, so a fresh module is fine attention only).
+The returned LSE is the fine branch's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import torch_sparse
+from ..masks import mean_pool
+from ..reference import vsa_dense
+from ._blocks import select_blocks
+
+BACKENDS = ("reference", "torch")
+SELF_ATTENTION = False
+
+
+def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+    if not cfg.gate:
+        return {}
+    return {"gate_weight": torch.zeros(num_heads, head_dim), "gate_bias": torch.zeros(num_heads)}
+
+
+def gate_values(q: torch.Tensor, params) -> torch.Tensor:
+    """Per-token gate ``(B, H, N, 1)`` from q and the gate parameters."""
+    w, c = params["gate_weight"], params["gate_bias"]
+    return (torch.einsum("bhnd,hd->bhn", q, w.to(q.dtype)) + c.to(q.dtype).view(1, -1, 1)).unsqueeze(-1)
+
+
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+    if cfg.gate and not params:
+        raise ValueError("vsa with gate=True has learnable parameters; use flexsparse.SparseAttention "
+                         "or pass params={'gate_weight': (H, D), 'gate_bias': (H,)}")
+    selection = select_blocks(q, k, cfg)
+    gate = gate_values(q, params) if cfg.gate else None
+    if backend == "reference":
+        return vsa_dense(q, k, v, selection, scale, gate)
+    fine, lse = torch_sparse.block_sparse_attention(q, k, v, selection, scale)
+    coarse = coarse_attention(q, k, v, cfg.block_q, cfg.block_k, scale)
+    return fine + (coarse if gate is None else gate * coarse), lse
+
+
+def coarse_attention(q, k, v, block_q: int, block_k: int, scale: float) -> torch.Tensor:
+    """Tile-level attention of pooled q over pooled k, v, broadcast to every query token: ``(B, H, N, D)``."""
+    qc, kc, vc = (mean_pool(x, b).to(q.dtype) for x, b in ((q, block_q), (k, block_k), (v, block_k)))
+    out = F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.repeat_interleave(block_q, dim=2)[:, :, : q.shape[2]]

@@ -1,0 +1,40 @@
+"""``SparseAttention``: an ``nn.Module`` that holds a method's learnable parts."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .api import attention
+from .config import Config
+from .methods import method_module
+
+
+class SparseAttention(nn.Module):
+    """Sparse attention with the method's learnable parameters (SLA projection, SLA2 router and
+    alpha, VSA gate) registered as module parameters, so they train and live in ``state_dict``.
+
+    ``forward(q, k, v)`` takes ``(B, H, N, D)`` tensors like ``F.scaled_dot_product_attention``.
+    ``seq_len`` is needed only by methods whose parameters depend on it (SLA2's per-block alpha).
+    """
+
+    def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
+                 seq_len: int | None = None, backend: str = "auto"):
+        super().__init__()
+        self.config = Config.from_dict(config)
+        self.head_dim, self.num_heads, self.seq_len, self.backend = head_dim, num_heads, seq_len, backend
+        initial = method_module(self.config.method).init_params(self.config, head_dim, num_heads, seq_len)
+        self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                return_lse: bool = False):
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f"q has head dim {q.shape[-1]} but this SparseAttention was built with head_dim={self.head_dim}")
+        if q.shape[1] != self.num_heads:
+            raise ValueError(f"q has {q.shape[1]} heads but this SparseAttention was built with num_heads={self.num_heads}")
+        return attention(q, k, v, self.config, backend=self.backend, scale=scale, return_lse=return_lse,
+                         params=dict(self.params.items()))
+
+    def extra_repr(self) -> str:
+        return f"config={self.config.to_dict()}, head_dim={self.head_dim}, num_heads={self.num_heads}"
