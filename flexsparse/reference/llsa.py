@@ -30,13 +30,16 @@ def llsa_select_bruteforce(q: torch.Tensor, k: torch.Tensor, topk: tuple[int, ..
     return LLSASelection(indices=tuple(selected[1:levels + 1]), block=block, n=n)
 
 
-def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLSASelection,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLSASelection, scale: float,
+               k_levels: list[torch.Tensor] | None = None,
+               v_levels: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA output and LSE by explicit masks over every level's tokens.
 
     Fine query n attends: at level l < L the level-l tokens t with ``t // b`` in
     ``S_{l+1}[n // b^{l+1}]``; at level L all tokens. A level-l token's logit gets
-    ``+ ln(#real fine tokens under it)``. Levels are direct means of the real fine tokens.
+    ``+ ln(#real fine tokens under it)``. Levels 1..L are direct means of the real fine tokens,
+    or the given ``k_levels``/``v_levels`` (``(B, Hk, T_l, D)``, l = 1..L) so that tests can make
+    them independent leaves.
     """
     b, n, levels = selection.block, q.shape[2], selection.levels
     heads = q.shape[1]
@@ -45,8 +48,12 @@ def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLS
     fine = torch.arange(n, device=q.device)
     for level in range(levels + 1):
         span = b**level
-        keys.append(span_means(k, span))
-        values.append(span_means(v, span))
+        if level and k_levels is not None:
+            keys.append(expand_kv_heads(k_levels[level - 1], heads))
+            values.append(expand_kv_heads(v_levels[level - 1], heads))
+        else:
+            keys.append(span_means(k, span))
+            values.append(span_means(v, span))
         t = keys[-1].shape[2]
         counts = torch.tensor([min(span, n - i * span) for i in range(t)], dtype=q.dtype, device=q.device)
         biases.append(counts.log())

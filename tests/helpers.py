@@ -1,0 +1,36 @@
+"""Shared test utilities: random inputs, error metrics, gradient collection."""
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error ||a - b|| / ||b|| in fp64 (inf-safe: -inf entries must match exactly)."""
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), finite), "non-finite entries differ"
+    a, b = a[finite], b[finite]
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def qkv(batch=2, heads=2, kv_heads=None, n=64, d=16, dtype=torch.float64, device="cpu", seed=None, requires_grad=False):
+    """Fresh random q ``(B, H, N, D)`` and k, v ``(B, Hk, N, D)``; k has a per-head offset like real keys."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(torch.randint(0, 2**31 - 1, ()).item() if seed is None else seed)
+    kv_heads = heads if kv_heads is None else kv_heads
+
+    def rand(h):
+        return torch.randn(batch, h, n, d, generator=gen, dtype=torch.float64)
+
+    q, k, v = rand(heads), rand(kv_heads) + 0.5 * torch.randn(1, kv_heads, 1, d, generator=gen, dtype=torch.float64), rand(kv_heads)
+    return tuple(x.to(dtype=dtype, device=device).requires_grad_(requires_grad) for x in (q, k, v))
+
+
+def grads(outputs, inputs, seed=0):
+    """Gradients of ``sum(out * w)`` for a fixed random ``w`` per output, w.r.t. ``inputs``."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for out in outputs:
+        w = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
+        total = total + (out * w).sum()
+    return torch.autograd.grad(total, inputs, allow_unused=True)

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+import flexsparse as fs
+from flexsparse.config import Config, LLSAConfig, SLAConfig, TopKConfig
+
+from helpers import qkv, rel_err
+
+EXAMPLES = [
+    {"method": "full"},
+    {"method": "topk", "block_size": 16, "topk": 4},
+    {"method": "topk", "block_q": 32, "block_k": 16, "topk": 2, "quant": {"dtype": "fp8_e4m3"}},
+    {"method": "vsa", "block_size": 8, "topk": 3, "gate": True},
+    {"method": "llsa", "block_size": 16, "topk": 8, "levels": "auto"},
+    {"method": "llsa", "block_size": 4, "topk": [2, 3, 4], "levels": 3, "deterministic": True},
+    {"method": "sla", "block_q": 64, "block_k": 32, "topk_ratio": 0.1, "linear": "full", "feature_map": "elu"},
+    {"method": "sla2", "topk_ratio": 0.03, "router": "soft", "tau": 0.2, "alpha_per_head": True},
+]
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=lambda c: c["method"])
+def test_round_trip(config):
+    cfg = Config.from_dict(config)
+    assert cfg.method == config["method"]
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+    assert Config.from_dict(again.to_dict()).to_dict() == cfg.to_dict()
+
+
+def test_block_size_alias_sets_both_and_conflicts_raise():
+    cfg = Config.from_dict({"method": "topk", "block_size": 32})
+    assert (cfg.block_q, cfg.block_k) == (32, 32)
+    with pytest.raises(ValueError, match="block_size"):
+        Config.from_dict({"method": "topk", "block_size": 32, "block_q": 16})
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown method 'nsa'.*llsa"):
+        Config.from_dict({"method": "nsa"})
+    with pytest.raises(ValueError, match="needs a 'method'"):
+        Config.from_dict({"topk": 3})
+
+
+def test_unknown_key_is_named_with_valid_keys():
+    with pytest.raises(ValueError, match=r"\['top_k'\].*valid keys.*topk"):
+        Config.from_dict({"method": "llsa", "top_k": 8})
+    with pytest.raises(ValueError, match=r"unknown key.*'quant'"):
+        Config.from_dict({"method": "llsa", "quant": {"bits": 8}})
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "llsa", "topk": 0}, "'topk' must be >= 1"),
+    ({"method": "llsa", "topk": 2.5}, "'topk' must be an int"),
+    ({"method": "llsa", "block_size": 1}, "'block_size' must be >= 2"),
+    ({"method": "llsa", "topk": [4, 4], "levels": 3}, "one K per level"),
+    ({"method": "llsa", "levels": "many"}, "'levels' must be an int"),
+    ({"method": "sla", "topk_ratio": 0.0}, "'topk_ratio'"),
+    ({"method": "sla", "linear": "dense"}, "'linear' must be one of"),
+    ({"method": "sla", "feature_map": "hedgehog"}, "'feature_map'"),
+    ({"method": "sla", "negligible_ratio": 0.1, "linear": "full"}, "negligible_ratio"),
+    ({"method": "sla2", "alpha_init": 1.0}, "alpha_init"),
+    ({"method": "vsa", "gate": "yes"}, "'gate' must be a bool"),
+])
+def test_bad_values_name_the_key(config, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Config.from_dict(config)
+
+
+def test_config_object_and_dict_are_interchangeable():
+    q, k, v = qkv(n=64, d=8)
+    cfg = {"method": "topk", "block_size": 8, "topk": 2}
+    a = fs.attention(q, k, v, cfg, backend="torch")
+    b = fs.attention(q, k, v, TopKConfig(block_q=8, block_k=8, topk=2), backend="torch")
+    assert torch.equal(a, b)
+
+
+def test_switching_the_dict_switches_the_method():
+    q, k, v = qkv(n=256, d=8)
+    outs = {}
+    for cfg in ({"method": "full"}, {"method": "topk", "block_size": 16, "topk": 2},
+                {"method": "llsa", "block_size": 4, "topk": 2, "levels": 2}):
+        outs[cfg["method"]] = fs.attention(q, k, v, cfg, backend="torch")
+    dense = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+    assert rel_err(outs["full"], dense) < 1e-12
+    assert rel_err(outs["topk"], dense) > 1e-3
+    assert rel_err(outs["llsa"], dense) > 1e-3
+    assert rel_err(outs["llsa"], outs["topk"]) > 1e-3
+
+
+def test_replace_revalidates():
+    cfg = LLSAConfig()
+    assert cfg.replace(topk=4).topk == 4
+    with pytest.raises(ValueError):
+        cfg.replace(topk=-1)
+    assert isinstance(SLAConfig().replace(linear="full"), SLAConfig)

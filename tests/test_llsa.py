@@ -1,0 +1,140 @@
+"""LLSA: selection vs brute force, torch backend vs the dense fp64 reference (outputs, LSE, gradients)."""
+import pytest
+import torch
+
+import flexsparse as fs
+from flexsparse.backends import torch_sparse
+from flexsparse.masks import auto_levels, num_blocks, pool_pyramid
+from flexsparse.methods import llsa as llsa_method
+from flexsparse.reference import llsa_dense, llsa_select_bruteforce, span_means
+
+from helpers import grads, qkv, rel_err
+
+
+def valid_topk(n, block, levels, want):
+    """Largest per-level K <= want that the config checks accept at length n."""
+    topk = [0] * levels
+    topk[-1] = min(want, num_blocks(n, block**levels))
+    for level in range(levels - 2, -1, -1):
+        topk[level] = min(want, (topk[level + 1] - 1) * block + 1, num_blocks(n, block ** (level + 1)))
+    return topk
+
+
+def config(n, block, levels, want=3):
+    return {"method": "llsa", "block_size": block, "levels": levels, "topk": valid_topk(n, block, levels, want)}
+
+
+def selection_for(q, k, cfg):
+    cfg = fs.Config.from_dict(cfg)
+    levels, topk = llsa_method.plan(cfg, q.shape[2])
+    return llsa_method.select(q, pool_pyramid(k, cfg.block_size, levels), cfg, levels, topk)
+
+
+CASES = [  # (N, block, levels, heads, kv_heads, D)
+    (1, 4, 1, 2, 1, 8), (15, 4, 2, 2, 2, 8), (17, 4, 2, 4, 2, 8), (17, 8, 1, 1, 1, 8),
+    (1000, 4, 4, 2, 1, 16), (1000, 8, 3, 2, 2, 16), (1000, 16, 2, 2, 1, 16),
+    (4097, 16, 2, 2, 2, 16), (4097, 64, 1, 1, 1, 16), (4097, 8, 3, 2, 1, 16),
+]
+
+
+@pytest.mark.parametrize("n, block, levels, heads, kv_heads, d", CASES)
+def test_torch_matches_reference_fp64(n, block, levels, heads, kv_heads, d):
+    q, k, v = qkv(batch=2, heads=heads, kv_heads=kv_heads, n=n, d=d, requires_grad=True)
+    cfg = config(n, block, levels)
+    o_t, lse_t = fs.attention(q, k, v, cfg, backend="torch", return_lse=True)
+    o_r, lse_r = fs.attention(q, k, v, cfg, backend="reference", return_lse=True)
+    assert rel_err(o_t, o_r) < 1e-12
+    assert rel_err(lse_t, lse_r) < 1e-12
+    for g_t, g_r in zip(grads([o_t, lse_t], (q, k, v)), grads([o_r, lse_r], (q, k, v))):
+        assert rel_err(g_t, g_r) < 1e-11
+
+
+@pytest.mark.parametrize("n, block, levels, heads, kv_heads, d", CASES)
+def test_selection_matches_bruteforce(n, block, levels, heads, kv_heads, d):
+    q, k, _ = qkv(batch=2, heads=heads, kv_heads=kv_heads, n=n, d=d)
+    cfg = config(n, block, levels)
+    sel = selection_for(q, k, cfg)
+    ref = llsa_select_bruteforce(q, k, tuple(cfg["topk"]), block)
+    assert sel.levels == levels
+    for a, b in zip(sel.indices, ref.indices):
+        assert a.dtype == torch.int32 and torch.equal(a, b)
+        assert torch.all(a[..., 1:] > a[..., :-1]), "indices must be ascending and distinct"
+
+
+@pytest.mark.parametrize("n, block, levels", [(300, 4, 3), (257, 16, 2), (1000, 8, 2)])
+def test_pooled_leaves_get_the_level_weights(n, block, levels):
+    """Gradients w.r.t. pooled K/V as independent leaves: catches a missing or wrong level weight."""
+    q, k, v = qkv(heads=2, kv_heads=1, n=n, d=8, requires_grad=True)
+    sel = selection_for(q, k, config(n, block, levels))
+    k_lv = [torch.randn_like(x, requires_grad=True) for x in pool_pyramid(k.detach(), block, levels)]
+    v_lv = [torch.randn_like(x, requires_grad=True) for x in pool_pyramid(v.detach(), block, levels)]
+    scale = 8**-0.5
+    o_t, lse_t = torch_sparse.llsa_attention(q, [k, *k_lv], [v, *v_lv], sel, scale)
+    o_r, lse_r = llsa_dense(q, k, v, sel, scale, k_lv, v_lv)
+    assert rel_err(o_t, o_r) < 1e-12
+    leaves = (q, k, v, *k_lv, *v_lv)
+    for g_t, g_r in zip(grads([o_t, lse_t], leaves), grads([o_r, lse_r], leaves)):
+        assert g_r.abs().sum() > 0
+        assert rel_err(g_t, g_r) < 1e-11
+
+
+def test_level_weight_is_ln_count():
+    """One query attending only the top level of a single full block: weights b^L cancel; a ragged
+    top token carries ln(count) exactly."""
+    n, block = 6, 4  # level-1 tokens cover 4 and 2 fine tokens
+    q, k, v = qkv(batch=1, heads=1, n=n, d=4)
+    sel = selection_for(q, k, {"method": "llsa", "block_size": block, "topk": 1, "levels": 1})
+    o, lse = llsa_dense(q, k, v, sel, 0.5)
+    means_k, means_v = span_means(k, 4), span_means(v, 4)
+    for i in range(n):
+        chosen = sel.indices[0][0, 0, i // block, 0].item()
+        fine = range(chosen * block, min(n, chosen * block + block))
+        logits = [0.5 * (q[0, 0, i] @ k[0, 0, j]) for j in fine]
+        logits += [0.5 * (q[0, 0, i] @ means_k[0, 0, t]) + torch.log(torch.tensor(float(c), dtype=q.dtype))
+                   for t, c in ((0, 4), (1, 2))]
+        logits = torch.stack(logits)
+        assert torch.allclose(lse[0, 0, i], torch.logsumexp(logits, 0))
+        p = torch.softmax(logits, 0)
+        expect = sum(p[j] * v[0, 0, f] for j, f in enumerate(fine)) + p[-2] * means_v[0, 0, 0] + p[-1] * means_v[0, 0, 1]
+        assert torch.allclose(o[0, 0, i], expect)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_low_precision_close_to_fp64(dtype, tol):
+    q, k, v = qkv(heads=2, kv_heads=1, n=1000, d=32)
+    cfg = config(1000, 8, 2, want=4)
+    sel = selection_for(q, k, cfg)
+    o_r, lse_r = llsa_dense(q, k, v, sel, 32**-0.5)
+    lows = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    o, lse = torch_sparse.llsa_attention(lows[0], [lows[1], *pool_pyramid(lows[1], 8, 2)],
+                                         [lows[2], *pool_pyramid(lows[2], 8, 2)], sel, 32**-0.5)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(o, o_r) < tol and rel_err(lse, lse_r) < tol
+    o.float().square().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in lows)
+
+
+def test_ties_go_to_the_smallest_index():
+    n, block, d = 64, 4, 8
+    q, k, v = qkv(batch=1, heads=1, n=n, d=d)
+    k = k[:, :, :block].repeat(1, 1, n // block, 1)   # every key block identical: all scores tie
+    sel = selection_for(q, k, {"method": "llsa", "block_size": block, "topk": 2, "levels": 2})
+    assert torch.equal(sel.indices[1][0, 0], torch.tensor([[0, 1]] * 4, dtype=torch.int32))
+    # level-1 candidates are children of {0, 1}: tokens 0..7; ties -> 0 and 1
+    assert torch.equal(sel.indices[0][0, 0], torch.tensor([[0, 1]] * 16, dtype=torch.int32))
+
+
+def test_auto_levels_keep_the_top_level_small():
+    for n, expect in [(1, 1), (4096, 1), (4097, 2), (16384, 2), (65536, 2), (65537, 3), (262144, 3)]:
+        assert auto_levels(n, 16, 1) == expect, n
+    assert auto_levels(4097 * 16, 16, 17) == 3   # 3 levels leave 17 top tokens: enough for K=17
+    assert auto_levels(4097 * 16, 16, 18) == 2 and auto_levels(1 << 20, 16, 8) == 3
+    assert auto_levels(300, 4, 100) == 1
+
+
+def test_module_and_functional_agree():
+    q, k, v = qkv(heads=2, n=100, d=8)
+    cfg = config(100, 4, 2)
+    attn = fs.SparseAttention(cfg, head_dim=8, num_heads=2, backend="torch")
+    assert len(list(attn.parameters())) == 0
+    assert torch.equal(attn(q, k, v), fs.attention(q, k, v, cfg, backend="torch"))

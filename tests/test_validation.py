@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+import flexsparse as fs
+
+from helpers import qkv
+
+LLSA = {"method": "llsa", "block_size": 4, "topk": 2, "levels": 1}
+
+
+def test_wrong_rank():
+    q, k, v = qkv(n=32, d=8)
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, D\)"):
+        fs.attention(q[0], k, v, LLSA)
+
+
+def test_mismatched_shapes_dtypes_devices():
+    q, k, v = qkv(n=32, d=8)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        fs.attention(q, k, v[..., :4], LLSA)
+    with pytest.raises(ValueError, match="same head dim"):
+        fs.attention(q[..., :4], k, v, LLSA)
+    with pytest.raises(ValueError, match="same batch size"):
+        fs.attention(q[:1], k, v, LLSA)
+    with pytest.raises(TypeError, match="share one dtype"):
+        fs.attention(q.float(), k, v, LLSA)
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        fs.attention(q.int(), k.int(), v.int(), LLSA)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fs.attention(q.numpy(), k, v, LLSA)
+    with pytest.raises(ValueError, match="same length N"):
+        fs.attention(q, k[:, :, :16], v[:, :, :16], LLSA)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            fs.attention(q.cuda(), k, v, LLSA)
+
+
+def test_non_divisible_heads():
+    q, k, v = qkv(heads=3, kv_heads=2, n=32, d=8)
+    with pytest.raises(ValueError, match=r"multiple of the number of key/value heads"):
+        fs.attention(q, k, v, LLSA)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "topk", "block_size": 8, "topk": 5}, r"'topk'=5 is larger than the number of key blocks \(4\)"),
+    ({"method": "vsa", "block_size": 16, "topk": 3}, r"'topk'=3 is larger"),
+    ({"method": "llsa", "block_size": 4, "topk": 3, "levels": 2}, r"'topk'=3 is larger than the number of level-2"),
+    ({"method": "llsa", "block_size": 4, "topk": [9, 2], "levels": 2}, r"K_1=9 can exceed"),
+])
+def test_topk_larger_than_blocks(config, match):
+    q, k, v = qkv(n=32, d=8)
+    with pytest.raises(ValueError, match=match):
+        fs.attention(q, k, v, config)
+
+
+def test_bad_backend_and_scale():
+    q, k, v = qkv(n=32, d=8)
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda'.*valid backends"):
+        fs.attention(q, k, v, LLSA, backend="cuda")
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        fs.attention(q, k, v, LLSA, scale=-1.0)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        fs.attention(q, k, v, LLSA, scale="0.1")
+
+
+def test_unavailable_backend_is_a_clear_error():
+    q, k, v = qkv(n=32, d=8)
+    for backend in ("flex", "triton"):
+        supported = fs.methods.method_module("full").BACKENDS
+        if backend not in supported:
+            with pytest.raises(ValueError, match=f"backend '{backend}' is not available for method 'full'"):
+                fs.attention(q, k, v, {"method": "full"}, backend=backend)
+
+
+def test_module_checks_heads_and_dim():
+    attn = fs.SparseAttention(LLSA, head_dim=8, num_heads=2)
+    q, k, v = qkv(heads=4, n=32, d=8)
+    with pytest.raises(ValueError, match="num_heads=2"):
+        attn(q, k, v)
+    q, k, v = qkv(heads=2, n=32, d=4)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        attn(q, k, v)
