@@ -1,0 +1,69 @@
+"""Pooling, log weights, block top-K and CSR->CSC."""
+import pytest
+import torch
+
+from flexsparse.masks import (block_topk, csr_to_csc, log_token_weights, mean_pool, pool_pyramid, stable_topk,
+                              token_counts)
+from flexsparse.reference import span_means
+
+from helpers import qkv, rel_err
+
+
+@pytest.mark.parametrize("n, block", [(1, 4), (15, 4), (17, 16), (1000, 8), (65, 64)])
+def test_mean_pool_is_the_true_mean_of_real_tokens(n, block):
+    x = torch.randn(2, 3, n, 5, dtype=torch.float64)
+    assert rel_err(mean_pool(x, block), span_means(x, block)) < 1e-14
+    y = x.float()
+    assert mean_pool(y, block).dtype == torch.float32
+
+
+@pytest.mark.parametrize("n, block, levels", [(1, 4, 2), (300, 4, 4), (4097, 16, 2), (1000, 3, 3)])
+def test_pyramid_levels_are_means_over_their_spans(n, block, levels):
+    x = torch.randn(1, 2, n, 4, dtype=torch.float64)
+    for level, pooled in enumerate(pool_pyramid(x, block, levels), start=1):
+        assert rel_err(pooled, span_means(x, block**level)) < 1e-13
+
+
+def test_pyramid_accumulates_bf16_in_fp32():
+    x = torch.randn(1, 1, 4096, 8) + 100.0
+    pooled = pool_pyramid(x.bfloat16(), 16, 2)
+    assert pooled[0].dtype == torch.float32
+    exact = span_means(x.bfloat16().double(), 256)
+    assert rel_err(pooled[1], exact) < 1e-6
+
+
+def test_counts_and_log_weights():
+    assert token_counts(10, 4).tolist() == [4, 4, 2]
+    w = log_token_weights(10, 4, length=5)
+    assert torch.allclose(w[:3], torch.tensor([4.0, 4.0, 2.0]).log())
+    assert torch.isneginf(w[3:]).all()
+
+
+def test_stable_topk_breaks_ties_by_position():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [float("-inf"), 2.0, 2.0, 2.0, 1.0]])
+    assert stable_topk(scores, 2).tolist() == [[1, 2], [1, 2]]
+
+
+def test_block_topk_chunks_give_the_same_answer():
+    q, k, _ = qkv(heads=4, kv_heads=2, n=512, d=8)
+    qp, kp = mean_pool(q, 8), mean_pool(k, 8)
+    full, bottom = block_topk(qp, kp, 5, bottomk=3)
+    chunked, bottom_c = block_topk(qp, kp, 5, bottomk=3, max_elements=100)
+    assert torch.equal(full, chunked) and torch.equal(bottom, bottom_c)
+    assert not (full.unsqueeze(-1) == bottom.unsqueeze(-2)).any()
+
+
+@pytest.mark.parametrize("tq, tk, k", [(1, 1, 1), (7, 5, 3), (64, 64, 8), (33, 100, 10)])
+def test_csc_is_the_transpose(tq, tk, k):
+    idx = torch.stack([torch.randperm(tk)[:k] for _ in range(2 * 3 * tq)]).view(2, 3, tq, k).sort(-1).values.int()
+    csc = csr_to_csc(idx, tk)
+    dense = torch.zeros(2, 3, tq, tk, dtype=torch.bool)
+    dense.scatter_(-1, idx.long(), True)
+    assert csc.offsets.dtype == torch.int32 and csc.rows.dtype == torch.int32
+    for b in range(2):
+        for h in range(3):
+            for j in range(tk):
+                start, end = csc.offsets[b, h, j].item(), csc.offsets[b, h, j + 1].item()
+                rows = csc.rows[b, h, start:end].tolist()
+                assert rows == sorted(rows)
+                assert rows == dense[b, h, :, j].nonzero().flatten().tolist()
