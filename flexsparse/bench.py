@@ -1,0 +1,160 @@
+"""The benchmark/demo behind ``python -m flexsparse``.
+
+For every method and backend that runs on the device it (1) checks the backend against the dense
+reference at a small size and (2) times forward and forward+backward against dense
+``F.scaled_dot_product_attention`` measured in the same run, at sizes that fit the device.
+Timing: ``triton.testing.do_bench`` medians on CUDA, median wall time of repeats on CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import backends
+from .config import Config
+from .methods import MODULES, method_module
+from .module import SparseAttention
+
+DEMO_CONFIGS = {
+    "full": {"method": "full"},
+    "topk": {"method": "topk", "block_size": 64, "topk": 8},
+    "vsa": {"method": "vsa", "block_size": 64, "topk": 8},
+    "llsa": {"method": "llsa", "block_size": 16, "topk": 8},
+    "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.05},
+    "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.05},
+}
+
+
+@dataclass
+class Row:
+    method: str
+    backend: str
+    n: int
+    forward_ms: float | None
+    forward_backward_ms: float | None
+    sdpa_forward_ms: float
+    sdpa_forward_backward_ms: float | None
+    speedup_forward: float | None
+    speedup_forward_backward: float | None
+    max_error: float | None
+
+
+def time_ms(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median milliseconds of ``fn()``: do_bench on CUDA, wall-clock repeats on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def random_qkv(batch, heads, n, dim, dtype, device, requires_grad):
+    gen = torch.Generator(device="cpu").manual_seed(n)
+    return [torch.randn(batch, heads, n, dim, generator=gen).to(device, dtype).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def build(config: dict, backend: str, dim: int, heads: int, n: int, device, dtype) -> SparseAttention:
+    """A ``SparseAttention`` for the config with its parameters perturbed away from their init."""
+    module = SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend=backend).to(device)
+    with torch.no_grad():
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+    return module
+
+
+def max_error(config: dict, backend: str, device: torch.device, n: int = 700, dim: int = 32) -> float:
+    """Max |o - o_ref| at a small size against the reference in fp64 (fp32 inputs for the backend)."""
+    heads = 2
+    q, k, v = random_qkv(1, heads, n, dim, torch.float64, device, False)
+    reference = build(config, "reference", dim, heads, n, device, torch.float64).double()
+    test = build(config, backend, dim, heads, n, device, torch.float32)
+    with torch.no_grad():
+        want = reference(q, k, v)
+        got = test(q.float(), k.float(), v.float())
+    return (got.double() - want).abs().max().item()
+
+
+def supported_backends(method: str, device: torch.device, needs_grad: bool) -> list[str]:
+    """Non-reference backends of ``method`` that run on ``device``."""
+    return [b for b in method_module(method).BACKENDS
+            if b != "reference" and backends.runs_on(b, device, needs_grad)]
+
+
+def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch.dtype, batch: int, heads: int,
+        dim: int, backward: bool, check: bool) -> list[Row]:
+    """Benchmark rows for every (method, backend, N)."""
+    rows = []
+    errors: dict[tuple[str, str], float] = {}
+    jobs = [(m, b, n) for n in sizes for m in methods for b in supported_backends(m, device, backward)]
+    sdpa: dict[int, tuple[float, float | None]] = {}
+    for method, backend, n in tqdm(jobs, desc="benchmark", unit="run"):
+        config = DEMO_CONFIGS[method]
+        if check and (method, backend) not in errors:
+            errors[(method, backend)] = max_error(config, backend, device)
+        q, k, v = random_qkv(batch, heads, n, dim, dtype, device, backward)
+        if n not in sdpa:
+            fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)
+            both = time_ms(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward(), device) if backward else None
+            sdpa[n] = (fwd, both)
+        try:
+            module = build(config, backend, dim, heads, n, device, dtype)
+        except ValueError as exc:  # e.g. top-K larger than the number of blocks at this N
+            tqdm.write(f"skip {method}/{backend} at N={n}: {exc}")
+            continue
+        with torch.no_grad():
+            forward = time_ms(lambda: module(q, k, v), device)
+        both = time_ms(lambda: module(q, k, v).sum().backward(), device) if backward else None
+        rows.append(Row(method, backend, n, forward, both, sdpa[n][0], sdpa[n][1], sdpa[n][0] / forward,
+                        (sdpa[n][1] / both) if backward else None, errors.get((method, backend))))
+    return rows
+
+
+def write_outputs(rows: list[Row], out_dir: str, meta: dict) -> list[str]:
+    """JSON of all rows and a log-log PNG of time against N; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json")]
+    with open(paths[0], "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    fig, ax = plt.subplots(figsize=(7, 5))
+    key = "forward_backward_ms" if rows and rows[0].forward_backward_ms is not None else "forward_ms"
+    for method, backend in sorted({(r.method, r.backend) for r in rows}):
+        pts = [(r.n, getattr(r, key)) for r in rows if (r.method, r.backend) == (method, backend)]
+        ax.plot(*zip(*pts), marker="o", label=f"{method} ({backend})")
+    sdpa_key = "sdpa_" + key
+    pts = sorted({(r.n, getattr(r, sdpa_key)) for r in rows})
+    ax.plot(*zip(*pts), "k--", marker="s", label="dense SDPA")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=f"{key.replace('_', ' ')}",
+           title=f"flexsparse on {meta['device_name']} ({meta['dtype']})")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    paths.append(os.path.join(out_dir, "timing.png"))
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def available_methods() -> list[str]:
+    """Methods with a demo config and an implementation."""
+    return [m for m in DEMO_CONFIGS if m in MODULES and m in Config.registry]
