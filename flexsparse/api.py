@@ -28,7 +28,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     check_qkv(q, k, v, self_attention=module.SELF_ATTENTION)
     scale = resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad)
+    blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
+    chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
+                              dtype=q.dtype, blocks=blocks)
     out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params)
     if not return_lse:
         return out

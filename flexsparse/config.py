@@ -102,7 +102,7 @@ class Config:
         cls = Config.registry[method]
         kwargs = {key: value for key, value in config.items() if key != "method"}
         kwargs = cls._normalise_aliases(kwargs)
-        valid = sorted(f.name for f in fields(cls))
+        valid = cls._field_names()
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown} for method {method!r}; valid keys: {valid}")
@@ -111,6 +111,12 @@ class Config:
     @classmethod
     def _normalise_aliases(cls, kwargs: dict) -> dict:
         return kwargs
+
+    @classmethod
+    def _field_names(cls) -> list[str]:
+        """Sorted config keys; read from ``__dataclass_fields__`` (ClassVars dropped) rather than
+        ``dataclasses.fields(cls)``, which ``torch.compile`` cannot trace on a class."""
+        return sorted(name for name, f in cls.__dataclass_fields__.items() if f._field_type is dataclasses._FIELD)
 
     def to_dict(self) -> dict:
         """Plain dict that ``Config.from_dict`` turns back into an equal config."""

@@ -1,37 +1,53 @@
 """Backends: ``reference`` (dense spec), ``torch`` (gather-based), ``flex`` and ``triton``.
 
 A method module declares which backends it supports; ``resolve`` turns ``"auto"`` into a concrete
-backend and rejects unavailable ones with a clear error.
+backend and rejects unavailable ones with a clear error. ``sparse_primitives`` gives the module
+with a backend's ``block_sparse_attention`` / ``llsa_attention``.
 """
 from __future__ import annotations
 
 import torch
 
+from . import flex, torch_sparse
+
 BACKENDS = ("reference", "torch", "flex", "triton", "auto")
+_PRIMITIVES = {"torch": torch_sparse, "flex": flex}
 
 
-def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch.device, needs_grad: bool) -> str:
-    """Concrete backend for ``method`` on ``device``: the preference order for ``"auto"`` is
-    triton, flex, torch (each where it is supported and runs)."""
+def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch.device, needs_grad: bool, *,
+            needs_lse: bool = False, dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = ()) -> str:
+    """Concrete backend for ``method``: the preference order for ``"auto"`` is triton, flex, torch
+    (each where it is supported and can run this call). ``blocks``: the config's block sizes."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {list(BACKENDS)}")
+    call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks)
     if backend == "auto":
         for candidate in ("triton", "flex", "torch"):
-            if candidate in supported and runs_on(candidate, device, needs_grad):
+            if candidate in supported and runs_on(candidate, device, needs_grad, **call):
                 return candidate
         return "reference"
     if backend not in supported:
         raise ValueError(f"backend {backend!r} is not available for method {method!r}; "
                          f"available: {list(supported) + ['auto']}")
+    if backend == "flex":
+        reason = flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks)
+        if reason is not None:
+            raise ValueError(f"backend 'flex' cannot run this call for method {method!r}: {reason}")
     return backend
 
 
-def runs_on(backend: str, device: torch.device, needs_grad: bool) -> bool:
-    """Whether ``backend`` can run (forward, and backward if ``needs_grad``) on ``device``."""
+def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
+            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = ()) -> bool:
+    """Whether ``backend`` can run this call (forward, backward if ``needs_grad``, LSE if ``needs_lse``)."""
     if backend in ("reference", "torch"):
         return True
     if backend == "flex":
-        return device.type == "cuda" or not needs_grad
+        return flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks) is None
     if backend == "triton":
         return device.type == "cuda"
     return False
+
+
+def sparse_primitives(backend: str):
+    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``) of ``backend``."""
+    return _PRIMITIVES[backend]

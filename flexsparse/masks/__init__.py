@@ -1,4 +1,6 @@
-"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), CSR->CSC."""
+"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), CSR->CSC,
+FlexAttention BlockMasks of selections."""
+from .block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask, llsa_layout
 from .csc import CSC, csr_to_csc
 from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index
 from .pooling import (accumulation_dtype, auto_levels, block_sums, log_token_weights, mean_pool, num_blocks,
@@ -7,6 +9,7 @@ from .selection import BlockSelection, LLSASelection
 from .topk import block_topk, grouped_scores, stable_topk
 
 __all__ = [
+    "LLSALayout", "block_selection_to_block_mask", "llsa_block_mask", "llsa_layout",
     "CSC", "csr_to_csc", "children", "children_topk", "hierarchical_topk", "kv_head_index",
     "accumulation_dtype", "auto_levels", "block_sums", "log_token_weights", "mean_pool", "num_blocks",
     "pool_pyramid", "token_counts", "BlockSelection", "LLSASelection", "block_topk", "grouped_scores",

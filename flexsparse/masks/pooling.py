@@ -30,13 +30,12 @@ def log_token_weights(n: int, span: int, length: int | None = None, device=None,
     """``ln(count)`` of each coarse token of ``span`` fine tokens, ``-inf`` for padding.
 
     Returns ``(length,)`` with ``length >= ceil(n/span)`` (default equal): entries past the
-    real tokens are ``-inf`` so that padded tokens never enter a softmax.
+    real tokens are ``-inf`` so that padded tokens never enter a softmax. Built without
+    in-place writes, so it is safe inside compiled graphs.
     """
-    real = num_blocks(n, span)
-    length = real if length is None else length
-    counts = torch.zeros(length, dtype=dtype, device=device)
-    counts[:real] = token_counts(n, span, device=device).to(dtype)
-    return counts.log()
+    length = num_blocks(n, span) if length is None else length
+    starts = torch.arange(length, device=device) * span
+    return (n - starts).clamp(min=0, max=span).to(dtype).log()
 
 
 def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:

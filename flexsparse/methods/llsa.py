@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_topk_fits
-from ..backends import torch_sparse
+from ..backends import sparse_primitives
 from ..masks import LLSASelection, auto_levels, hierarchical_topk, num_blocks, pool_pyramid
 from ..reference import llsa_dense
 
-BACKENDS = ("reference", "torch")
+BACKENDS = ("reference", "torch", "flex")
 SELF_ATTENTION = True
 
 
@@ -52,4 +52,4 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
     if backend == "reference":
         return llsa_dense(q, k, v, selection, scale)
     v_levels = pool_pyramid(v, cfg.block_size, levels)
-    return torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], selection, scale)
+    return sparse_primitives(backend).llsa_attention(q, [k, *k_levels], [v, *v_levels], selection, scale)

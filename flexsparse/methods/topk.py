@@ -5,11 +5,11 @@ attend: softmax attention over the selected blocks (scale ``1/sqrt(D)``).
 """
 from __future__ import annotations
 
-from ..backends import torch_sparse
+from ..backends import sparse_primitives
 from ..reference import topk_dense
 from ._blocks import select_blocks
 
-BACKENDS = ("reference", "torch")
+BACKENDS = ("reference", "torch", "flex")
 SELF_ATTENTION = False
 
 
@@ -21,4 +21,4 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
     selection = select_blocks(q, k, cfg)
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale)
-    return torch_sparse.block_sparse_attention(q, k, v, selection, scale)
+    return sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)

@@ -1,0 +1,168 @@
+"""The ``flex`` backend: sparse attention through ``torch.nn.attention.flex_attention``.
+
+Same primitives as ``torch_sparse`` (``block_sparse_attention``, ``llsa_attention``), run by one
+module-level compiled ``flex_attention`` per device type with a ``BlockMask`` built from the
+selection's index tables (``flexsparse.masks.block_mask``).
+
+* CUDA: forward and backward; output in the input dtype, LSE (fp32, natural log) from the kernel.
+  Blocks smaller than the default kernel tiles get forward tiles through ``kernel_options`` and
+  backward tiles through ``SmallBlockChoices`` (installed once, at import, when CUDA is present).
+* CPU: compiled forward only (``dynamic=False``), no LSE (returned as ``None``) and no backward:
+  ``backend="auto"`` picks ``torch`` for those (see ``unsupported_reason``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from ..masks import BlockSelection, LLSASelection
+from ..masks.block_mask import block_selection_to_block_mask, llsa_block_mask
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be a multiple of it
+
+_FLEX_CPU = torch.compile(flex_attention, dynamic=False)
+_FLEX_CUDA = torch.compile(flex_attention)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
+                       blocks: tuple[int, ...]) -> str | None:
+    """Why the flex backend cannot run a call, or ``None`` when it can."""
+    if device.type not in ("cpu", "cuda"):
+        return f"flex runs on CPU and CUDA, got device {device.type!r}"
+    if dtype not in DTYPES:
+        return f"flex supports float16, bfloat16 and float32 inputs, got {dtype}; use backend='torch'"
+    if device.type == "cpu" and needs_grad:
+        return ("FlexAttention has no backward on CPU; use backend='torch' (or 'auto', which picks it) "
+                "for training on CPU, or run under torch.no_grad()")
+    if device.type == "cpu" and needs_lse:
+        return "compiled FlexAttention on CPU returns no LSE; use backend='torch' (or 'auto') with return_lse=True"
+    bad = [b for b in blocks if b % CUDA_BLOCK_MULTIPLE]
+    if device.type == "cuda" and bad:
+        return f"flex on CUDA needs block sizes that are multiples of {CUDA_BLOCK_MULTIPLE}, got {sorted(set(bad))}"
+    return None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, ...]) -> None:
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    reason = unsupported_reason(q.device, q.dtype, needs_grad, False, blocks)
+    if reason is not None:
+        raise RuntimeError(f"backend 'flex': {reason}")
+
+
+def tile_options(block_q: int, block_kv: int, dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Forward kernel tiles for CUDA: the largest powers of two dividing the sparse blocks, capped
+    by the sm90 default tiles of ``(dtype, head_dim)`` (smaller for fp32), 4 warps for small tiles."""
+    if dtype == torch.float32:
+        cap_m, cap_n = (128, 32) if head_dim <= 64 else (32, 32)
+    else:
+        cap_m, cap_n = (128, 128) if head_dim <= 64 else (128, 64) if head_dim <= 128 else (64, 32)
+    tile_m, tile_n = min(block_q & -block_q, cap_m), min(block_kv & -block_kv, cap_n)
+    options = {"fwd_BLOCK_M": tile_m, "fwd_BLOCK_N": tile_n}
+    if tile_m * tile_n <= 64 * 64:
+        options["fwd_num_warps"] = 4
+    return options
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One compiled flex_attention call: ``o (B, H, Nq, D)`` and ``lse (B, H, Nq)`` (None on CPU)."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu":  # the C++ kernel misreads inputs that are views of 2-D buffers: copy
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = _FLEX_CPU(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return out, None
+    block_q, block_kv = block_mask.BLOCK_SIZE
+    out, aux = _FLEX_CUDA(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          kernel_options=tile_options(block_q, block_kv, q.dtype, q.shape[-1]),
+                          return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of each query block over its selected key blocks.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; selection.indices ``(B, H, Tq, K)``.
+    Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32 (``None`` on CPU).
+    """
+    _check(q, k, v, (selection.block_q, selection.block_k))
+    return _attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
+
+
+def log_weight_score_mod(log_weights: torch.Tensor):
+    """score_mod adding ``log_weights[kv_idx]`` (``(Lkv,)`` fp32) to every logit. One factory, so
+    one ``__code__`` for every call."""
+
+    def add_log_weight(score, b, h, q_idx, kv_idx):
+        return score + log_weights[kv_idx]
+
+    return add_log_weight
+
+
+def extended_kv(levels: list[torch.Tensor], segment_blocks: tuple[int, ...], block: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``[level 0 | ... | level L]`` along the tokens, level l zero padded to ``segment_blocks[l] * block``:
+    levels[l] ``(B, Hk, T_l, D)`` -> ``(B, Hk, sum(segment_blocks) * block, D)`` in ``dtype``."""
+    return torch.cat([F.pad(x.to(dtype), (0, 0, 0, blocks * block - x.shape[2]))
+                      for x, blocks in zip(levels, segment_blocks)], dim=2)
+
+
+def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
+                   selection: LLSASelection, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LLSA attention over the enriched multi-level KV, one softmax (semantics of
+    ``torch_sparse.llsa_attention``): one flex call over the concatenated pyramid, the ``ln(count)``
+    weights (``-inf`` on padding) added by a score_mod.
+
+    q: ``(B, H, N, D)``; k_levels[l], v_levels[l]: ``(B, Hk, T_l, D)`` for l = 0..L (any float dtype,
+    cast to q's). Returns ``o (B, H, N, D)`` in q's dtype and ``lse (B, H, N)`` fp32 (``None`` on CPU).
+    """
+    _check(q, k_levels[0], v_levels[0], (selection.block,))
+    block_mask, layout = llsa_block_mask(selection)
+    k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
+    v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
+    return _attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(q.device)), scale)
+
+
+class SmallBlockChoices(InductorChoices):
+    """Inductor choices that add FlexAttention backward tiles of 64, 32 and 16.
+
+    On sm90 the default bf16 backward tiles are (64, 128, 128, 64); sparse blocks that they do not
+    divide leave no valid config (``NoValidChoicesError``). A custom choices class can mix this in:
+    ``class MyChoices(SmallBlockChoices, MyBase)``.
+    """
+
+    def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
+        configs = list(super().get_flex_attention_bwd_configs(head_dim, dtype, device_type))
+        base = configs[-1]
+        for tile in (64, 32, 16):
+            extra = dataclasses.replace(base, block_m1=tile, block_n1=tile, block_m2=tile, block_n2=tile,
+                                        num_stages=min(base.num_stages, 3), num_warps=4)
+            if extra not in configs:
+                configs.append(extra)
+        return configs
+
+    def uuid(self):
+        return "flexsparse-small-block-bwd-v1"
+
+
+def install_small_block_choices() -> None:
+    """Make inductor use ``SmallBlockChoices``, unless the user set another choices class (warn then)."""
+    current = inductor_config.inductor_choices_class
+    if current is None:
+        inductor_config.inductor_choices_class = SmallBlockChoices
+    elif not (isinstance(current, type) and issubclass(current, SmallBlockChoices)):
+        warnings.warn(
+            f"flexsparse: torch._inductor.config.inductor_choices_class is already {current!r}; flex backward "
+            "with blocks smaller than 128 may raise NoValidChoicesError on Hopper. Mix in "
+            "flexsparse.backends.flex.SmallBlockChoices to fix it.", stacklevel=2)
+
+
+if torch.cuda.is_available():
+    install_small_block_choices()

@@ -1,0 +1,181 @@
+"""Selections -> FlexAttention ``BlockMask``, built from index tables (never from an N x N mask).
+
+Every selected block is declared *full* (the kernel skips ``mask_mod`` there); the partial lists
+are empty. The tables follow FlexAttention's contract: ``full_kv_indices`` ``(B, H, Qb, KVb)``
+holds the selected ids in its first ``K`` slots (the last dim must be the number of KV blocks),
+and the key-major transpose ``full_q_indices`` ``(B, H, KVb, Qb)`` is built from the CSC form in
+O(Qb*K log) instead of FlexAttention's dense argsort. The ``mask_mod`` answers "is this block
+selected" from a bit-packed block table, so the uncompiled (eager) FlexAttention path, which
+ignores the index lists, computes the same sparse attention instead of dense attention.
+
+The tables are built inside one opaque custom op (``flexsparse::block_tables``): under
+``torch.compile`` they are computed eagerly and enter the FlexAttention kernel as fixed buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from .csc import csr_to_csc
+from .pooling import log_token_weights, num_blocks
+from .selection import BlockSelection, LLSASelection
+
+BITS = 32  # selected-block flags per int32 word of the mask_mod table
+
+
+@torch.library.custom_op("flexsparse::block_tables", mutates_args=())
+def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor]:
+    """Full-block tables of a selection ``ids (B, H, Qb, K)`` (int32, distinct per row) over
+    ``num_kv_blocks`` KV blocks.
+
+    Returns int32 ``kv_num (B, H, Qb)``, ``kv_idx (B, H, Qb, KVb)``, ``q_num (B, H, KVb)``,
+    ``q_idx (B, H, KVb, Qb)`` (query blocks of each KV block, ascending, zero padded) and
+    ``bits (B, H, Qb, ceil(KVb/32))`` (bit ``j % 32`` of word ``j // 32`` set iff block j is selected).
+    """
+    bsz, heads, tq, k = ids.shape
+    kv_num = torch.full((bsz, heads, tq), k, dtype=torch.int32, device=ids.device)
+    kv_idx = F.pad(ids, (0, num_kv_blocks - k))
+    csc = csr_to_csc(ids, num_kv_blocks)
+    q_num = csc.offsets.diff(dim=-1)
+    slots = torch.arange(tq * k, device=ids.device).expand(bsz, heads, -1).contiguous()
+    ends = csc.offsets[..., 1:].long().contiguous()
+    cols = torch.searchsorted(ends, slots, right=True)                       # KV block of each CSC slot
+    pos = slots - csc.offsets.long().gather(-1, cols)                        # rank within that KV block
+    q_idx = torch.zeros(bsz, heads, num_kv_blocks * tq, dtype=torch.int32, device=ids.device)
+    q_idx.scatter_(-1, cols * tq + pos, csc.rows)
+    words = torch.zeros(bsz, heads, tq, num_blocks(num_kv_blocks, BITS), dtype=torch.int64, device=ids.device)
+    flat = ids.long()
+    words.scatter_add_(-1, flat // BITS, torch.ones_like(flat) << (flat % BITS))  # distinct bits: sum == or
+    bits = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)    # same bit pattern in int32
+    return kv_num, kv_idx, q_num, q_idx.view(bsz, heads, num_kv_blocks, tq), bits
+
+
+@block_tables.register_fake
+def _block_tables_fake(ids, num_kv_blocks):
+    bsz, heads, tq, _ = ids.shape
+    new = ids.new_empty
+    return (new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks), new(bsz, heads, num_kv_blocks),
+            new(bsz, heads, num_kv_blocks, tq), new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)))
+
+
+def selection_mask_mod(bits: torch.Tensor, block_q: int, block_kv: int):
+    """``mask_mod`` that is True where the KV block of ``kv_idx`` is selected for the query block
+    of ``q_idx``, read from ``bits`` (see ``block_tables``). One factory, so one ``__code__``
+    for every call (no recompiles when the selection changes)."""
+
+    def selected_block(b, h, q_idx, kv_idx):
+        j = kv_idx // block_kv
+        word = bits[b, h, q_idx // block_q, j // BITS]
+        return ((word >> (j % BITS)) & 1) == 1
+
+    return selected_block
+
+
+def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, block_kv: int,
+                        seq_lengths: tuple[int, int]) -> BlockMask:
+    """BlockMask with every block of ``ids (B, H, Qb, K)`` full and no partial blocks.
+
+    seq_lengths: ``(Lq, Lkv)``, the true lengths (ragged tails are bounds-checked by the kernel).
+    The empty partial index lists are zeros; on CUDA their last dim is 1 (the Triton kernels read
+    only entry 0 of an empty list), on CPU it is the block count that the C++ kernel checks.
+    """
+    kv_num, kv_idx, q_num, q_idx, bits = block_tables(ids, num_kv_blocks)
+    bsz, heads, tq, _ = ids.shape
+    cpu = ids.device.type == "cpu"
+
+    def zeros(*shape):
+        return torch.zeros(shape, dtype=torch.int32, device=ids.device)
+
+    return BlockMask(
+        seq_lengths=seq_lengths,
+        kv_num_blocks=zeros(bsz, heads, tq),
+        kv_indices=zeros(bsz, heads, tq, num_kv_blocks if cpu else 1),
+        full_kv_num_blocks=kv_num,
+        full_kv_indices=kv_idx,
+        q_num_blocks=zeros(bsz, heads, num_kv_blocks),
+        q_indices=zeros(bsz, heads, num_kv_blocks, tq if cpu else 1),
+        full_q_num_blocks=q_num,
+        full_q_indices=q_idx,
+        BLOCK_SIZE=(block_q, block_kv),
+        mask_mod=selection_mask_mod(bits, block_q, block_kv),
+    )
+
+
+def block_selection_to_block_mask(selection: BlockSelection) -> BlockMask:
+    """BlockMask of a single-level selection: query block i attends its top-K key blocks.
+    ``selection.excluded`` (blocks for no branch) is irrelevant here: only selected blocks enter."""
+    return block_mask_from_ids(selection.indices, selection.num_k_blocks, selection.block_q, selection.block_k,
+                               (selection.n_q, selection.n_k))
+
+
+@dataclass(frozen=True)
+class LLSALayout:
+    """The extended KV of LLSA on FlexAttention: ``[level 0 | level 1 | ... | level L]``.
+
+    Level l is padded to ``segment_blocks[l] * block`` tokens, ``segment_blocks[l] = T_{l+1} =
+    ceil(N / block^(l+1))``, so every segment is a whole number of KV blocks of ``block`` tokens.
+    """
+
+    n: int
+    block: int
+    segment_blocks: tuple[int, ...]
+
+    @property
+    def levels(self) -> int:
+        return len(self.segment_blocks) - 1
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.segment_blocks)
+
+    @property
+    def length(self) -> int:
+        return self.num_blocks * self.block
+
+    def start_block(self, level: int) -> int:
+        """First KV block of ``level``'s segment."""
+        return sum(self.segment_blocks[:level])
+
+    def log_weights(self, device=None) -> torch.Tensor:
+        """Per extended-KV token ``ln(#real fine tokens under it)``, ``-inf`` on padding: ``(length,)`` fp32."""
+        b = self.block
+        return torch.cat([log_token_weights(self.n, b**level, blocks * b, device)
+                          for level, blocks in enumerate(self.segment_blocks)])
+
+
+def llsa_layout(n: int, block: int, levels: int) -> LLSALayout:
+    """Layout of the extended KV for length ``n``, block ``block`` and ``levels`` levels."""
+    return LLSALayout(n, block, tuple(num_blocks(n, block ** (level + 1)) for level in range(levels + 1)))
+
+
+def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor:
+    """KV blocks of the extended KV attended by each query block of ``block`` rows.
+
+    Query block i (= level-1 token i) attends: level 0, the blocks ``S_1[i]``; level l (1 <= l < L),
+    the blocks ``S_{l+1}[i // b^l]`` (a level-l block is the children of one level-(l+1) token);
+    level L, every block. Returns ``(B, H, T_1, K_1 + ... + K_L + T_{L+1})`` int32, ascending.
+    """
+    b, levels = selection.block, selection.levels
+    fine = selection.indices[0]
+    bsz, heads, t1, _ = fine.shape
+    rows = torch.arange(t1, device=fine.device)
+    parts = [fine]
+    for level in range(1, levels):
+        parts.append(selection.indices[level][:, :, rows // b**level] + layout.start_block(level))
+    top = torch.arange(layout.segment_blocks[levels], dtype=torch.int32, device=fine.device)
+    parts.append((top + layout.start_block(levels)).expand(bsz, heads, t1, -1))
+    return torch.cat(parts, dim=-1)
+
+
+def llsa_block_mask(selection: LLSASelection) -> tuple[BlockMask, LLSALayout]:
+    """BlockMask of LLSA over the extended KV (Q and KV blocks of ``selection.block`` tokens), and
+    the layout whose ``log_weights`` the score_mod adds (``-inf`` keeps segment padding out)."""
+    layout = llsa_layout(selection.n, selection.block, selection.levels)
+    ids = llsa_block_ids(selection, layout)
+    mask = block_mask_from_ids(ids, layout.num_blocks, selection.block, selection.block,
+                               (selection.n, layout.length))
+    return mask, layout
