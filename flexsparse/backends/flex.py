@@ -140,6 +140,8 @@ class SmallBlockChoices(InductorChoices):
 
     def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
         configs = list(super().get_flex_attention_bwd_configs(head_dim, dtype, device_type))
+        if dtype == torch.float32:  # the fp32 default tiles are already 16
+            return configs
         base = configs[-1]
         for tile in (64, 32, 16):
             extra = dataclasses.replace(base, block_m1=tile, block_n1=tile, block_m2=tile, block_n2=tile,

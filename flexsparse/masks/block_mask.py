@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from .csc import csr_to_csc
@@ -38,7 +37,8 @@ def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> tuple[torch.Tensor, t
     """
     bsz, heads, tq, k = ids.shape
     kv_num = torch.full((bsz, heads, tq), k, dtype=torch.int32, device=ids.device)
-    kv_idx = F.pad(ids, (0, num_kv_blocks - k))
+    kv_idx = ids.new_zeros(bsz, heads, tq, num_kv_blocks)
+    kv_idx[..., :k] = ids
     csc = csr_to_csc(ids, num_kv_blocks)
     q_num = csc.offsets.diff(dim=-1)
     slots = torch.arange(tq * k, device=ids.device).expand(bsz, heads, -1).contiguous()

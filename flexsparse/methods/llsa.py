@@ -26,7 +26,10 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
 def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
     """Levels L and ``(K_1, ..., K_L)`` for length ``n``, checked against the number of tokens."""
     b = cfg.block_size
-    levels = auto_levels(n, b, cfg.topk) if cfg.levels == "auto" else cfg.levels
+    if cfg.levels != "auto":
+        levels = cfg.levels
+    else:  # a per-level topk list fixes L
+        levels = len(cfg.topk) if isinstance(cfg.topk, tuple) else auto_levels(n, b, cfg.topk)
     topk = cfg.topk_per_level(levels)
     check_topk_fits(f"topk[{levels - 1}]" if isinstance(cfg.topk, tuple) else "topk", topk[-1],
                     num_blocks(n, b**levels), f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")

@@ -1,0 +1,324 @@
+"""``backend="flex"``: BlockMask tables, CPU compiled forward, GPU forward/backward and torch.compile.
+
+CPU compiles are slow (~10-40 s each): the CPU cases share shapes so that the compiled graphs are
+reused. Every test fails on a hit recompile limit instead of silently running eager FlexAttention.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+import flexsparse
+from flexsparse import backends
+from flexsparse.backends import flex, torch_sparse
+from flexsparse.config import Config
+from flexsparse.masks import BlockSelection, block_topk, mean_pool, pool_pyramid
+from flexsparse.masks.block_mask import block_selection_to_block_mask, block_tables, llsa_block_mask
+from flexsparse.methods import llsa
+from flexsparse.methods._blocks import select_blocks
+from flexsparse.reference import llsa_dense, topk_dense, vsa_dense
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_eager_fallback():
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
+def _qkv(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((b, h, nq, d), (b, hk, nk, d), (b, hk, nk, d))
+    return [torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype) for s in shapes]
+
+
+def _f64(*xs):
+    return [x.detach().double() for x in xs]
+
+
+def _random_ids(b, h, rows, cols, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(cols, generator=gen)[:k] for _ in range(b * h * rows)])
+    return ids.view(b, h, rows, k).sort(-1).values.to(torch.int32)
+
+
+# ---------------------------------------------------------------- tables (no compile)
+
+def test_block_tables_match_flex_transpose_and_bits():
+    b, h, rows, cols, k = 2, 3, 7, 40, 5
+    ids = _random_ids(b, h, rows, cols, k)
+    kv_num, kv_idx, q_num, q_idx, bits = block_tables(ids, cols)
+    assert kv_idx.shape == (b, h, rows, cols) and torch.equal(kv_idx[..., :k], ids)
+    assert torch.equal(kv_num, torch.full((b, h, rows), k, dtype=torch.int32))
+    ref = BlockMask.from_kv_blocks(torch.zeros_like(kv_num), torch.zeros_like(kv_idx), kv_num, kv_idx.clone(),
+                                   BLOCK_SIZE=16)
+    assert torch.equal(q_num, ref.full_q_num_blocks)
+    valid = torch.arange(rows) < q_num.unsqueeze(-1)
+    assert torch.equal(q_idx[valid], ref.full_q_indices[valid])
+    dense = torch.zeros(b, h, rows, cols, dtype=torch.bool).scatter_(-1, ids.long(), True)
+    j = torch.arange(cols)
+    assert torch.equal((bits[..., j // 32] >> (j % 32)) & 1 == 1, dense)
+
+
+def test_eager_flex_honours_the_selection():
+    """Uncompiled FlexAttention ignores the index lists: the mask_mod alone must give the sparse result."""
+    q, k, v = _qkv(1, 4, 2, 300, 300, 32)
+    top, _ = block_topk(mean_pool(q, 32), mean_pool(k, 16), 5)
+    selection = BlockSelection(top, 32, 16, 300, 300)
+    out = flex_attention(q, k, v, block_mask=block_selection_to_block_mask(selection), scale=0.2, enable_gqa=True)
+    torch.testing.assert_close(out, torch_sparse.block_sparse_attention(q, k, v, selection, 0.2)[0],
+                               atol=1e-5, rtol=1e-5)
+
+    levels, topk = 2, (3, 2)
+    k_levels, v_levels = pool_pyramid(k, 16, levels), pool_pyramid(v, 16, levels)
+    sel = llsa.select(q, k_levels, Config.from_dict({"method": "llsa", "topk": list(topk)}), levels, topk)
+    mask, layout = llsa_block_mask(sel)
+    k_ext = flex.extended_kv([k, *k_levels], layout.segment_blocks, 16, q.dtype)
+    v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
+    out = flex_attention(q, k_ext, v_ext, score_mod=flex.log_weight_score_mod(layout.log_weights()),
+                         block_mask=mask, scale=0.2, enable_gqa=True)
+    ref, _ = torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- CPU forward (compiled)
+
+BLOCK_CASES = [  # (H, Hk, Nq, Nk, block_q, block_k, topk): GQA, MQA + cross lengths + q != kv blocks
+    (4, 2, 1000, 1000, 64, 64, 4),
+    (2, 1, 17, 1500, 16, 32, 6),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=["gqa-1000-b64", "mqa-17x1500-b16x32"])
+def test_topk_and_vsa_forward_cpu(case):
+    h, hk, nq, nk, bq, bk, topk = case
+    q, k, v = _qkv(2, h, hk, nq, nk, 32)
+    scale = 0.3
+    cfg = Config.from_dict({"method": "topk", "block_q": bq, "block_k": bk, "topk": topk})
+    with torch.no_grad():
+        out = flexsparse.attention(q, k, v, cfg, backend="flex", scale=scale)
+        selection = select_blocks(q, k, cfg)
+        ref, _ = topk_dense(*_f64(q, k, v), selection, scale)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, flexsparse.attention(q, k, v, cfg, backend="torch", scale=scale),
+                                   atol=2e-5, rtol=2e-5)
+
+        vsa_cfg = Config.from_dict({"method": "vsa", "block_q": bq, "block_k": bk, "topk": topk, "gate": True})
+        module = flexsparse.SparseAttention(vsa_cfg, head_dim=32, num_heads=h, backend="flex")
+        module.params["gate_weight"].normal_()
+        module.params["gate_bias"].fill_(0.5)
+        gate = torch.einsum("bhnd,hd->bhn", q, module.params["gate_weight"]).unsqueeze(-1) + 0.5
+        out = module(q, k, v, scale=scale)
+        ref, _ = vsa_dense(*_f64(q, k, v), selection, scale, gate.double())
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+LLSA_CASES = [  # (N, block, topk per level, H, Hk): L = 1, 2, 3, odd lengths
+    (1000, 16, (4,), 4, 2),
+    (1500, 16, (4, 3), 2, 2),
+    (1000, 8, (4, 2, 2), 2, 1),
+]
+
+
+@pytest.mark.parametrize("case", LLSA_CASES, ids=["L1-1000-gqa", "L2-1500", "L3-1000-b8-mqa"])
+def test_llsa_forward_cpu(case):
+    n, block, topk, h, hk = case
+    q, k, v = _qkv(1, h, hk, n, n, 32, seed=1)
+    cfg = Config.from_dict({"method": "llsa", "block_size": block, "topk": list(topk)})
+    levels = len(topk)
+    with torch.no_grad():
+        out = flexsparse.attention(q, k, v, cfg, backend="flex")
+        selection = llsa.select(q, pool_pyramid(k, block, levels), cfg, levels, topk)
+        ref, _ = llsa_dense(*_f64(q, k, v), selection, q.shape[-1] ** -0.5)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, flexsparse.attention(q, k, v, cfg, backend="torch"), atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_flex_refuses_backward_and_lse_and_auto_falls_back():
+    q, k, v = _qkv(1, 2, 2, 128, 128, 32)
+    q.requires_grad_(True)
+    cfg = {"method": "topk", "block_size": 64, "topk": 1}
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        flexsparse.attention(q, k, v, cfg, backend="flex")
+    selection = BlockSelection(torch.zeros(1, 2, 2, 1, dtype=torch.int32), 64, 64, 128, 128)
+    with pytest.raises(RuntimeError, match="no backward on CPU"):
+        flex.block_sparse_attention(q, k, v, selection, 0.1)
+    with pytest.raises(ValueError, match="no LSE"):
+        flexsparse.attention(q.detach(), k, v, cfg, backend="flex", return_lse=True)
+    cpu, supported = torch.device("cpu"), ("reference", "torch", "flex")
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=True) == "torch"
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, needs_lse=True) == "torch"
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, dtype=torch.float64) == "torch"
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False) == "flex"
+    out, lse = flexsparse.attention(q, k, v, cfg, return_lse=True)       # auto -> torch: trains on CPU
+    (out.sum() + lse.sum()).backward()
+    assert q.grad is not None
+
+
+# ---------------------------------------------------------------- torch.compile of a DiT block
+
+class DiTBlock(nn.Module):
+    """Pre-norm attention + MLP block calling ``flexsparse.attention`` with a config dict."""
+
+    def __init__(self, dim: int, heads: int, config: dict, backend: str):
+        super().__init__()
+        self.heads, self.config, self.backend = heads, config, backend
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = flexsparse.attention(q, k, v, self.config, backend=self.backend)
+        x = x + self.proj(o.transpose(1, 2).reshape(b, n, c))
+        return x + self.mlp(self.norm2(x))
+
+
+def _compile_and_step(block, inputs, *, train: bool):
+    """Compile with fullgraph=True and run every input (one optimizer step each when training).
+    Any recompile fails (recompile_limit=1). Returns the compiled outputs of the first input."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(block, fullgraph=True, dynamic=False if inputs[0].device.type == "cpu" else None)
+    opt = torch.optim.SGD(block.parameters(), lr=1e-3)
+    first = None
+    with torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(train):
+        for x in inputs:
+            y = compiled(x)
+            first = y.detach() if first is None else first
+            if train:
+                y.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    return first
+
+
+def test_compile_dit_block_fullgraph_no_recompiles_cpu():
+    torch.manual_seed(0)
+    block = DiTBlock(64, 2, {"method": "llsa", "block_size": 16, "topk": [4, 2]}, "flex").eval()
+    inputs = [torch.randn(1, 1000, 64) for _ in range(5)]                 # new masks every step
+    out = _compile_and_step(block, inputs, train=False)
+    block.backend = "torch"
+    with torch.no_grad():
+        torch.testing.assert_close(out, block(inputs[0]), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- GPU: forward + backward vs reference
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}        # relative L2 error of outputs (grads: 2x)
+LSE_TOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}    # max abs error of the LSE
+
+
+def _check_fwd_bwd(method_out, method_lse, ref_fn, q, k, v, dtype):
+    """Compare flex output/LSE/grads with the fp64 reference ``ref_fn(q64, k64, v64) -> (o, lse)``."""
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref, ref_lse = ref_fn(q64, k64, v64)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    method_out.backward(grad.to(dtype))
+    tol = TOL[dtype]
+    assert _rel(method_out, ref) < tol
+    if method_lse is not None:
+        assert (method_lse.double() - ref_lse).abs().max().item() < LSE_TOL[dtype]
+    for name, x, x64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert _rel(x.grad, x64.grad) < 2 * tol, name
+
+
+def _cuda_qkv(h, hk, n, d, dtype, seed=0):
+    return [x.requires_grad_(True) for x in _qkv(2, h, hk, n, n, d, dtype, "cuda", seed)]
+
+
+METHOD_CASES = {  # method -> (config, N): GQA 4 -> 2 heads, odd lengths
+    "topk": ({"method": "topk", "block_size": 64, "topk": 5}, 1000),
+    "vsa": ({"method": "vsa", "block_size": 64, "topk": 5}, 1000),
+    "llsa": ({"method": "llsa", "block_size": 16, "topk": [4, 2]}, 1000),
+}
+
+
+def _reference_of(method, cfg, q, k, v, scale):
+    """fp64 reference on the method's own selection (computed from the same inputs)."""
+    if method == "llsa":
+        levels, topk = llsa.plan(cfg, q.shape[2])
+        selection = llsa.select(q, pool_pyramid(k, cfg.block_size, levels), cfg, levels, topk)
+        return lambda q64, k64, v64: llsa_dense(q64, k64, v64, selection, scale)
+    selection = select_blocks(q, k, cfg)
+    if method == "vsa":
+        return lambda q64, k64, v64: vsa_dense(q64, k64, v64, selection, scale, None)
+    return lambda q64, k64, v64: topk_dense(q64, k64, v64, selection, scale)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("method", sorted(METHOD_CASES))
+def test_gpu_forward_backward_vs_reference(method, head_dim, dtype):
+    config, n = METHOD_CASES[method]
+    cfg = Config.from_dict(config)
+    q, k, v = _cuda_qkv(4, 2, n, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    _check_fwd_bwd(out, lse, _reference_of(method, cfg, q.detach(), k.detach(), v.detach(), scale), q, k, v, dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 32), (64, 64), (128, 128), (128, 64), (64, 128), (32, 16)],
+                         ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_block_sizes_bf16(blocks, head_dim):
+    bq, bk = blocks
+    cfg = Config.from_dict({"method": "topk", "block_q": bq, "block_k": bk, "topk": 3})
+    q, k, v = _cuda_qkv(4, 2, 1000, head_dim, torch.bfloat16, seed=2)
+    out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
+    ref_fn = _reference_of("topk", cfg, q.detach(), k.detach(), v.detach(), head_dim ** -0.5)
+    _check_fwd_bwd(out, lse, ref_fn, q, k, v, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [(1000, (8,)), (4097, (8, 4)), (5000, (8, 4, 2))], ids=["L1", "L2", "L3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_llsa_levels(case, dtype):
+    n, topk = case
+    cfg = Config.from_dict({"method": "llsa", "block_size": 16, "topk": list(topk)})
+    q, k, v = _cuda_qkv(4, 1, n, 64, dtype, seed=3)
+    levels = len(topk)
+    selection = llsa.select(q.detach(), pool_pyramid(k.detach(), 16, levels), cfg, levels, topk)
+    out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
+    _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_auto_picks_flex_for_training():
+    supported = ("reference", "torch", "flex")
+    assert backends.resolve("auto", "topk", supported, torch.device("cuda"), needs_grad=True,
+                            needs_lse=True, dtype=torch.bfloat16, blocks=(64, 64)) == "flex"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [{"method": "topk", "block_size": 64, "topk": 4},
+                                    {"method": "llsa", "block_size": 16, "topk": [4, 2]}], ids=["topk", "llsa"])
+def test_gpu_compile_dit_block_training_no_recompiles(config):
+    torch.manual_seed(0)
+    block = DiTBlock(256, 4, config, "flex").cuda().to(torch.bfloat16)
+    inputs = [torch.randn(2, 2000, 256, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+    reference = DiTBlock(256, 4, config, "torch").cuda().to(torch.bfloat16)
+    reference.load_state_dict(block.state_dict())
+    out = _compile_and_step(block, inputs, train=True)
+    with torch.no_grad():
+        assert _rel(out, reference(inputs[0])) < 2e-2
