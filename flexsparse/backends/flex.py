@@ -70,7 +70,7 @@ def tile_options(block_q: int, block_kv: int, dtype: torch.dtype, head_dim: int)
     return options
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod,
             scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One compiled flex_attention call: ``o (B, H, Nq, D)`` and ``lse (B, H, Nq)`` (None on CPU)."""
     gqa = q.shape[1] != k.shape[1]
@@ -93,7 +93,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32 (``None`` on CPU).
     """
     _check(q, k, v, (selection.block_q, selection.block_k))
-    return _attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
+    return attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
 
 
 def log_weight_score_mod(log_weights: torch.Tensor):
@@ -127,7 +127,7 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     block_mask, layout = llsa_block_mask(selection)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
-    return _attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(q.device)), scale)
+    return attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(q.device)), scale)
 
 
 class SmallBlockChoices(InductorChoices):
