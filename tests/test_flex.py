@@ -1,7 +1,8 @@
 """``backend="flex"``: BlockMask tables, CPU compiled forward, GPU forward/backward and torch.compile.
 
-CPU compiles are slow (~10-40 s each): the CPU cases share shapes so that the compiled graphs are
-reused. Every test fails on a hit recompile limit instead of silently running eager FlexAttention.
+CPU compiles are slow (~10-40 s each, ~1-2 min for the first): few CPU cases, and each test's
+calls share shapes so that its compiled graph is reused. Every test starts with fresh dynamo
+caches and fails on a hit recompile limit instead of silently running eager FlexAttention.
 """
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(autouse=True)
-def _no_silent_eager_fallback():
+def _fresh_dynamo_no_silent_eager_fallback():
+    """Each test starts with empty dynamo caches (the module-level compiled flex_attention would
+    otherwise collect one entry per dtype/block/head-dim combination across the session)."""
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield
 
