@@ -71,7 +71,7 @@ def tile_options(block_q: int, block_kv: int, dtype: torch.dtype, head_dim: int)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, score_mod,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+           scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One compiled flex_attention call: ``o (B, H, Nq, D)`` and ``lse (B, H, Nq)`` (None on CPU)."""
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":  # the C++ kernel misreads inputs that are views of 2-D buffers: copy
@@ -131,11 +131,12 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
 
 
 class SmallBlockChoices(InductorChoices):
-    """Inductor choices that add FlexAttention backward tiles of 64, 32 and 16.
+    """Inductor choices that add FlexAttention backward tiles of 64, 32 and 16 (16-bit dtypes).
 
     On sm90 the default bf16 backward tiles are (64, 128, 128, 64); sparse blocks that they do not
-    divide leave no valid config (``NoValidChoicesError``). A custom choices class can mix this in:
-    ``class MyChoices(SmallBlockChoices, MyBase)``.
+    divide leave no valid config (``NoValidChoicesError``); fp32 defaults are already 16. When
+    several configs are valid, inductor autotunes among them. A custom choices class can mix this
+    in: ``class MyChoices(SmallBlockChoices, MyBase)``.
     """
 
     def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
