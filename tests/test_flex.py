@@ -20,9 +20,9 @@ from flexsparse.masks.block_mask import block_selection_to_block_mask, block_tab
 from flexsparse.methods import llsa
 from flexsparse.methods._blocks import select_blocks
 from flexsparse.reference import llsa_dense, topk_dense, vsa_dense
+from helpers import rel_err
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -221,10 +221,6 @@ def test_compile_dit_block_fullgraph_no_recompiles_cpu(backend):
 
 # ---------------------------------------------------------------- GPU: forward + backward vs reference
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}        # relative L2 error of outputs (grads: 2x)
 LSE_TOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}    # max abs error of the LSE
 
@@ -237,11 +233,11 @@ def _check_fwd_bwd(method_out, method_lse, ref_fn, q, k, v, dtype):
     ref.backward(grad)
     method_out.backward(grad.to(dtype))
     tol = TOL[dtype]
-    assert _rel(method_out, ref) < tol
+    assert rel_err(method_out, ref) < tol
     if method_lse is not None:
         assert (method_lse.double() - ref_lse).abs().max().item() < LSE_TOL[dtype]
     for name, x, x64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
-        assert _rel(x.grad, x64.grad) < 2 * tol, name
+        assert rel_err(x.grad, x64.grad) < 2 * tol, name
 
 
 def _cuda_qkv(h, hk, n, d, dtype, seed=0):
@@ -268,7 +264,6 @@ def _reference_of(method, cfg, q, k, v, scale):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("method", sorted(METHOD_CASES))
@@ -283,7 +278,6 @@ def test_gpu_forward_backward_vs_reference(method, head_dim, dtype):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 32), (64, 64), (128, 128), (128, 64), (64, 128), (32, 16)],
                          ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -297,7 +291,6 @@ def test_gpu_block_sizes_bf16(blocks, head_dim):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("case", [(1000, (8,)), (4097, (8, 4)), (5000, (8, 4, 2))], ids=["L1", "L2", "L3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_llsa_levels(case, dtype):
@@ -311,7 +304,6 @@ def test_gpu_llsa_levels(case, dtype):
 
 
 @gpu
-@needs_cuda
 def test_gpu_auto_picks_flex_for_training():
     supported = ("reference", "torch", "flex")
     assert backends.resolve("auto", "topk", supported, torch.device("cuda"), needs_grad=True,
@@ -319,7 +311,6 @@ def test_gpu_auto_picks_flex_for_training():
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("config", [{"method": "topk", "block_size": 64, "topk": 4},
                                     {"method": "llsa", "block_size": 16, "topk": [4, 2]}], ids=["topk", "llsa"])
 def test_gpu_compile_dit_block_training_no_recompiles(config):
@@ -330,4 +321,4 @@ def test_gpu_compile_dit_block_training_no_recompiles(config):
     reference.load_state_dict(block.state_dict())
     out = _compile_and_step(block, inputs, train=True)
     with torch.no_grad():
-        assert _rel(out, reference(inputs[0])) < 2e-2
+        assert rel_err(out, reference(inputs[0])) < 2e-2
