@@ -185,24 +185,27 @@ class DiTBlock(nn.Module):
 
 def _compile_and_step(block, inputs, *, train: bool, backend: str = "inductor"):
     """Compile with fullgraph=True and run every input (one optimizer step each when training).
-    Any recompile fails (recompile_limit=1). Returns the compiled outputs of the first input."""
+    Any recompile fails (recompile_limit=1). Returns the compiled output and (when training) the
+    parameter gradients of the first input."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cpu = inputs[0].device.type == "cpu"
     compiled = torch.compile(block, fullgraph=True, backend=backend, dynamic=False if cpu else None)
     opt = torch.optim.SGD(block.parameters(), lr=1e-3)
-    first = None
+    first, first_grads = None, None
     with torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(train):
         for x in inputs:
             y = compiled(x)
             first = y.detach() if first is None else first
             if train:
                 y.square().mean().backward()
+                if first_grads is None:
+                    first_grads = {name: p.grad.clone() for name, p in block.named_parameters()}
                 opt.step()
                 opt.zero_grad()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
-    return first
+    return first, first_grads
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -213,7 +216,7 @@ def test_compile_dit_block_fullgraph_no_recompiles_cpu(backend):
     torch.manual_seed(0)
     block = DiTBlock(64, 2, {"method": "llsa", "block_size": 16, "topk": [4, 2]}, "flex").eval()
     inputs = [torch.randn(1, 1000, 64) for _ in range(5)]
-    out = _compile_and_step(block, inputs, train=False, backend=backend)
+    out, _ = _compile_and_step(block, inputs, train=False, backend=backend)
     block.backend = "torch"
     with torch.no_grad():
         torch.testing.assert_close(out, block(inputs[0]), atol=1e-4, rtol=1e-4)
@@ -314,11 +317,16 @@ def test_gpu_auto_picks_flex_for_training():
 @pytest.mark.parametrize("config", [{"method": "topk", "block_size": 64, "topk": 4},
                                     {"method": "llsa", "block_size": 16, "topk": [4, 2]}], ids=["topk", "llsa"])
 def test_gpu_compile_dit_block_training_no_recompiles(config):
+    """fullgraph compile of fwd+bwd, 5 optimizer steps with new masks, one graph; the first step's
+    output and parameter gradients match the uncompiled torch backend."""
     torch.manual_seed(0)
     block = DiTBlock(256, 4, config, "flex").cuda().to(torch.bfloat16)
     inputs = [torch.randn(2, 2000, 256, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
     reference = DiTBlock(256, 4, config, "torch").cuda().to(torch.bfloat16)
     reference.load_state_dict(block.state_dict())
-    out = _compile_and_step(block, inputs, train=True)
-    with torch.no_grad():
-        assert rel_err(out, reference(inputs[0])) < 2e-2
+    out, grads = _compile_and_step(block, inputs, train=True)
+    want = reference(inputs[0])
+    want.square().mean().backward()
+    assert rel_err(out, want.detach()) < 2e-2
+    for name, p in reference.named_parameters():
+        assert rel_err(grads[name], p.grad) < 5e-2, name
