@@ -15,15 +15,16 @@ from flexsparse.masks import sla_block_counts
 from flexsparse.methods import sla as sla_method
 from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
 
-from _sla_testing import assert_all_close, cast, cast_params, leaf_params, rand_qkv, rel_err, run
+from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, run
+from helpers import rel_err
 
 
 def sla_config(**kw):
     return {"method": "sla", **kw}
 
 
-def params_for(cfg, d, dtype=torch.float64, seed=1):
-    return leaf_params(sla_method.init_params(Config.from_dict(cfg), d, 1, None), dtype, seed)
+def params_for(cfg, d, dtype=torch.float64):
+    return leaf_params(sla_method.init_params(Config.from_dict(cfg), d, 1, None), dtype)
 
 
 # (B, H, Hk, N, D, config): every variant, ragged and exact lengths, GQA, separate block sizes.
@@ -43,7 +44,7 @@ CASES = [
 
 @pytest.mark.parametrize("b,h,hk,n,d,cfg", CASES, ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
 def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
-    q, k, v = rand_qkv(b, h, hk, n, d, seed=n)
+    q, k, v = leaf_qkv(b, h, hk, n, d)
     params = params_for(cfg, d)
     got = run(q, k, v, cfg, params, "torch")
     want = run(q, k, v, cfg, params, "reference")
@@ -62,8 +63,9 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, line
     negligible = negligible if linear == "masked" else 0.0
     cfg = sla_config(block_q=block_q, block_k=block_k, topk_ratio=topk_ratio, negligible_ratio=negligible,
                      linear=linear, feature_map=feature_map)
-    q, k, v = rand_qkv(1, heads[0], heads[1], n, 8, seed=seed)
-    params = params_for(cfg, 8, seed=seed)
+    torch.manual_seed(seed)
+    q, k, v = leaf_qkv(1, heads[0], heads[1], n, 8, seed=seed)
+    params = params_for(cfg, 8)
     assert_all_close(run(q, k, v, cfg, params, "torch"), run(q, k, v, cfg, params, "reference"),
                      rtol=1e-10, atol=1e-10)
 
@@ -72,20 +74,20 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, line
 def test_fp32_matches_fp64_reference(linear):
     cfg = sla_config(block_q=8, block_k=4, topk_ratio=0.2, linear=linear,
                      negligible_ratio=0.1 if linear == "masked" else 0.0)
-    q, k, v = rand_qkv(2, 4, 2, 203, 16, seed=3)
-    params = params_for(cfg, 16)
-    want = run(q, k, v, cfg, params, "reference")
-    got = run(*cast((q, k, v), torch.float32), cfg, cast_params(params, torch.float32), "torch")
+    q, k, v = leaf_qkv(2, 4, 2, 203, 16, dtype=torch.float32)
+    params = cast_params(params_for(cfg, 16), torch.float32)
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, cast_params(params, torch.float64), "reference")
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert_all_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_close_to_fp64_reference():
     cfg = sla_config(block_size=16, topk_ratio=0.2, negligible_ratio=0.1)
-    q, k, v = rand_qkv(1, 2, 1, 300, 32, seed=4)
+    q, k, v = leaf_qkv(1, 2, 1, 300, 32, dtype=torch.bfloat16)
     params = params_for(cfg, 32)
-    want = run(q, k, v, cfg, params, "reference")
-    got = run(*cast((q, k, v), torch.bfloat16), cfg, params, "torch")
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, params, "reference")
     assert got[0].dtype == torch.bfloat16
     assert rel_err(got[0], want[0]) < 2e-2
     assert rel_err(got[1], want[1]) < 1e-2
@@ -96,7 +98,8 @@ def test_bf16_close_to_fp64_reference():
 @pytest.mark.parametrize("n,block_q,block_k,heads", [(57, 8, 4, (2, 1)), (64, 16, 16, (2, 2)), (300, 4, 16, (4, 2))])
 def test_selection_matches_bruteforce(n, block_q, block_k, heads):
     cfg = Config.from_dict(sla_config(block_q=block_q, block_k=block_k, topk_ratio=0.25, negligible_ratio=0.25))
-    q, k, _ = rand_qkv(2, heads[0], heads[1], n, 8, seed=n, k_offset=3.0)
+    q, k, _ = leaf_qkv(2, heads[0], heads[1], n, 8)
+    k = k + 3 * torch.randn(8, dtype=k.dtype)                      # a large key mean: smoothing matters numerically
     selection = sla_method.select(q, k, cfg)
     tk = -(-n // block_k)
     topk, bottomk = sla_block_counts(0.25, 0.25, tk)
@@ -113,7 +116,7 @@ def test_selection_of_fp32_and_bf16_router_is_fp32():
     """The router pools and scores in fp32 whatever the input dtype: bf16 inputs select the same
     blocks as the fp32 copy of those bf16 values."""
     cfg = Config.from_dict(sla_config(block_size=8, topk_ratio=0.1))
-    q, k, _ = rand_qkv(1, 2, 2, 512, 64, dtype=torch.bfloat16, seed=5)
+    q, k, _ = leaf_qkv(1, 2, 2, 512, 64, dtype=torch.bfloat16)
     got = sla_method.select(q, k, cfg).indices
     want = sla_method.select(q.float(), k.float(), cfg).indices
     assert torch.equal(got, want)
@@ -136,7 +139,7 @@ def test_block_counts_that_do_not_fit_raise():
 def test_fresh_module_is_exactly_the_sparse_branch(dtype, linear):
     cfg = sla_config(block_q=8, block_k=16, topk_ratio=0.25, linear=linear)
     module = flexsparse.SparseAttention(cfg, head_dim=16, num_heads=4, backend="torch")
-    q, k, v = cast(rand_qkv(2, 4, 2, 77, 16, seed=6), dtype)
+    q, k, v = cast(leaf_qkv(2, 4, 2, 77, 16), dtype)
     out, lse = module(q, k, v, return_lse=True)
     sparse, sparse_lse = torch_sparse.block_sparse_attention(q, k, v, sla_method.select(q, k, module.config),
                                                              16 ** -0.5)
@@ -146,7 +149,7 @@ def test_fresh_module_is_exactly_the_sparse_branch(dtype, linear):
 
 
 def test_masked_and_full_differ_once_proj_is_nonzero():
-    q, k, v = rand_qkv(1, 2, 1, 96, 8, seed=7)
+    q, k, v = leaf_qkv(1, 2, 1, 96, 8)
     outs = {}
     for linear in ("masked", "full"):
         cfg = sla_config(block_size=8, topk_ratio=0.25, linear=linear)
@@ -159,7 +162,7 @@ def test_masked_and_full_differ_once_proj_is_nonzero():
 
 def test_masked_linear_is_exactly_zero_when_every_block_is_skipped():
     cfg = Config.from_dict(sla_config(block_size=16, topk_ratio=0.5, negligible_ratio=0.5))
-    q, k, v = rand_qkv(1, 2, 1, 40, 8, seed=8)                      # Tk = 3: 1 critical + 1 negligible ...
+    q, k, v = leaf_qkv(1, 2, 1, 40, 8)                      # Tk = 3: 1 critical + 1 negligible ...
     sel = sla_method.select(q, k, cfg)
     assert sel.indices.shape[-1] + sel.excluded.shape[-1] == 2     # ... leaves one marginal block
     assert torch_linear.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5).abs().min() > 0
@@ -172,7 +175,7 @@ def test_masked_linear_is_exactly_zero_when_every_block_is_skipped():
 def test_masked_linear_equals_block_sums_over_marginal_blocks():
     """Independent check of 'global minus skipped': phi(Q_i) sum_marginal h_j / (eps + phi(Q_i) sum_marginal z_j)."""
     cfg = Config.from_dict(sla_config(block_q=4, block_k=8, topk_ratio=0.3, negligible_ratio=0.25))
-    q, k, v = (x.detach() for x in rand_qkv(1, 2, 1, 30, 8, seed=9))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 30, 8))
     sel = sla_method.select(q, k, cfg)
     got = torch_linear.masked_linear_attention(q, k, v, sel, feature_map="elu", eps=1e-5)
     phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
@@ -190,7 +193,7 @@ def test_masked_linear_equals_block_sums_over_marginal_blocks():
 def test_long_sequence_has_no_quadratic_memory():
     """N = 131072: an N x N fp32 tensor would need 68 GB; the torch backend is O(N * K * block)."""
     cfg = sla_config(block_size=64, topk_ratio=0.002, negligible_ratio=0.002)
-    q, k, v = (x.detach().float() for x in rand_qkv(1, 1, 1, 131072, 8, seed=10))
+    q, k, v = (x.detach().float() for x in leaf_qkv(1, 1, 1, 131072, 8))
     params = {name: p for name, p in sla_method.init_params(Config.from_dict(cfg), 8, 1, None).items()}
     params["proj_weight"] = torch.eye(8)
     with torch.no_grad():
@@ -199,7 +202,7 @@ def test_long_sequence_has_no_quadratic_memory():
 
 
 def test_functional_call_needs_params():
-    q, k, v = rand_qkv(1, 1, 1, 16, 8)
+    q, k, v = leaf_qkv(1, 1, 1, 16, 8)
     with pytest.raises(ValueError, match="SparseAttention"):
         flexsparse.attention(q, k, v, sla_config(block_size=4))
 
@@ -211,7 +214,7 @@ def test_functional_call_needs_params():
     ({"proj_weight": torch.zeros(8, 8), "proj_bias": [0.0] * 8}, "proj_bias.*torch.Tensor"),
 ])
 def test_bad_params_raise(bad, match):
-    q, k, v = rand_qkv(1, 1, 1, 16, 8)
+    q, k, v = leaf_qkv(1, 1, 1, 16, 8)
     with pytest.raises((ValueError, TypeError), match=match):
         flexsparse.attention(q, k, v, sla_config(block_size=4), params=bad)
 
@@ -230,7 +233,7 @@ def test_bad_config_raises(cfg, match):
 
 
 def test_quant_and_cross_attention_are_rejected():
-    q, k, v = rand_qkv(1, 1, 1, 16, 8)
+    q, k, v = leaf_qkv(1, 1, 1, 16, 8)
     params = params_for(sla_config(), 8)
     with pytest.raises(ValueError, match="quant"):
         flexsparse.attention(q, k, v, sla_config(block_size=4, quant={}), backend="torch", params=params)
@@ -240,7 +243,7 @@ def test_quant_and_cross_attention_are_rejected():
 
 def test_lse_is_natural_log_of_the_sparse_branch():
     cfg = Config.from_dict(sla_config(block_size=4, topk_ratio=0.5))
-    q, k, v = (x.detach() for x in rand_qkv(1, 1, 1, 12, 8, seed=11))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 1, 1, 12, 8))
     _, lse = flexsparse.attention(q, k, v, cfg, backend="torch", return_lse=True, params=params_for(cfg.to_dict(), 8))
     sel = sla_method.select(q, k, cfg)
     for i in range(12):

@@ -16,16 +16,16 @@ from flexsparse.methods import sla as sla_method
 from flexsparse.methods import sla2 as sla2_method
 from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
 
-from _sla_testing import assert_all_close, cast, cast_params, leaf_params, rand_qkv, rel_err, run
+from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, run
+from helpers import rel_err
 
 
 def sla2_config(**kw):
     return {"method": "sla2", **kw}
 
 
-def params_for(cfg, d, heads, n, dtype=torch.float64, seed=1, noise=0.3):
-    initial = sla2_method.init_params(Config.from_dict(cfg), d, heads, n)
-    return leaf_params(initial, dtype, seed, noise)
+def params_for(cfg, d, heads, n, dtype=torch.float64, noise=0.3):
+    return leaf_params(sla2_method.init_params(Config.from_dict(cfg), d, heads, n), dtype, noise)
 
 
 # ----------------------------------------------------------------------------------- SoftTop-k
@@ -43,7 +43,7 @@ def test_softtopk_rows_sum_to_count(rows, n, frac, tau, spread, seed):
 
 
 def test_softtopk_fp32_rows_sum_to_count():
-    scores = torch.randn(64, 200, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    scores = torch.randn(64, 200).softmax(-1)
     mask = soft_topk(scores, 10, 0.1, 30)
     assert mask.dtype == torch.float32
     torch.testing.assert_close(mask.sum(-1), torch.full((64,), 10.0), rtol=0, atol=1e-4)
@@ -51,24 +51,22 @@ def test_softtopk_fp32_rows_sum_to_count():
 
 @pytest.mark.parametrize("count,tau", [(1, 1.0), (2, 0.5), (5, 0.1)])
 def test_softtopk_gradcheck(count, tau):
-    scores = torch.randn(3, 7, generator=torch.Generator().manual_seed(count), dtype=torch.float64,
-                         requires_grad=True)
+    scores = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda s: soft_topk(s, count, tau, 40), (scores,))
 
 
 def test_softtopk_row_sums_have_zero_gradient_and_order_is_kept():
-    scores = torch.randn(4, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
-                         requires_grad=True)
+    scores = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
     mask = soft_topk(scores, 3, 0.2, 30)
     (grad,) = torch.autograd.grad(mask.sum(), scores)
     assert grad.abs().max() < 1e-12
-    assert torch.equal(mask.argsort(-1), scores.argsort(-1))
+    assert (mask.gather(-1, scores.argsort(-1)).diff(dim=-1) >= 0).all()
 
 
 def test_softtopk_tends_to_hard_topk_and_full_count_is_all_ones():
-    scores = torch.randn(5, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    scores = torch.randn(5, 12, dtype=torch.float64)
     hard = torch.zeros_like(scores).scatter_(-1, scores.topk(4, -1).indices, 1.0)
-    torch.testing.assert_close(soft_topk(scores, 4, 1e-4, 60), hard, rtol=0, atol=1e-8)
+    torch.testing.assert_close(soft_topk(scores, 4, 1e-9, 80), hard, rtol=0, atol=1e-8)
     assert torch.equal(soft_topk(scores, 12, 0.1, 30), torch.ones_like(scores))
 
 
@@ -98,7 +96,8 @@ def test_init_params():
 @pytest.mark.parametrize("n,block_q,block_k,heads", [(57, 8, 4, (2, 1)), (300, 16, 8, (4, 2))])
 def test_untrained_router_equals_sla_selection(smooth_k, n, block_q, block_k, heads):
     cfg = Config.from_dict(sla2_config(block_q=block_q, block_k=block_k, topk_ratio=0.2, smooth_k=smooth_k))
-    q, k, _ = (x.detach() for x in rand_qkv(2, heads[0], heads[1], n, 8, seed=n, k_offset=3.0))
+    q, k, _ = (x.detach() for x in leaf_qkv(2, heads[0], heads[1], n, 8))
+    k = k + 3 * torch.randn(8, dtype=k.dtype)
     p = sla2_method.init_params(cfg, 8, heads[0], n)
     keys = k - k.mean(2, keepdim=True) if smooth_k == "all" else k
     got = sla2_method.route(q, keys, cfg, p["proj_q"], p["proj_k"])
@@ -110,7 +109,8 @@ def test_untrained_router_equals_sla_selection(smooth_k, n, block_q, block_k, he
 @pytest.mark.parametrize("smooth_k", ["all", "router"])
 def test_trained_hard_router_matches_bruteforce(smooth_k):
     cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, smooth_k=smooth_k))
-    q, k, _ = (x.detach() for x in rand_qkv(2, 4, 2, 70, 8, seed=3, k_offset=2.0))
+    q, k, _ = (x.detach() for x in leaf_qkv(2, 4, 2, 70, 8))
+    k = k + 2 * torch.randn(8, dtype=k.dtype)
     p = params_for(cfg.to_dict(), 8, 4, 70, noise=0.5)
     wq, wk = p["proj_q"].detach(), p["proj_k"].detach()
     got = sla2_method.route(q, k, cfg, wq, wk)
@@ -123,7 +123,7 @@ def test_soft_router_mask(router_softmax):
     """M = SoftTop-k(softmax(proj_q(Qbar) proj_k(Kbar)^T / sqrt(D))), rows summing to the hard count."""
     cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, router="soft", smooth_k="router",
                                        router_softmax=router_softmax))
-    q, k, _ = (x.detach() for x in rand_qkv(1, 2, 1, 70, 8, seed=4))
+    q, k, _ = (x.detach() for x in leaf_qkv(1, 2, 1, 70, 8))
     p = params_for(cfg.to_dict(), 8, 2, 70)
     mask = sla2_method.route(q, k, cfg, p["proj_q"], p["proj_k"])
     assert isinstance(mask, SoftBlockMask) and mask.logits.requires_grad
@@ -154,7 +154,7 @@ CASES = [
 
 @pytest.mark.parametrize("b,h,hk,n,d,cfg", CASES, ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
 def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
-    q, k, v = rand_qkv(b, h, hk, n, d, seed=n)
+    q, k, v = leaf_qkv(b, h, hk, n, d)
     params = params_for(cfg, d, h, n)
     got = run(q, k, v, cfg, params, "torch")
     want = run(q, k, v, cfg, params, "reference")
@@ -176,8 +176,9 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, rout
                                                 smooth_k, per_head, seed):
     cfg = sla2_config(block_q=block_q, block_k=block_k, topk_ratio=topk_ratio, router=router,
                       feature_map=feature_map, smooth_k=smooth_k, alpha_per_head=per_head, tau=0.3)
-    q, k, v = rand_qkv(1, heads[0], heads[1], n, 8, seed=seed)
-    params = params_for(cfg, 8, heads[0], n, seed=seed)
+    torch.manual_seed(seed)
+    q, k, v = leaf_qkv(1, heads[0], heads[1], n, 8, seed=seed)
+    params = params_for(cfg, 8, heads[0], n)
     assert_all_close(run(q, k, v, cfg, params, "torch"), run(q, k, v, cfg, params, "reference"),
                      rtol=1e-10, atol=1e-10)
 
@@ -185,10 +186,10 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, rout
 @pytest.mark.parametrize("router", ["hard", "soft"])
 def test_fp32_matches_fp64_reference(router):
     cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.2, router=router, tau=0.5)
-    q, k, v = rand_qkv(2, 4, 2, 203, 16, seed=5)
-    params = params_for(cfg, 16, 4, 203)
-    want = run(q, k, v, cfg, params, "reference")
-    got = run(*cast((q, k, v), torch.float32), cfg, cast_params(params, torch.float32), "torch")
+    q, k, v = leaf_qkv(2, 4, 2, 203, 16, dtype=torch.float32)
+    params = cast_params(params_for(cfg, 16, 4, 203), torch.float32)
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, cast_params(params, torch.float64), "reference")
     assert got[0].dtype == torch.float32
     assert_all_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -196,10 +197,10 @@ def test_fp32_matches_fp64_reference(router):
 @pytest.mark.parametrize("router", ["hard", "soft"])
 def test_bf16_close_to_fp64_reference(router):
     cfg = sla2_config(block_q=32, block_k=16, topk_ratio=0.2, router=router, tau=0.5)
-    q, k, v = rand_qkv(1, 2, 1, 300, 32, seed=6)
+    q, k, v = leaf_qkv(1, 2, 1, 300, 32, dtype=torch.bfloat16)
     params = params_for(cfg, 32, 2, 300)
-    want = run(q, k, v, cfg, params, "reference")
-    got = run(*cast((q, k, v), torch.bfloat16), cfg, params, "torch")
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, params, "reference")
     assert got[0].dtype == torch.bfloat16
     assert rel_err(got[0], want[0]) < 2e-2 and rel_err(got[1], want[1]) < 1e-2
     for a, b in zip(got[2], want[2]):
@@ -210,7 +211,7 @@ def test_bf16_close_to_fp64_reference(router):
 
 def test_soft_branch_chunks_equal_one_pass():
     """Row chunks with recompute (small max_elements) give the same output, LSE and gradients."""
-    q, k, v = rand_qkv(1, 4, 2, 50, 8, seed=7)
+    q, k, v = leaf_qkv(1, 4, 2, 50, 8)
     log_w = torch.nn.functional.logsigmoid(torch.randn(1, 4, 7, 13, dtype=torch.float64)).requires_grad_()
     results = []
     for max_elements in (1 << 26, 1):
@@ -225,7 +226,7 @@ def test_soft_branch_chunks_equal_one_pass():
 @pytest.mark.parametrize("logit,branch", [(40.0, "sparse"), (-40.0, "linear")])
 def test_alpha_mixes_the_two_branches(logit, branch):
     cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, smooth_k="router"))
-    q, k, v = (x.detach() for x in rand_qkv(1, 2, 1, 40, 8, seed=8))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 40, 8))
     params = {name: p.double() for name, p in sla2_method.init_params(cfg, 8, 2, 40).items()}
     params["alpha_logit"] = torch.full_like(params["alpha_logit"], logit)
     out = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
@@ -239,7 +240,7 @@ def test_alpha_mixes_the_two_branches(logit, branch):
 
 def test_alpha_is_per_query_block():
     cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.25)
-    q, k, v = (x.detach() for x in rand_qkv(1, 2, 1, 20, 8, seed=9))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 20, 8))
     params = {name: p.double() for name, p in sla2_method.init_params(Config.from_dict(cfg), 8, 2, 20).items()}
     base = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
     params["alpha_logit"] = params["alpha_logit"].clone()
@@ -250,7 +251,8 @@ def test_alpha_is_per_query_block():
 
 
 def test_smooth_k_all_smooths_every_branch():
-    q, k, v = (x.detach() for x in rand_qkv(1, 2, 1, 48, 8, seed=10, k_offset=2.0))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 48, 8))
+    k = k + 2 * torch.randn(8, dtype=k.dtype)                      # a large key mean
     params = params_for(sla2_config(block_size=8), 8, 2, 48)
     out_all = flexsparse.attention(q, k, v, sla2_config(block_size=8, smooth_k="all"), backend="torch",
                                    params=params)
@@ -263,11 +265,11 @@ def test_smooth_k_all_smooths_every_branch():
 
 
 def test_soft_router_with_tiny_tau_approaches_hard_router():
-    q, k, v = (x.detach() for x in rand_qkv(1, 2, 1, 64, 8, seed=11))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 64, 8))
     hard = sla2_config(block_size=8, topk_ratio=0.25, router_softmax=False)
     params = params_for(hard, 8, 2, 64)
     out_hard = flexsparse.attention(q, k, v, hard, backend="torch", params=params)
-    out_soft = flexsparse.attention(q, k, v, {**hard, "router": "soft", "tau": 1e-6, "softtopk_iters": 60},
+    out_soft = flexsparse.attention(q, k, v, {**hard, "router": "soft", "tau": 1e-9, "softtopk_iters": 80},
                                     backend="torch", params=params)
     torch.testing.assert_close(out_soft, out_hard, rtol=1e-6, atol=1e-6)
 
@@ -276,15 +278,15 @@ def test_soft_router_with_tiny_tau_approaches_hard_router():
 
 def test_seq_len_mismatch_raises():
     module = flexsparse.SparseAttention(sla2_config(block_size=8), head_dim=8, num_heads=2, seq_len=64)
-    q, k, v = rand_qkv(1, 2, 1, 64, 8, dtype=torch.float32)
+    q, k, v = leaf_qkv(1, 2, 1, 64, 8, dtype=torch.float32)
     assert module(q, k, v).shape == q.shape
-    q, k, v = rand_qkv(1, 2, 1, 80, 8, dtype=torch.float32)
+    q, k, v = leaf_qkv(1, 2, 1, 80, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="seq_len=80"):
         module(q, k, v)
 
 
 def test_functional_call_needs_params():
-    q, k, v = rand_qkv(1, 2, 1, 16, 8)
+    q, k, v = leaf_qkv(1, 2, 1, 16, 8)
     with pytest.raises(ValueError, match="SparseAttention"):
         flexsparse.attention(q, k, v, sla2_config(block_size=4))
 
@@ -295,7 +297,7 @@ def test_functional_call_needs_params():
     ({"extra": torch.zeros(1)}, "unknown \\['extra'\\]"),
 ])
 def test_bad_params_raise(change, match):
-    q, k, v = rand_qkv(1, 2, 1, 16, 8)
+    q, k, v = leaf_qkv(1, 2, 1, 16, 8)
     params = {**sla2_method.init_params(Config.from_dict(sla2_config(block_size=4)), 8, 2, 16), **change}
     with pytest.raises(ValueError, match=match):
         flexsparse.attention(q, k, v, sla2_config(block_size=4), params=params)
