@@ -1,4 +1,5 @@
-"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), CSR->CSC."""
+"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), SLA/SLA2 router
+inputs, SoftTop-k, CSR->CSC."""
 from .csc import CSC, csr_to_csc
 from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index
 from .pooling import (accumulation_dtype, auto_levels, block_sums, log_token_weights, mean_pool, num_blocks,

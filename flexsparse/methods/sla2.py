@@ -73,11 +73,12 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
     rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)
     _check_alpha(params, rows, tq, n, cfg.block_q)
     p = require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
-    if cfg.smooth_k == "all":
-        k = k - k.mean(dim=2, keepdim=True)
+    acc = accumulation_dtype(q.dtype)
+    if cfg.smooth_k == "all":                      # kept in fp32: rounded keys would perturb the router
+        k = k.to(acc) - k.to(acc).mean(dim=2, keepdim=True)
     mask = route(q, k, cfg, p["proj_q"], p["proj_k"])
     if backend == "reference":
-        return sla2_dense(q, k, v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
+        return sla2_dense(q, k.to(q.dtype), v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
                           alpha_logit=p["alpha_logit"])
     if isinstance(mask, SoftBlockMask):
         o_s, lse = torch_soft.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q,
@@ -87,7 +88,6 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
     else:
         o_s, lse = torch_sparse.block_sparse_attention(q, k, v, mask, scale)
         o_l = torch_linear.masked_linear_attention(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
-    acc = accumulation_dtype(q.dtype)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)
     out = alpha * o_s.to(acc) + (1 - alpha) * o_l.to(acc)
