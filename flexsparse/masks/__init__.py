@@ -1,11 +1,13 @@
-"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), CSR->CSC,
-FlexAttention BlockMasks of selections."""
+"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), SLA/SLA2 router
+inputs, SoftTop-k, CSR->CSC, FlexAttention BlockMasks of selections."""
 from .block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask, llsa_layout
 from .csc import CSC, csr_to_csc
 from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index
 from .pooling import (accumulation_dtype, auto_levels, block_sums, log_token_weights, mean_pool, num_blocks,
                       pool_pyramid, token_counts)
-from .selection import BlockSelection, LLSASelection
+from .router import pooled_qk, ratio_count, router_scores, sla_block_counts
+from .selection import BlockSelection, LLSASelection, SoftBlockMask
+from .softtopk import soft_topk, soft_topk_logits
 from .topk import block_topk, grouped_scores, stable_topk
 
 __all__ = [
@@ -13,5 +15,6 @@ __all__ = [
     "CSC", "csr_to_csc", "children", "children_topk", "hierarchical_topk", "kv_head_index",
     "accumulation_dtype", "auto_levels", "block_sums", "log_token_weights", "mean_pool", "num_blocks",
     "pool_pyramid", "token_counts", "BlockSelection", "LLSASelection", "block_topk", "grouped_scores",
-    "stable_topk",
+    "stable_topk", "SoftBlockMask", "pooled_qk", "ratio_count", "router_scores", "sla_block_counts", "soft_topk",
+    "soft_topk_logits",
 ]

@@ -56,3 +56,27 @@ class LLSASelection:
     def tokens(self, level: int) -> int:
         """Real tokens at ``level`` (level 0 is the input)."""
         return num_blocks(self.n, self.block**level)
+
+
+@dataclass(frozen=True)
+class SoftBlockMask:
+    """Soft block mask of SLA2's stage-1 router (SoftTop-k).
+
+    logits: ``(B, H, Tq, Tk)`` pre-sigmoid values; the block weight is ``M = sigmoid(logits)``
+    (each row sums to the block count), consumed as ``log M = logsigmoid(logits)`` by the softmax
+    branch and ``1 - M = sigmoid(-logits)`` by the linear branch. Differentiable.
+    """
+
+    logits: torch.Tensor
+    block_q: int
+    block_k: int
+    n_q: int
+    n_k: int
+
+    @property
+    def num_q_blocks(self) -> int:
+        return num_blocks(self.n_q, self.block_q)
+
+    @property
+    def num_k_blocks(self) -> int:
+        return num_blocks(self.n_k, self.block_k)

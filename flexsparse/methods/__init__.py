@@ -6,9 +6,9 @@ Every method module defines:
   ``init_params(cfg, head_dim, num_heads, seq_len) -> dict[str, Tensor]`` its learnable parameters,
   ``forward(q, k, v, cfg, *, backend, scale, params) -> (o, lse)``.
 """
-from . import full, llsa, topk, vsa
+from . import full, llsa, sla, sla2, topk, vsa
 
-MODULES = {"full": full, "topk": topk, "vsa": vsa, "llsa": llsa}
+MODULES = {"full": full, "topk": topk, "vsa": vsa, "llsa": llsa, "sla": sla, "sla2": sla2}
 
 
 def method_module(name: str):

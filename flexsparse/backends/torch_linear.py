@@ -1,0 +1,99 @@
+"""Linear-attention branches of SLA / SLA2 in plain PyTorch (gather-based, autograd).
+
+``O_l = phi(Q) H / (eps + phi(Q) . Z)`` with ``H = sum_j phi(K_j)^T V_j`` and ``Z = sum_j colsum phi(K_j)``
+over the keys the branch sees. phi acts on the head dim. Computations in fp32 (fp64 for fp64 inputs),
+outputs in the input dtype. Padded keys have ``phi = 0`` and padded queries are dropped, so padding
+never contributes. GQA: K/V heads divide Q heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..masks import BlockSelection, kv_head_index
+from ..masks.pooling import accumulation_dtype
+from .torch_sparse import _gather_blocks, _pad_tokens
+
+
+def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
+    """phi over the last dim in the accumulation dtype: ``softmax``, ``elu`` (elu + 1) or ``relu``."""
+    x = x.to(accumulation_dtype(x.dtype))
+    if name == "softmax":
+        return torch.softmax(x, dim=-1)
+    if name == "elu":
+        return F.elu(x) + 1
+    if name == "relu":
+        return torch.relu(x)
+    raise ValueError(f"unknown feature map {name!r}; valid: ['softmax', 'elu', 'relu']")
+
+
+def _global_state(phi_k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``H = phi(K)^T V`` ``(B, H, D, D)`` and ``Z = colsum phi(K)`` ``(B, H, D)`` per query head."""
+    idx = kv_head_index(heads, phi_k.shape[1], phi_k.device)
+    return (phi_k.transpose(-1, -2) @ v)[:, idx], phi_k.sum(2)[:, idx]
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_map: str,
+                     eps: float) -> torch.Tensor:
+    """Linear attention over all keys (SLA ``linear="full"``).
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``. Returns ``(B, H, Nq, D)`` in q's dtype.
+    """
+    acc = accumulation_dtype(q.dtype)
+    phi_q = apply_feature_map(q, feature_map)
+    h, z = _global_state(apply_feature_map(k, feature_map), v.to(acc), q.shape[1])
+    out = (phi_q @ h) / (eps + (phi_q @ z.unsqueeze(-1)))
+    return out.to(q.dtype)
+
+
+def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
+                            feature_map: str, eps: float) -> torch.Tensor:
+    """Linear attention of each query block over the key blocks that are neither selected nor excluded.
+
+    Computed as global sums minus the skipped blocks, gathered like the sparse branch:
+    numerator ``phi(Q_i) H - sum_{j skipped} (phi(Q_i) phi(K_j)^T) V_j``, denominator
+    ``phi(Q_i) . Z - rowsum(phi(Q_i) phi(K_j)^T)``; memory O(N * skipped * block_k). When the skipped
+    blocks are every block the output is exactly 0. The subtraction loses relative precision when
+    the remaining keys carry a tiny fraction of the global mass (fp32: ~1e-7 / fraction).
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``. Returns ``(B, H, Nq, D)`` in q's dtype.
+    """
+    acc = accumulation_dtype(q.dtype)
+    bq, bk = selection.block_q, selection.block_k
+    tq, tk = selection.num_q_blocks, selection.num_k_blocks
+    skipped = selection.indices
+    if selection.excluded is not None:
+        skipped = torch.cat([skipped, selection.excluded], dim=-1)
+    if skipped.shape[-1] == tk:
+        return q.new_zeros(q.shape)
+    phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * bq).unflatten(2, (tq, bq))
+    phi_k = _pad_tokens(apply_feature_map(k, feature_map), tk * bk)
+    values = _pad_tokens(v.to(acc), tk * bk)
+    h, z = _global_state(phi_k, values, q.shape[1])
+    a = phi_q @ _gather_blocks(phi_k, skipped, bk).transpose(-1, -2)            # (B, H, Tq, bq, S * bk)
+    num = phi_q @ h.unsqueeze(2) - a @ _gather_blocks(values, skipped, bk)
+    den = phi_q @ z[:, :, None, :, None] - a.sum(-1, keepdim=True)
+    out = num / (eps + den)
+    return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
+
+
+def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor,
+                              block_q: int, block_k: int, *, feature_map: str, eps: float) -> torch.Tensor:
+    """Linear attention with a weight per (query block, key block): ``H_i = sum_j w_ij h_j``.
+
+    Dense over blocks (O(Tq * Tk * D^2) work, ``(B, H, Tq, D, D)`` memory): SLA2's stage-1 soft
+    router, where ``w = 1 - M``. q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``;
+    weights: ``(B, H, Tq, Tk)`` (differentiable). Returns ``(B, H, Nq, D)`` in q's dtype.
+    """
+    acc = accumulation_dtype(q.dtype)
+    bsz, heads, tq, tk = weights.shape
+    kv_heads, d = k.shape[1], q.shape[-1]
+    phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * block_q).unflatten(2, (tq, block_q))
+    phi_k = _pad_tokens(apply_feature_map(k, feature_map), tk * block_k).unflatten(2, (tk, block_k))
+    values = _pad_tokens(v.to(acc), tk * block_k).unflatten(2, (tk, block_k))
+    h = (phi_k.transpose(-1, -2) @ values).flatten(-2)                         # (B, Hk, Tk, D*D)
+    z = phi_k.sum(-2)                                                           # (B, Hk, Tk, D)
+    w = weights.to(acc).unflatten(1, (kv_heads, heads // kv_heads))             # (B, Hk, G, Tq, Tk)
+    h_rows = (w @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)           # (B, H, Tq, D, D)
+    z_rows = (w @ z.unsqueeze(2)).flatten(1, 2)                                 # (B, H, Tq, D)
+    out = (phi_q @ h_rows) / (eps + phi_q @ z_rows.unsqueeze(-1))
+    return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)

@@ -1,0 +1,48 @@
+"""Block router inputs of SLA / SLA2: block counts from ratios, pooled Q and smoothed pooled K, scores.
+
+All in fp32 (fp64 for fp64 inputs). Selection itself is ``block_topk`` (hard) or ``soft_topk_logits``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pooling import accumulation_dtype, mean_pool
+from .topk import grouped_scores
+
+
+def ratio_count(ratio: float, available: int, *, minimum: int = 0) -> int:
+    """``max(minimum, floor(ratio * available))``; the product is rounded to 9 decimals first so
+    that e.g. ``0.29 * 100`` counts 29 blocks, not 28."""
+    return max(minimum, math.floor(round(ratio * available, 9)))
+
+
+def sla_block_counts(topk_ratio: float, negligible_ratio: float, num_k_blocks: int) -> tuple[int, int]:
+    """``(topk, bottomk)`` per query block: ``max(1, floor(topk_ratio * Tk))`` critical blocks and
+    ``floor(negligible_ratio * Tk)`` negligible ones. Raises if they do not fit in ``Tk`` blocks."""
+    topk = ratio_count(topk_ratio, num_k_blocks, minimum=1)
+    bottomk = ratio_count(negligible_ratio, num_k_blocks)
+    if topk + bottomk > num_k_blocks:
+        raise ValueError(f"config keys 'topk_ratio'={topk_ratio} and 'negligible_ratio'={negligible_ratio} ask for "
+                         f"{topk} + {bottomk} blocks but there are only {num_k_blocks} key blocks; lower them")
+    return topk, bottomk
+
+
+def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *,
+              smooth_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block means of q ``(B, H, Tq, D)`` and k ``(B, Hk, Tk, D)``; with ``smooth_k`` the per-head
+    key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k)."""
+    q_bar, k_bar = mean_pool(q, block_q), mean_pool(k, block_k)
+    if smooth_k:
+        k_bar = k_bar - k.to(accumulation_dtype(k.dtype)).mean(2, keepdim=True)
+    return q_bar, k_bar
+
+
+def router_scores(q_bar: torch.Tensor, k_bar: torch.Tensor, *, softmax: bool) -> torch.Tensor:
+    """``q_bar k_bar^T / sqrt(D)`` per query head (GQA), softmax over each row when ``softmax``.
+
+    q_bar: ``(B, H, Tq, D)``; k_bar: ``(B, Hk, Tk, D)`` -> ``(B, H, Tq, Tk)`` (differentiable).
+    """
+    scores = grouped_scores(q_bar, k_bar) / math.sqrt(q_bar.shape[-1])
+    return scores.softmax(-1) if softmax else scores

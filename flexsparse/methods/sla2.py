@@ -1,0 +1,94 @@
+"""``sla2``: SLA2 (arXiv 2602.12675): learnable router and alpha-mixing of sparse and linear attention.
+
+smooth: with ``smooth_k="all"`` (paper Alg. 2) ``K <- K - mean_N K`` before everything, which changes
+the linear branch; with ``"router"`` only the router sees the smoothed K (as SLA).
+select: pooled Q and K, shared ``proj_q``, ``proj_k`` (D x D, no bias, identity at init so an untrained
+router equals SLA's), scores ``proj_q(Qbar) proj_k(Kbar)^T / sqrt(D)`` (softmax over the row with
+``router_softmax``); ``router="hard"``: the top ``max(1, floor(topk_ratio * Tk))`` blocks (no gradient to
+the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 calibration).
+attend: softmax attention over the selected blocks and linear attention over the others (hard), or
+``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft).
+combine: ``O = alpha * O_s + (1 - alpha) * O_l``, ``alpha = sigmoid(alpha_logit)`` per query block
+(and per head with ``alpha_per_head``). The returned LSE is the sparse branch's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import torch_linear, torch_soft, torch_sparse
+from ..masks import (BlockSelection, SoftBlockMask, block_topk, num_blocks, pooled_qk, ratio_count, router_scores,
+                     soft_topk_logits)
+from ..masks.pooling import accumulation_dtype
+from ..reference import sla2_dense
+from ._params import require_params
+
+BACKENDS = ("reference", "torch")
+SELF_ATTENTION = True
+
+
+def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+    """Router projections ``proj_q``, ``proj_k`` (identity, ``(D, D)``) and ``alpha_logit``
+    ``(1 or H, Tq)`` with ``sigmoid = alpha_init``; ``Tq`` comes from ``seq_len``. fp32."""
+    if seq_len is None:
+        raise ValueError("method 'sla2' learns one alpha per query block, so it needs seq_len: "
+                         "flexsparse.SparseAttention(config, head_dim=..., num_heads=..., seq_len=N)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    rows = num_heads if cfg.alpha_per_head else 1
+    logit = math.log(cfg.alpha_init / (1.0 - cfg.alpha_init))
+    return {"proj_q": torch.eye(head_dim), "proj_k": torch.eye(head_dim),
+            "alpha_logit": torch.full((rows, num_blocks(seq_len, cfg.block_q)), logit)}
+
+
+def route(q: torch.Tensor, k: torch.Tensor, cfg, proj_q: torch.Tensor,
+          proj_k: torch.Tensor) -> BlockSelection | SoftBlockMask:
+    """Hard selection ``(B, H, Tq, K)`` or SoftTop-k mask ``(B, H, Tq, Tk)`` from the projected pooled Q, K."""
+    count = ratio_count(cfg.topk_ratio, num_blocks(k.shape[2], cfg.block_k), minimum=1)
+    soft = cfg.router == "soft"
+    with torch.set_grad_enabled(soft and torch.is_grad_enabled()):
+        q_bar, k_bar = pooled_qk(q, k, cfg.block_q, cfg.block_k, smooth_k=cfg.smooth_k == "router")
+        q_bar, k_bar = q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+        if not soft:
+            top, _ = block_topk(q_bar, k_bar, count)
+            return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
+        scores = router_scores(q_bar, k_bar, softmax=cfg.router_softmax)
+        logits = soft_topk_logits(scores, count, cfg.tau, cfg.softtopk_iters)
+    return SoftBlockMask(logits, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
+
+
+def _check_alpha(params, rows: int, tq: int, n: int, block_q: int) -> None:
+    alpha = (params or {}).get("alpha_logit")
+    if isinstance(alpha, torch.Tensor) and alpha.dim() == 2 and alpha.shape[0] == rows and alpha.shape[1] != tq:
+        raise ValueError(f"params['alpha_logit'] holds {alpha.shape[1]} query blocks but N={n} with block_q={block_q} "
+                         f"gives {tq}; SLA2's alpha is per query block, so build SparseAttention with seq_len={n}")
+
+
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+    if cfg.quant is not None:
+        raise ValueError(f"config key 'quant' is not supported by the {backend!r} backend of method 'sla2'")
+    heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+    rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)
+    _check_alpha(params, rows, tq, n, cfg.block_q)
+    p = require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
+    acc = accumulation_dtype(q.dtype)
+    if cfg.smooth_k == "all":                      # kept in fp32: rounded keys would perturb the router
+        k = k.to(acc) - k.to(acc).mean(dim=2, keepdim=True)
+    mask = route(q, k, cfg, p["proj_q"], p["proj_k"])
+    if backend == "reference":
+        return sla2_dense(q, k.to(q.dtype), v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
+                          alpha_logit=p["alpha_logit"])
+    if isinstance(mask, SoftBlockMask):
+        o_s, lse = torch_soft.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q,
+                                                   mask.block_k, scale)
+        o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
+                                                     mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
+    else:
+        o_s, lse = torch_sparse.block_sparse_attention(q, k, v, mask, scale)
+        o_l = torch_linear.masked_linear_attention(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
+    token_block = torch.arange(n, device=q.device) // cfg.block_q
+    alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)
+    out = alpha * o_s.to(acc) + (1 - alpha) * o_l.to(acc)
+    return out.to(q.dtype), lse

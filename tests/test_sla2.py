@@ -1,0 +1,316 @@
+"""SLA2: SoftTop-k, learnable router, torch backend vs the fp64 dense reference (hard and soft), alpha."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexsparse
+from flexsparse.backends import torch_linear, torch_soft, torch_sparse
+from flexsparse.config import Config
+from flexsparse.masks import SoftBlockMask, soft_topk, soft_topk_logits
+from flexsparse.methods import sla as sla_method
+from flexsparse.methods import sla2 as sla2_method
+from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
+
+from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, run
+from helpers import rel_err
+
+
+def sla2_config(**kw):
+    return {"method": "sla2", **kw}
+
+
+def params_for(cfg, d, heads, n, dtype=torch.float64, noise=0.3):
+    return leaf_params(sla2_method.init_params(Config.from_dict(cfg), d, heads, n), dtype, noise)
+
+
+# ----------------------------------------------------------------------------------- SoftTop-k
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), frac=st.floats(0.0, 1.0), tau=st.floats(0.01, 1.0),
+       spread=st.floats(0.1, 10.0), seed=st.integers(0, 10_000))
+def test_softtopk_rows_sum_to_count(rows, n, frac, tau, spread, seed):
+    count = max(1, min(n, round(frac * n)))
+    scores = spread * torch.randn(rows, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mask = soft_topk(scores, count, tau, 30)
+    assert ((mask >= 0) & (mask <= 1)).all()
+    torch.testing.assert_close(mask.sum(-1), torch.full((rows,), float(count), dtype=torch.float64),
+                               rtol=0, atol=1e-6)
+
+
+def test_softtopk_fp32_rows_sum_to_count():
+    scores = torch.randn(64, 200).softmax(-1)
+    mask = soft_topk(scores, 10, 0.1, 30)
+    assert mask.dtype == torch.float32
+    torch.testing.assert_close(mask.sum(-1), torch.full((64,), 10.0), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("count,tau", [(1, 1.0), (2, 0.5), (5, 0.1)])
+def test_softtopk_gradcheck(count, tau):
+    scores = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s: soft_topk(s, count, tau, 40), (scores,))
+
+
+def test_softtopk_row_sums_have_zero_gradient_and_order_is_kept():
+    scores = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    mask = soft_topk(scores, 3, 0.2, 30)
+    (grad,) = torch.autograd.grad(mask.sum(), scores)
+    assert grad.abs().max() < 1e-12
+    assert (mask.gather(-1, scores.argsort(-1)).diff(dim=-1) >= 0).all()
+
+
+def test_softtopk_tends_to_hard_topk_and_full_count_is_all_ones():
+    scores = torch.randn(5, 12, dtype=torch.float64)
+    hard = torch.zeros_like(scores).scatter_(-1, scores.topk(4, -1).indices, 1.0)
+    torch.testing.assert_close(soft_topk(scores, 4, 1e-9, 80), hard, rtol=0, atol=1e-8)
+    assert torch.equal(soft_topk(scores, 12, 0.1, 30), torch.ones_like(scores))
+
+
+@pytest.mark.parametrize("count,tau", [(0, 0.1), (13, 0.1), (3, 0.0)])
+def test_softtopk_bad_arguments_raise(count, tau):
+    with pytest.raises(ValueError, match="count" if tau else "tau"):
+        soft_topk_logits(torch.randn(2, 12), count, tau, 30)
+
+
+# ----------------------------------------------------------------------------------- params, router
+
+def test_init_params():
+    cfg = Config.from_dict(sla2_config(block_q=16, alpha_init=0.7))
+    p = sla2_method.init_params(cfg, 8, 4, 33)
+    assert set(p) == {"proj_q", "proj_k", "alpha_logit"}
+    assert torch.equal(p["proj_q"], torch.eye(8)) and torch.equal(p["proj_k"], torch.eye(8))
+    assert p["alpha_logit"].shape == (1, 3) and p["alpha_logit"].dtype == torch.float32
+    torch.testing.assert_close(torch.sigmoid(p["alpha_logit"]), torch.full((1, 3), 0.7))
+    assert sla2_method.init_params(cfg.replace(alpha_per_head=True), 8, 4, 33)["alpha_logit"].shape == (4, 3)
+    with pytest.raises(ValueError, match="seq_len"):
+        sla2_method.init_params(cfg, 8, 4, None)
+    with pytest.raises(ValueError, match="seq_len"):
+        flexsparse.SparseAttention(cfg, head_dim=8, num_heads=4)
+
+
+@pytest.mark.parametrize("smooth_k", ["all", "router"])
+@pytest.mark.parametrize("n,block_q,block_k,heads", [(57, 8, 4, (2, 1)), (300, 16, 8, (4, 2))])
+def test_untrained_router_equals_sla_selection(smooth_k, n, block_q, block_k, heads):
+    cfg = Config.from_dict(sla2_config(block_q=block_q, block_k=block_k, topk_ratio=0.2, smooth_k=smooth_k))
+    q, k, _ = (x.detach() for x in leaf_qkv(2, heads[0], heads[1], n, 8))
+    k = k + 3 * torch.randn(8, dtype=k.dtype)
+    p = sla2_method.init_params(cfg, 8, heads[0], n)
+    keys = k - k.mean(2, keepdim=True) if smooth_k == "all" else k
+    got = sla2_method.route(q, keys, cfg, p["proj_q"], p["proj_k"])
+    want = sla_method.select(q, k, Config.from_dict({"method": "sla", "block_q": block_q, "block_k": block_k,
+                                                      "topk_ratio": 0.2}))
+    assert torch.equal(got.indices, want.indices)
+
+
+@pytest.mark.parametrize("smooth_k", ["all", "router"])
+def test_trained_hard_router_matches_bruteforce(smooth_k):
+    cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, smooth_k=smooth_k))
+    q, k, _ = (x.detach() for x in leaf_qkv(2, 4, 2, 70, 8))
+    k = k + 2 * torch.randn(8, dtype=k.dtype)
+    p = params_for(cfg.to_dict(), 8, 4, 70, noise=0.5)
+    wq, wk = p["proj_q"].detach(), p["proj_k"].detach()
+    got = sla2_method.route(q, k, cfg, wq, wk)
+    want = block_select_bruteforce(q @ wq.T, k @ wk.T, 4, 8, 4, smooth_k=smooth_k == "router")
+    assert torch.equal(got.indices, want.indices)
+
+
+@pytest.mark.parametrize("router_softmax", [True, False])
+def test_soft_router_mask(router_softmax):
+    """M = SoftTop-k(softmax(proj_q(Qbar) proj_k(Kbar)^T / sqrt(D))), rows summing to the hard count."""
+    cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, router="soft", smooth_k="router",
+                                       router_softmax=router_softmax))
+    q, k, _ = (x.detach() for x in leaf_qkv(1, 2, 1, 70, 8))
+    p = params_for(cfg.to_dict(), 8, 2, 70)
+    mask = sla2_method.route(q, k, cfg, p["proj_q"], p["proj_k"])
+    assert isinstance(mask, SoftBlockMask) and mask.logits.requires_grad
+    kk = expand_kv_heads(k, 2)
+    scores = (span_means(q, 8) @ p["proj_q"].T) @ (span_means(kk - kk.mean(2, keepdim=True), 4) @ p["proj_k"].T).mT
+    scores = scores / math.sqrt(8)
+    want = soft_topk(scores.softmax(-1) if router_softmax else scores, 4, 0.1, 30)
+    torch.testing.assert_close(torch.sigmoid(mask.logits), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.sigmoid(mask.logits).sum(-1), torch.full((1, 2, 9), 4.0, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------- torch vs reference
+
+CASES = [
+    (1, 1, 1, 1, 8, sla2_config(block_size=4, topk_ratio=0.5)),
+    (2, 2, 1, 15, 8, sla2_config(block_q=4, block_k=8, topk_ratio=0.5, feature_map="elu", alpha_per_head=True)),
+    (1, 4, 2, 17, 8, sla2_config(block_q=8, block_k=4, topk_ratio=0.3, feature_map="relu", smooth_k="router")),
+    (1, 2, 1, 17, 8, sla2_config(block_size=16, topk_ratio=0.5)),                  # linear branch empty
+    (1, 4, 2, 64, 8, sla2_config(block_q=16, block_k=8, topk_ratio=0.3, router="soft", alpha_per_head=True)),
+    (2, 2, 2, 33, 8, sla2_config(block_q=8, block_k=4, topk_ratio=0.2, router="soft", router_softmax=False,
+                                 smooth_k="router", feature_map="elu", tau=0.5)),
+    (1, 2, 1, 17, 8, sla2_config(block_size=16, topk_ratio=1.0, router="soft")),     # M = 1: linear weight 0
+    (1, 2, 1, 1000, 8, sla2_config(block_q=16, block_k=8, topk_ratio=0.05)),
+    (1, 2, 1, 300, 8, sla2_config(block_q=16, block_k=8, topk_ratio=0.05, router="soft", feature_map="relu")),
+    (1, 2, 1, 4097, 8, sla2_config(block_size=64, topk_ratio=0.05, alpha_per_head=True)),
+]
+
+
+@pytest.mark.parametrize("b,h,hk,n,d,cfg", CASES, ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
+def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
+    q, k, v = leaf_qkv(b, h, hk, n, d)
+    params = params_for(cfg, d, h, n)
+    got = run(q, k, v, cfg, params, "torch")
+    want = run(q, k, v, cfg, params, "reference")
+    assert_all_close(got, want, rtol=1e-10, atol=1e-10)
+    gq, gk, gv, gpq, gpk, galpha = got[2]
+    assert all(g.abs().sum() > 0 for g in ((gq, gk, gv, galpha) if n > 1 else (gv, galpha)))
+    if cfg.get("router", "hard") == "hard":
+        assert gpq is None and gpk is None                 # hard top-k: the router gets no gradient
+    elif cfg["topk_ratio"] < 1:
+        assert gpq.abs().sum() > 0 and gpk.abs().sum() > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 60), block_q=st.sampled_from([4, 8, 16]), block_k=st.sampled_from([4, 8, 16]),
+       heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]), router=st.sampled_from(["hard", "soft"]),
+       feature_map=st.sampled_from(["softmax", "elu", "relu"]), topk_ratio=st.floats(0.05, 0.7),
+       smooth_k=st.sampled_from(["all", "router"]), per_head=st.booleans(), seed=st.integers(0, 1000))
+def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, router, feature_map, topk_ratio,
+                                                smooth_k, per_head, seed):
+    cfg = sla2_config(block_q=block_q, block_k=block_k, topk_ratio=topk_ratio, router=router,
+                      feature_map=feature_map, smooth_k=smooth_k, alpha_per_head=per_head, tau=0.3)
+    torch.manual_seed(seed)
+    q, k, v = leaf_qkv(1, heads[0], heads[1], n, 8, seed=seed)
+    params = params_for(cfg, 8, heads[0], n)
+    assert_all_close(run(q, k, v, cfg, params, "torch"), run(q, k, v, cfg, params, "reference"),
+                     rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("router", ["hard", "soft"])
+def test_fp32_matches_fp64_reference(router):
+    cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.2, router=router, tau=0.5)
+    q, k, v = leaf_qkv(2, 4, 2, 203, 16, dtype=torch.float32)
+    params = cast_params(params_for(cfg, 16, 4, 203), torch.float32)
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, cast_params(params, torch.float64), "reference")
+    assert got[0].dtype == torch.float32
+    assert_all_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("router", ["hard", "soft"])
+def test_bf16_close_to_fp64_reference(router):
+    cfg = sla2_config(block_q=32, block_k=16, topk_ratio=0.2, router=router, tau=0.5)
+    q, k, v = leaf_qkv(1, 2, 1, 300, 32, dtype=torch.bfloat16)
+    params = params_for(cfg, 32, 2, 300)
+    got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
+    want = run(*cast((q, k, v), torch.float64), cfg, params, "reference")
+    assert got[0].dtype == torch.bfloat16
+    assert rel_err(got[0], want[0]) < 2e-2 and rel_err(got[1], want[1]) < 1e-2
+    for a, b in zip(got[2], want[2]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_err(a, b) < 5e-2
+
+
+def test_soft_branch_chunks_equal_one_pass():
+    """Row chunks with recompute (small max_elements) give the same output, LSE and gradients."""
+    q, k, v = leaf_qkv(1, 4, 2, 50, 8)
+    log_w = torch.nn.functional.logsigmoid(torch.randn(1, 4, 7, 13, dtype=torch.float64)).requires_grad_()
+    results = []
+    for max_elements in (1 << 26, 1):
+        out, lse = torch_soft.soft_block_attention(q, k, v, log_w, 8, 4, 0.3, max_elements=max_elements)
+        grads = torch.autograd.grad((out * out).sum() + lse.sum(), (q, k, v, log_w))
+        results.append((out, lse, grads))
+    assert_all_close(results[0], results[1], rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------- combine, smoothing
+
+@pytest.mark.parametrize("logit,branch", [(40.0, "sparse"), (-40.0, "linear")])
+def test_alpha_mixes_the_two_branches(logit, branch):
+    cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, smooth_k="router"))
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 40, 8))
+    params = {name: p.double() for name, p in sla2_method.init_params(cfg, 8, 2, 40).items()}
+    params["alpha_logit"] = torch.full_like(params["alpha_logit"], logit)
+    out = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
+    sel = sla2_method.route(q, k, cfg, params["proj_q"], params["proj_k"])
+    if branch == "sparse":
+        want, _ = torch_sparse.block_sparse_attention(q, k, v, sel, 8 ** -0.5)
+    else:
+        want = torch_linear.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_alpha_is_per_query_block():
+    cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.25)
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 20, 8))
+    params = {name: p.double() for name, p in sla2_method.init_params(Config.from_dict(cfg), 8, 2, 20).items()}
+    base = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
+    params["alpha_logit"] = params["alpha_logit"].clone()
+    params["alpha_logit"][0, 1] = -3.0                              # only tokens 8..15 change
+    changed = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
+    differs = (changed - base).abs().amax(dim=(0, 1, 3)) > 1e-6
+    assert differs.tolist() == [8 <= t < 16 for t in range(20)]
+
+
+def test_smooth_k_all_smooths_every_branch():
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 48, 8))
+    k = k + 2 * torch.randn(8, dtype=k.dtype)                      # a large key mean
+    params = params_for(sla2_config(block_size=8), 8, 2, 48)
+    out_all = flexsparse.attention(q, k, v, sla2_config(block_size=8, smooth_k="all"), backend="torch",
+                                   params=params)
+    out_router = flexsparse.attention(q, k, v, sla2_config(block_size=8, smooth_k="router"), backend="torch",
+                                      params=params)
+    presmoothed = flexsparse.attention(q, k - k.mean(2, keepdim=True), v, sla2_config(block_size=8, smooth_k="router"),
+                                       backend="torch", params=params)
+    torch.testing.assert_close(out_all, presmoothed, rtol=1e-12, atol=1e-12)
+    assert rel_err(out_all, out_router) > 1e-3                    # the linear branch sees a different K
+
+
+def test_soft_router_with_tiny_tau_approaches_hard_router():
+    q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 64, 8))
+    hard = sla2_config(block_size=8, topk_ratio=0.25, router_softmax=False)
+    params = params_for(hard, 8, 2, 64)
+    out_hard = flexsparse.attention(q, k, v, hard, backend="torch", params=params)
+    out_soft = flexsparse.attention(q, k, v, {**hard, "router": "soft", "tau": 1e-9, "softtopk_iters": 80},
+                                    backend="torch", params=params)
+    torch.testing.assert_close(out_soft, out_hard, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- errors
+
+def test_seq_len_mismatch_raises():
+    module = flexsparse.SparseAttention(sla2_config(block_size=8), head_dim=8, num_heads=2, seq_len=64)
+    q, k, v = leaf_qkv(1, 2, 1, 64, 8, dtype=torch.float32)
+    assert module(q, k, v).shape == q.shape
+    q, k, v = leaf_qkv(1, 2, 1, 80, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="seq_len=80"):
+        module(q, k, v)
+
+
+def test_functional_call_needs_params():
+    q, k, v = leaf_qkv(1, 2, 1, 16, 8)
+    with pytest.raises(ValueError, match="SparseAttention"):
+        flexsparse.attention(q, k, v, sla2_config(block_size=4))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"proj_q": torch.eye(4)}, "proj_q.*shape \\(8, 8\\)"),
+    ({"alpha_logit": torch.zeros(2, 4)}, "alpha_logit.*shape \\(1, 4\\)"),
+    ({"extra": torch.zeros(1)}, "unknown \\['extra'\\]"),
+])
+def test_bad_params_raise(change, match):
+    q, k, v = leaf_qkv(1, 2, 1, 16, 8)
+    params = {**sla2_method.init_params(Config.from_dict(sla2_config(block_size=4)), 8, 2, 16), **change}
+    with pytest.raises(ValueError, match=match):
+        flexsparse.attention(q, k, v, sla2_config(block_size=4), params=params)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (sla2_config(alpha_init=1.0), "alpha_init"),
+    (sla2_config(router="topk"), "router"),
+    (sla2_config(smooth_k="none"), "smooth_k"),
+    (sla2_config(tau=0.0), "tau"),
+    (sla2_config(softtopk_iters=0), "softtopk_iters"),
+    (sla2_config(negligible_ratio=0.1), "negligible_ratio"),
+])
+def test_bad_config_raises(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        Config.from_dict(cfg)
