@@ -330,3 +330,49 @@ def test_gpu_compile_dit_block_training_no_recompiles(config):
     assert rel_err(out, want.detach()) < 2e-2
     for name, p in reference.named_parameters():
         assert rel_err(grads[name], p.grad) < 5e-2, name
+
+
+SLA_CASES = [({"method": "sla", "block_size": 64, "topk_ratio": 0.3, "linear": "masked"}, 1000),
+             ({"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.3}, 1000)]
+
+
+def _perturbed_module(config, backend, head_dim, heads, n, device):
+    module = flexsparse.SparseAttention(config, head_dim=head_dim, num_heads=heads, seq_len=n, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return module.to(device)
+
+
+@pytest.mark.parametrize("config, n", SLA_CASES, ids=["sla", "sla2"])
+def test_sla_methods_flex_forward_matches_torch_cpu(config, n):
+    q, k, v = _qkv(1, 4, 2, n, n, 32, torch.float32, "cpu", 3)
+    flex_out = _perturbed_module(config, "flex", 32, 4, n, "cpu")
+    torch_out = _perturbed_module(config, "torch", 32, 4, n, "cpu")
+    with torch.no_grad():
+        assert rel_err(flex_out(q, k, v), torch_out(q, k, v)) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config, n", SLA_CASES, ids=["sla", "sla2"])
+def test_gpu_sla_methods_flex_vs_reference(config, n, dtype):
+    """Sparse branch on flex, linear branch and mixing in PyTorch: output, LSE and gradients of q, k,
+    v and of the learnable parameters against the fp64 reference with the same parameters."""
+    q, k, v = _cuda_qkv(4, 2, n, 64, dtype, seed=4)
+    module = _perturbed_module(config, "flex", 64, 4, n, "cuda")
+    reference = _perturbed_module(config, "reference", 64, 4, n, "cuda").double()
+    out, lse = module(q, k, v, return_lse=True)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, return_lse=True)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    out.backward(grad.to(dtype))
+    tol = TOL[dtype]
+    assert rel_err(out, ref) < tol
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL[dtype]
+    for x, x64 in ((q, q64), (k, k64), (v, v64)):
+        assert rel_err(x.grad, x64.grad) < 2 * tol
+    for (name, p), p64 in zip(module.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad, p64.grad) < 2 * tol, name

@@ -80,12 +80,11 @@ def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, blo
     """BlockMask with every block of ``ids (B, H, Qb, K)`` full and no partial blocks.
 
     seq_lengths: ``(Lq, Lkv)``, the true lengths (ragged tails are bounds-checked by the kernel).
-    The empty partial index lists are zeros; on CUDA their last dim is 1 (the Triton kernels read
-    only entry 0 of an empty list), on CPU it is the block count that the C++ kernel checks.
+    The empty partial index lists are zeros of the same shapes as the full ones: the Triton kernels
+    index the partial and full tables with one set of strides.
     """
     kv_num, kv_idx, q_num, q_idx, bits = block_tables(ids, num_kv_blocks)
     bsz, heads, tq, _ = ids.shape
-    cpu = ids.device.type == "cpu"
 
     def zeros(*shape):
         return torch.zeros(shape, dtype=torch.int32, device=ids.device)
@@ -93,11 +92,11 @@ def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, blo
     return BlockMask(
         seq_lengths=seq_lengths,
         kv_num_blocks=zeros(bsz, heads, tq),
-        kv_indices=zeros(bsz, heads, tq, num_kv_blocks if cpu else 1),
+        kv_indices=zeros(bsz, heads, tq, num_kv_blocks),
         full_kv_num_blocks=kv_num,
         full_kv_indices=kv_idx,
         q_num_blocks=zeros(bsz, heads, num_kv_blocks),
-        q_indices=zeros(bsz, heads, num_kv_blocks, tq if cpu else 1),
+        q_indices=zeros(bsz, heads, num_kv_blocks, tq),
         full_q_num_blocks=q_num,
         full_q_indices=q_idx,
         BLOCK_SIZE=(block_q, block_kv),

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends import torch_linear, torch_sparse
+from ..backends import sparse_primitives, torch_linear
 from ..masks import BlockSelection, block_topk, num_blocks, pooled_qk, sla_block_counts
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla_dense
 from ._params import require_params
 
-BACKENDS = ("reference", "torch")
+BACKENDS = ("reference", "torch", "flex")
 SELF_ATTENTION = True
 
 
@@ -47,7 +47,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
     if backend == "reference":
         return sla_dense(q, k, v, selection, scale, linear=cfg.linear, feature_map=cfg.feature_map, eps=cfg.eps,
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"])
-    o_s, lse = torch_sparse.block_sparse_attention(q, k, v, selection, scale)
+    o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
     if cfg.linear == "masked":
         o_l = torch_linear.masked_linear_attention(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
