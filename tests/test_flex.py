@@ -83,7 +83,7 @@ def test_eager_flex_honours_the_selection():
     mask, layout = llsa_block_mask(sel)
     k_ext = flex.extended_kv([k, *k_levels], layout.segment_blocks, 16, q.dtype)
     v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
-    out = flex_attention(q, k_ext, v_ext, score_mod=flex.log_weight_score_mod(layout.log_weights()),
+    out = flex_attention(q, k_ext, v_ext, score_mod=flex.log_weight_score_mod(layout.log_weights(q)),
                          block_mask=mask, scale=0.2, enable_gqa=True)
     ref, _ = torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -375,4 +375,7 @@ def test_gpu_sla_methods_flex_vs_reference(config, n, dtype):
     for x, x64 in ((q, q64), (k, k64), (v, v64)):
         assert rel_err(x.grad, x64.grad) < 2 * tol
     for (name, p), p64 in zip(module.named_parameters(), reference.parameters()):
-        assert rel_err(p.grad, p64.grad) < 2 * tol, name
+        if p64.grad is None:   # the hard SLA2 router is not trained by the attention loss
+            assert p.grad is None, name
+        else:
+            assert rel_err(p.grad, p64.grad) < 2 * tol, name

@@ -111,6 +111,19 @@ def block_selection_to_block_mask(selection: BlockSelection) -> BlockMask:
                                (selection.n_q, selection.n_k))
 
 
+@torch.library.custom_op("flexsparse::extended_log_weights", mutates_args=())
+def extended_log_weights(like: torch.Tensor, n: int, block: int, segment_blocks: list[int]) -> torch.Tensor:
+    """``ln(count)`` of every token of the extended KV ``[level 0 | ... | level L]`` (level l padded to
+    ``segment_blocks[l] * block`` tokens), ``-inf`` on padding: ``(sum(segment_blocks) * block,)`` fp32."""
+    return torch.cat([log_token_weights(n, block**level, blocks * block, like.device)
+                      for level, blocks in enumerate(segment_blocks)])
+
+
+@extended_log_weights.register_fake
+def _extended_log_weights_fake(like, n, block, segment_blocks):
+    return like.new_empty(sum(segment_blocks) * block, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class LLSALayout:
     """The extended KV of LLSA on FlexAttention: ``[level 0 | level 1 | ... | level L]``.
@@ -139,11 +152,10 @@ class LLSALayout:
         """First KV block of ``level``'s segment."""
         return sum(self.segment_blocks[:level])
 
-    def log_weights(self, device=None) -> torch.Tensor:
-        """Per extended-KV token ``ln(#real fine tokens under it)``, ``-inf`` on padding: ``(length,)`` fp32."""
-        b = self.block
-        return torch.cat([log_token_weights(self.n, b**level, blocks * b, device)
-                          for level, blocks in enumerate(self.segment_blocks)])
+    def log_weights(self, like: torch.Tensor) -> torch.Tensor:
+        """Per extended-KV token ``ln(#real fine tokens under it)``, ``-inf`` on padding: ``(length,)`` fp32
+        on ``like``'s device (an opaque op, so that compiled graphs see a plain buffer)."""
+        return extended_log_weights(like, self.n, self.block, list(self.segment_blocks))
 
 
 def llsa_layout(n: int, block: int, levels: int) -> LLSALayout:
