@@ -1,10 +1,11 @@
 """Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), SLA/SLA2 router
-inputs, SoftTop-k, CSR->CSC, FlexAttention BlockMasks of selections."""
+inputs, SoftTop-k, CSR->CSC, FlexAttention BlockMasks of selections, token orders (Z-order, 3D tiles)."""
 from .block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask, llsa_layout
 from .csc import CSC, csr_to_csc
 from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index
 from .pooling import (accumulation_dtype, auto_levels, block_sums, log_token_weights, mean_pool, num_blocks,
                       pool_pyramid, token_counts)
+from .reorder import TokenOrder, morton_order_2d, tile_order_3d
 from .router import pooled_qk, ratio_count, router_scores, sla_block_counts
 from .selection import BlockSelection, LLSASelection, SoftBlockMask
 from .softtopk import soft_topk, soft_topk_logits
@@ -16,5 +17,5 @@ __all__ = [
     "accumulation_dtype", "auto_levels", "block_sums", "log_token_weights", "mean_pool", "num_blocks",
     "pool_pyramid", "token_counts", "BlockSelection", "LLSASelection", "block_topk", "grouped_scores",
     "stable_topk", "SoftBlockMask", "pooled_qk", "ratio_count", "router_scores", "sla_block_counts", "soft_topk",
-    "soft_topk_logits",
+    "soft_topk_logits", "TokenOrder", "morton_order_2d", "tile_order_3d",
 ]
