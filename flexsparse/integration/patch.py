@@ -1,0 +1,106 @@
+"""``flexsparse.patch``: swap the attention of an existing model for a flexsparse method, in place.
+
+Each patched module gets a ``SparseSDPA`` (learned parameters included) registered as a submodule, so
+``state_dict`` saves and loads it: a diffusers-style ``Attention`` with the stock processor gets a
+``FlexSparseAttnProcessor`` (keys ``<name>.processor.flexsparse.*``); any other module keeps its code
+and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexsparse`` (timm-style
+blocks get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..config import Config
+from .processor import FlexSparseAttnProcessor
+from .sdpa import RouteSDPA, SparseSDPA
+from .sites import find_sites, head_geometry
+from .spec import PatchSpec
+
+SITE = "flexsparse"          # attribute of the SparseSDPA on a routed module
+RECORD = "_flexsparse_patch"  # what patch changed on a module, for unpatch
+
+
+def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "str | list[str] | None" = None,
+          overrides: Mapping | None = None, dense_warmup_steps: int | None = None, seq_len: int | None = None,
+          head_dim: int | None = None, num_heads: int | None = None, backend: str = "auto") -> dict[str, Config]:
+    """Swap the attention of ``model`` (in place) for the method of ``config``.
+
+    config: a method config dict, optionally with the patch keys ``layers``, ``overrides`` and
+        ``dense_warmup_steps`` (see ``flexsparse.integration.spec``), which may also be given as keywords.
+    layers: module-name globs of the modules to patch; default: every diffusers-style self-attention
+        and timm-style attention. Other modules that call ``F.scaled_dot_product_attention`` need a glob.
+    overrides: ``{layer index or name glob: "full" | config dict}``, e.g. ``{0: "full", -1: "full"}``.
+    dense_warmup_steps: inference steps run dense after ``flexsparse.set_step(model, step)``.
+    seq_len: sequence length, for methods whose parameters depend on it (SLA2).
+    head_dim, num_heads: the query geometry, when it cannot be read from the modules.
+    Returns ``{module name: config}`` of the patched modules.
+    """
+    spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps)
+    if any(hasattr(m, RECORD) for m in model.modules()):
+        raise ValueError("model is already patched; call flexsparse.unpatch(model) first")
+    sites = find_sites(model, spec.layers)
+    configs = spec.configs([name for name, _, _ in sites])
+    built = []
+    for (name, module, kind), cfg in zip(sites, configs):
+        options = dict(seq_len=seq_len, backend=backend, dense_warmup_steps=spec.dense_warmup_steps,
+                       **head_geometry(name, module, kind, head_dim, num_heads))
+        try:
+            built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"patching module {name!r}: {err}") from err
+    for (name, module, kind), new in zip(sites, built):
+        if kind == "processor":
+            _install_processor(module, new)
+        else:
+            _install_route(module, kind, new)
+    return dict(zip([name for name, _, _ in sites], configs))
+
+
+def unpatch(model: nn.Module) -> list[str]:
+    """Undo ``patch`` (the learned sparse parameters are dropped); returns the restored module names."""
+    restored = []
+    for name, module in model.named_modules():
+        record = module.__dict__.pop(RECORD, None)
+        if record is None:
+            continue
+        if record["kind"] == "processor":
+            module.set_processor(record["processor"])
+        else:
+            del module.forward
+            delattr(module, SITE)
+            if record["kind"] == "timm":
+                module.fused_attn = record["fused_attn"]
+        restored.append(name)
+    if not restored:
+        raise ValueError("model is not patched")
+    return restored
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters(), torch.empty(0)).device
+
+
+def _install_processor(module: nn.Module, processor: FlexSparseAttnProcessor) -> None:
+    record = {"kind": "processor", "processor": module.processor}
+    module.set_processor(processor.to(_device_of(module)))
+    module.__dict__[RECORD] = record
+
+
+def _install_route(module: nn.Module, kind: str, site: SparseSDPA) -> None:
+    record = {"kind": kind}
+    if kind == "timm":
+        record["fused_attn"] = module.fused_attn
+        module.fused_attn = True
+    module.add_module(SITE, site.to(_device_of(module)))
+    module.forward = types.MethodType(_routed_forward, module)
+    module.__dict__[RECORD] = record
+
+
+def _routed_forward(self: nn.Module, *args, **kwargs):
+    """The module's own forward with its SDPA calls sent to its ``SparseSDPA``."""
+    with RouteSDPA(getattr(self, SITE)):
+        return type(self).forward(self, *args, **kwargs)

@@ -1,0 +1,82 @@
+"""``SparseSDPA``: a flexsparse method behind ``F.scaled_dot_product_attention``'s signature, the
+``RouteSDPA`` mode that sends a module's SDPA calls to it, and ``set_step`` for dense warm-up."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..config import Config
+from ..methods import method_module
+from ..module import SparseAttention
+
+
+class SparseSDPA(nn.Module):
+    """``forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False)`` on ``(B, H, N, D)`` tensors, like ``F.scaled_dot_product_attention``.
+
+    Runs the method of ``config`` through a ``SparseAttention`` (child ``attention``, so learned
+    parameters live in ``state_dict``), and dense SDPA instead when the config is ``"full"``, during
+    the dense warm-up (see ``set_step``), when a mask or ``is_causal`` is given, or when the method is
+    self-attention only and the call is cross-attention (``Nq != Nk``).
+    """
+
+    def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
+                 seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0):
+        super().__init__()
+        self.config = Config.from_dict(config)
+        if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
+            raise ValueError(f"dense_warmup_steps must be an int >= 0, got {dense_warmup_steps!r}")
+        self.dense_warmup_steps = dense_warmup_steps
+        self.dense = False
+        full = self.config.method == "full"
+        self.self_attention_only = not full and method_module(self.config.method).SELF_ATTENTION
+        self.attention = None if full else SparseAttention(self.config, head_dim=head_dim, num_heads=num_heads,
+                                                           seq_len=seq_len, backend=backend)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        cross = query.shape[-2] != key.shape[-2]
+        if (self.attention is None or self.dense or attn_mask is not None or is_causal
+                or (cross and self.self_attention_only)):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if dropout_p:
+            raise ValueError(f"dropout_p={dropout_p} is not supported by sparse attention; set the attention "
+                             "dropout of the patched module to 0 (or use model.eval())")
+        return self.attention(query, key, value, scale=scale)
+
+    def extra_repr(self) -> str:
+        return f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}"
+
+
+class RouteSDPA(TorchFunctionMode):
+    """Inside ``with RouteSDPA(site):`` every ``F.scaled_dot_product_attention`` call goes to ``site``
+    (a ``SparseSDPA``); other torch functions run unchanged. Traceable by ``torch.compile``."""
+
+    def __init__(self, site: SparseSDPA):
+        super().__init__()
+        self.site = site
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.site(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def set_step(model: nn.Module, step: int | None) -> None:
+    """Tell the patched attention of ``model`` which diffusion step runs next (0 = the first): steps
+    below a site's ``dense_warmup_steps`` run dense. ``None`` (the default state, for training) runs
+    sparse at every call."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    sites = [m for m in model.modules() if isinstance(m, SparseSDPA)]
+    if not sites:
+        raise ValueError("model has no flexsparse attention; call flexsparse.patch(model, config) first")
+    for site in sites:
+        site.dense = step is not None and step < site.dense_warmup_steps

@@ -1,0 +1,85 @@
+"""Finding the attention modules of a model and their head geometry.
+
+Kinds: ``"processor"`` (a diffusers-style ``Attention`` with the stock processor, which patch replaces
+by ``FlexSparseAttnProcessor``), ``"timm"`` (a timm-style ``Attention``: ``qkv``, ``num_heads``,
+``fused_attn``, ``proj``) and ``"sdpa"`` (any other module, including diffusers modules with a custom
+processor: its ``F.scaled_dot_product_attention`` calls are routed).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+STOCK_PROCESSORS = ("AttnProcessor", "AttnProcessor2_0")
+_HEADS = ("num_heads", "heads", "n_heads", "n_head", "num_attention_heads")
+_HEAD_DIMS = ("head_dim", "dim_head", "attention_head_dim")
+_WIDTHS = ("inner_dim", "embed_dim", "hidden_size", "dim")
+
+
+def is_diffusers_attention(module: nn.Module) -> bool:
+    """``to_q``, ``to_k``, ``to_v``, ``to_out``, ``heads`` and ``set_processor``."""
+    return (all(hasattr(module, name) for name in ("to_q", "to_k", "to_v", "to_out", "heads"))
+            and callable(getattr(module, "set_processor", None)))
+
+
+def is_timm_attention(module: nn.Module) -> bool:
+    """``qkv`` (a Linear), ``num_heads``, ``fused_attn`` and ``proj``."""
+    return (isinstance(getattr(module, "qkv", None), nn.Linear)
+            and all(hasattr(module, name) for name in ("num_heads", "fused_attn", "proj")))
+
+
+def kind_of(module: nn.Module) -> str:
+    if is_diffusers_attention(module) and type(getattr(module, "processor", None)).__name__ in STOCK_PROCESSORS:
+        return "processor"
+    if is_timm_attention(module):
+        return "timm"
+    return "sdpa"
+
+
+def find_sites(model: nn.Module, layers: tuple[str, ...] | None) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, kind)`` of the modules to patch, in ``named_modules`` order: those whose
+    names match a glob of ``layers``, or by default every diffusers-style self-attention (cross-
+    attention modules are skipped) and timm-style attention."""
+    named = list(model.named_modules())
+    if layers is None:
+        chosen = [(n, m) for n, m in named if is_timm_attention(m)
+                  or (is_diffusers_attention(m) and not getattr(m, "is_cross_attention", False))]
+        if not chosen:
+            raise ValueError("found no diffusers- or timm-style attention module in the model; name the modules "
+                             "that call F.scaled_dot_product_attention with layers=['blocks.*.attn']")
+    else:
+        for pattern in layers:
+            if not any(fnmatchcase(n, pattern) for n, _ in named):
+                some = [n for n, _ in named[1:9]]
+                raise ValueError(f"layers pattern {pattern!r} matches no module name (names look like {some})")
+        chosen = [(n, m) for n, m in named if any(fnmatchcase(n, p) for p in layers)]
+    names = [n for n, _ in chosen]
+    for outer in names:
+        for inner in names:
+            if inner != outer and (outer == "" or inner.startswith(outer + ".")):
+                raise ValueError(f"layers select both {outer or '<root>'!r} and its submodule {inner!r}; "
+                                 "select only the attention modules")
+    return [(n, m, kind_of(m)) for n, m in chosen]
+
+
+def head_geometry(name: str, module: nn.Module, kind: str, head_dim: int | None,
+                  num_heads: int | None) -> dict[str, int]:
+    """``{"head_dim", "num_heads"}`` of the queries of ``module``: the given values, else read from
+    the module's attributes."""
+    if num_heads is None:
+        num_heads = next((getattr(module, a) for a in _HEADS if isinstance(getattr(module, a, None), int)), None)
+    if head_dim is None and num_heads:
+        head_dim = next((getattr(module, a) for a in _HEAD_DIMS if isinstance(getattr(module, a, None), int)), None)
+        if head_dim is None:
+            if isinstance(getattr(module, "to_q", None), nn.Linear):
+                width = module.to_q.out_features
+            elif kind == "timm":
+                width = module.qkv.out_features // 3
+            else:
+                width = next((getattr(module, a) for a in _WIDTHS if isinstance(getattr(module, a, None), int)), None)
+            head_dim = width // num_heads if width else None
+    if not head_dim or not num_heads:
+        raise ValueError(f"cannot tell the number of heads and head dim of module {name!r} "
+                         f"({type(module).__name__}); pass head_dim= and num_heads= to flexsparse.patch")
+    return {"head_dim": head_dim, "num_heads": num_heads}
