@@ -23,3 +23,12 @@ def _fresh_seed():
     print(f"torch seed = {seed}")
     torch.manual_seed(seed)
     yield seed
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for modules of tiny models: faster than two, and steady on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from flexsparse.integration import FlexSparseAttnProcessor, SparseSDPA
 from flexsparse.methods import MODULES
 from stand_ins import ATTENTIONS, TimmStyleAttention, TinyModel
 
+pytestmark = pytest.mark.usefixtures("single_thread")
 N, DIM = 64, 32
 KINDS = list(ATTENTIONS)
 ALL_BLOCKS = {"method": "topk", "block_size": 16, "topk": 4}   # every key block: equals dense attention

@@ -1,0 +1,204 @@
+"""Training study: the same DiT, data, seed and steps for each attention method at one resolution;
+validation-loss curves, final validation loss, a sample grid per method, and training throughput in
+pixel tokens/s at several resolutions.
+
+    python -m examples.dit.study --out study_out --steps 2000          # GPU: 128x128, DiT-S
+    python -m examples.dit.study --out study_out --budget 600          # 10 minutes of training per method
+    python -m examples.dit.study --tiny --out /tmp/study               # CPU smoke test
+
+Writes ``study.json``, ``val_loss.png``, ``throughput.png``, ``samples_<method>.png`` and each
+method's run folder ``runs/<method>/`` (see ``examples.dit.train``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from flexsparse.methods import MODULES
+
+from . import train
+from .model import DiT
+from .outputs import write_json
+
+# At 128x128 (N = 16384): topk/vsa keep 8 or 32 of 256 key blocks of 64; sla/sla2 5% of the blocks;
+# llsa K=8 at both levels (L = 2 for N >= 16384), as in the LLSA paper.
+METHODS = {
+    "full": {"method": "full"},
+    "topk8": {"method": "topk", "block_size": 64, "topk": 8},
+    "topk32": {"method": "topk", "block_size": 64, "topk": 32},
+    "vsa": {"method": "vsa", "block_size": 64, "topk": 8, "gate": True},
+    "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.05},
+    "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.05},
+    "llsa": {"method": "llsa", "block_size": 16, "topk": 8},
+}
+# --tiny: 16x16 images (N = 256), blocks scaled down so every method has several blocks.
+TINY_METHODS = {
+    "full": {"method": "full"},
+    "topk8": {"method": "topk", "block_size": 4, "topk": 8},
+    "topk32": {"method": "topk", "block_size": 4, "topk": 32},
+    "vsa": {"method": "vsa", "block_size": 4, "topk": 8, "gate": True},
+    "sla": {"method": "sla", "block_size": 4, "topk_ratio": 0.05},
+    "sla2": {"method": "sla2", "block_q": 8, "block_k": 4, "topk_ratio": 0.05},
+    "llsa": {"method": "llsa", "block_size": 4, "topk": 8},
+}
+TINY = {"image_size": 16, "throughput_sizes": [16, 32], "throughput_tokens": 1024, "throughput_steps": 2,
+        "steps": 2, "batch_size": 2}
+TINY_ARCH = {"hidden": 32, "heads": 2, "depth": 2}
+TINY_RUN = ["--val-crops", "4", "--samples", "4", "--sample-steps", "2"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.dit.study", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="study_out")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--image-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=2000, help="training steps per method")
+    p.add_argument("--budget", type=float, help="also stop each method after this many seconds of training")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--val-every", type=int, help="default: steps / 20")
+    p.add_argument("--init", help="checkpoint every method starts from (e.g. a low-resolution full-attention run)")
+    p.add_argument("--data-dir", help="your own images instead of the bundled photographs")
+    p.add_argument("--throughput-sizes", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--throughput-tokens", type=int, default=16 * 128 * 128,
+                   help="pixel tokens per throughput batch (batch = tokens / side^2)")
+    p.add_argument("--throughput-steps", type=int, default=10, help="timed training steps (after 3 warm-up)")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 16x16 images, 2 steps")
+    args = p.parse_args(argv)
+    if args.tiny:
+        for key in ("image_size", "throughput_sizes", "throughput_tokens", "throughput_steps", "steps", "batch_size"):
+            setattr(args, key, TINY[key])
+    return args
+
+
+def model_size(args) -> dict:
+    """The DiT's size: the ``--init`` checkpoint's, the tiny one, or the default (DiT-S)."""
+    if args.init:
+        saved = torch.load(args.init, map_location="cpu")["config"]
+        return {k: saved[k] for k in train.ARCH_DEFAULTS}
+    return dict(TINY_ARCH) if args.tiny else dict(train.ARCH_DEFAULTS)
+
+
+def train_method(name: str, attn: dict, args, arch: dict, out: Path) -> dict:
+    """Train one method with ``examples.dit.train``; its summary and validation curve."""
+    argv = ["--attn", json.dumps(attn), "--image-size", str(args.image_size), "--steps", str(args.steps),
+            "--batch-size", str(args.batch_size), "--val-every", str(args.val_every or max(1, args.steps // 20)),
+            "--sample-every", str(args.steps), "--ckpt-every", str(args.steps), "--out", str(out / "runs" / name),
+            "--precision", args.precision, "--device", args.device, "--seed", str(args.seed), "--quiet"]
+    argv += ["--budget", str(args.budget)] if args.budget else []
+    argv += ["--resume", args.init] if args.init else []
+    argv += ["--data-dir", args.data_dir] if args.data_dir else []
+    argv += ["--compile"] if args.compile else []
+    argv += [item for key, value in arch.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+    argv += TINY_RUN if args.tiny else []
+    summary = train.main(argv)
+    history = json.loads((out / "runs" / name / "history.json").read_text())
+    shutil.copyfile(summary["samples"], out / f"samples_{name}.png")
+    return {"summary": summary, **{k: history[k] for k in ("val_step", "val_loss", "val_loss_ema")}}
+
+
+def measure_throughput(attn: dict, size: int, args, arch: dict) -> float:
+    """Training tokens/s (forward, backward, AdamW step) at ``size x size`` on random data."""
+    device = torch.device(args.device)
+    batch = max(1, args.throughput_tokens // (size * size))
+    model = DiT(size, attn, **arch).to(device)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    step_model = torch.compile(model) if args.compile else model
+    amp = train.autocast(device, args.precision)
+    x0, eps = torch.randn(2, batch, 3, size, size, device=device).unbind(0)
+    sigma = torch.rand(batch, device=device)
+
+    def run(steps):
+        for _ in range(steps):
+            train.training_step(step_model, optimizer, params, x0, eps, sigma, size / 64, 1.0, amp)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run(3)
+    start = time.perf_counter()
+    run(args.throughput_steps)
+    return batch * size * size * args.throughput_steps / (time.perf_counter() - start)
+
+
+def attempt(work):
+    """``work()``, or its error as a string (one failing method or size must not lose the others)."""
+    try:
+        return work()
+    except Exception as err:
+        traceback.print_exc()
+        return f"error: {type(err).__name__}: {err}"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def plot(results: dict, out: Path, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, result in results.items():
+        if result.get("val_step"):
+            ax.plot(result["val_step"], result["val_loss_ema"], "o-", ms=3, label=name)
+    ax.set(xlabel="step", ylabel="validation loss (EMA model)", yscale="log",
+           title=f"{args.image_size}x{args.image_size}, held-out crops, fixed noise and sigmas")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "val_loss.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names, width = list(results), 0.8 / len(args.throughput_sizes)
+    for i, size in enumerate(args.throughput_sizes):
+        values = [results[n].get("throughput", {}).get(str(size)) for n in names]
+        ax.bar([j + i * width for j in range(len(names))], [v if isinstance(v, float) else 0 for v in values],
+               width, label=f"{size}x{size}")
+    ax.set_xticks([j + width * (len(args.throughput_sizes) - 1) / 2 for j in range(len(names))], names)
+    ax.set(ylabel="training pixel tokens / s", yscale="log", title="training throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = TINY_METHODS if args.tiny else METHODS
+    arch = model_size(args)
+    results = {}
+    for name in args.methods:
+        attn, result = table[name], {"attn": table[name]}
+        results[name] = result
+        if attn["method"] not in MODULES:
+            result["error"] = f"method {attn['method']!r} is not in this flexsparse build"
+            print(f"[{name}] skipped: {result['error']}")
+            continue
+        trained = attempt(lambda: train_method(name, attn, args, arch, out))
+        result.update(trained if isinstance(trained, dict) else {"error": trained})
+        result["throughput"] = {str(size): attempt(lambda: measure_throughput(attn, size, args, arch))
+                                for size in args.throughput_sizes}
+        final = result.get("summary", {}).get("final_val_loss_ema")
+        print(f"[{name}] final EMA validation loss {final}, tokens/s {result['throughput']}"
+              + (f", {result['error']}" if "error" in result else ""))
+        write_json({"args": vars(args), "methods": results}, out / "study.json")
+    plot(results, out, args)
+    return results
+
+
+if __name__ == "__main__":
+    main()

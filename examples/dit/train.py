@@ -1,0 +1,269 @@
+"""Train the pixel-space DiT with flow matching on photographs, attention chosen by a config dict.
+
+    python -m examples.dit.train --image-size 32 --attn full --steps 40000 --out runs/s32
+    python -m examples.dit.train --image-size 128 --resume runs/s32/checkpoints/last.pt \\
+        --attn '{"method": "llsa", "block_size": 16, "topk": 8}' --out runs/s128_llsa
+
+A resume at the same image size and attention continues the run (optimizer, step, history); at a
+different size or attention it starts a new stage from the weights (progressive resolution: RoPE
+positions stay rescaled to the pretraining size, parameters new to the sparse method start fresh).
+Writes into ``--out``: ``config.json``, ``history.json``, ``loss.png``, ``samples/step_*.png``,
+``checkpoints/last.pt`` (weights, EMA, optimizer, config, history) and ``summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import flexsparse
+
+from .data import photos_and_split, random_crops
+from .flow import euler_sample, flow_loss, noise_scale, sample_sigmas, validation_sigmas
+from .model import DiT
+from .outputs import plot_losses, save_grid, write_json
+
+ARCH_DEFAULTS = {"hidden": 384, "heads": 6, "depth": 12, "mlp_ratio": 4.0}
+VAL_SEED, SAMPLE_SEED = 1234, 4321          # fixed across runs, so validation losses and samples compare
+
+
+def attn_config(text: str) -> dict:
+    """``--attn``: a JSON config dict, or a bare method name such as ``full``."""
+    try:
+        config = json.loads(text) if text.lstrip().startswith("{") else {"method": text}
+        return flexsparse.Config.from_dict(config).to_dict()
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"--attn {text!r}: {err}") from err
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.dit.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--attn", type=attn_config, default={"method": "full"}, help="flexsparse config (JSON) or 'full'")
+    p.add_argument("--image-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10000, help="training steps of this stage")
+    p.add_argument("--budget", type=float, help="stop after this many seconds of training")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--ema-decay", type=float, default=0.9999)
+    for name in ARCH_DEFAULTS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(ARCH_DEFAULTS[name]),
+                       help=f"model size (default {ARCH_DEFAULTS[name]}, or the checkpoint's on --resume)")
+    p.add_argument("--rope-size", type=int, help="side RoPE positions are rescaled to (default: the first stage's size)")
+    p.add_argument("--noise-scale", type=float, help="flow-matching noise scale s (default image size / 64)")
+    p.add_argument("--data-dir", help="folder of your own images (default: photographs bundled with "
+                   "scikit-image and scikit-learn)")
+    p.add_argument("--val-crops", type=int, default=32, help="held-out validation crops")
+    p.add_argument("--val-every", type=int, default=500)
+    p.add_argument("--sample-every", type=int, default=2000)
+    p.add_argument("--samples", type=int, default=16, help="images per sample grid")
+    p.add_argument("--sample-steps", type=int, default=20, help="Euler steps per sample")
+    p.add_argument("--ckpt-every", type=int, default=2000)
+    p.add_argument("--out", default="runs/dit")
+    p.add_argument("--resume", help="checkpoint to continue, or to start a new stage from")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA")
+    p.add_argument("--backend", default="auto", help="flexsparse backend")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for name in ("image_size", "steps", "batch_size", "val_crops", "val_every", "sample_every", "samples",
+                 "sample_steps", "ckpt_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def run_config(args, checkpoint: dict | None) -> dict:
+    """Model, data and optimisation settings of this stage (saved in checkpoints)."""
+    previous = checkpoint["config"] if checkpoint else {}
+    arch = {}
+    for name, default in ARCH_DEFAULTS.items():
+        given, saved = getattr(args, name), previous.get(name)
+        if given is not None and saved is not None and given != saved:
+            raise ValueError(f"--{name.replace('_', '-')}={given} differs from the checkpoint's {saved}")
+        arch[name] = given if given is not None else saved if saved is not None else default
+    rope_size = args.rope_size or previous.get("rope_size") or args.image_size
+    return {"image_size": args.image_size, "attn": args.attn, **arch, "rope_size": rope_size,
+            "noise_scale": args.noise_scale or noise_scale(args.image_size), "batch_size": args.batch_size,
+            "lr": args.lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
+            "ema_decay": args.ema_decay, "data_dir": args.data_dir, "seed": args.seed, "backend": args.backend,
+            "init_from": args.resume}
+
+
+def build_model(config: dict, device) -> DiT:
+    return DiT(config["image_size"], config["attn"], hidden=config["hidden"], heads=config["heads"],
+               depth=config["depth"], mlp_ratio=config["mlp_ratio"], rope_size=config["rope_size"],
+               backend=config["backend"]).to(device)
+
+
+def load_weights(model: DiT, state: dict) -> list[str]:
+    """Load the tensors of ``state`` that fit ``model``; return the names left as initialised. Only
+    sparse-attention parameters may be left (new to this stage, or shaped by the old resolution)."""
+    own = model.state_dict()
+    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    fresh = sorted(set(own) - set(fitting))
+    wrong = [k for k in fresh + sorted(set(state) - set(own)) if ".attn.attention." not in k]
+    if wrong:
+        raise ValueError(f"checkpoint does not fit this model: {wrong[:5]} missing, extra or of another shape")
+    model.load_state_dict(fitting, strict=False)
+    return fresh
+
+
+def update_ema(ema: DiT, model: DiT, step: int, max_decay: float) -> None:
+    """EMA with warm-up: ``decay = min(max_decay, 1 - (1 + step) ** -0.75)``."""
+    decay = min(max_decay, 1 - (1 + step) ** -0.75)
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(p, 1 - decay)
+
+
+def autocast(device: torch.device, precision: str):
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def training_step(model, optimizer, params, x0, eps, sigma, scale: float, grad_clip: float, amp) -> torch.Tensor:
+    """One AdamW step on the flow-matching loss; returns the loss (a 0-dim tensor)."""
+    with amp:
+        loss = flow_loss(model, x0, eps, sigma, scale)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def validation_loss(model, val: dict, scale: float, batch: int, amp) -> float:
+    """Mean flow loss over the fixed held-out crops, noise and sigmas."""
+    total = 0.0
+    for start in range(0, val["x0"].shape[0], batch):
+        part = slice(start, start + batch)
+        with amp:
+            loss = flow_loss(model, val["x0"][part], val["eps"][part], val["sigma"][part], scale)
+        total += loss.item() * val["x0"][part].shape[0]
+    return total / val["x0"].shape[0]
+
+
+def validation_set(images, size: int, count: int, device) -> dict:
+    """Held-out crops with fixed noise and evenly spread sigmas (seeded independently of ``--seed``)."""
+    generator = torch.Generator().manual_seed(VAL_SEED)
+    x0 = random_crops(images, size, count, generator, flip=False)
+    eps = torch.randn(x0.shape, generator=generator)
+    return {"x0": x0.to(device), "eps": eps.to(device), "sigma": validation_sigmas(count).to(device)}
+
+
+def sample_grid(ema: DiT, config: dict, count: int, steps: int, amp, path: Path) -> Path:
+    noise = torch.randn(count, 3, config["image_size"], config["image_size"],
+                        generator=torch.Generator().manual_seed(SAMPLE_SEED))
+    with amp:
+        images = euler_sample(ema, noise.to(next(ema.parameters()).device), config["noise_scale"], steps)
+    return save_grid(images, path)
+
+
+def main(argv=None) -> dict:
+    return train(parse_args(argv))
+
+
+def train(args) -> dict:
+    """Run one stage; return its summary (also written to ``summary.json``)."""
+    device, out = torch.device(args.device), Path(args.out)
+    checkpoint = torch.load(args.resume, map_location="cpu") if args.resume else None
+    config = run_config(args, checkpoint)
+    torch.manual_seed(args.seed)
+    model = build_model(config, device)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    step, history = 0, {"train_step": [], "train_loss": [], "val_step": [], "val_loss": [], "val_loss_ema": []}
+    if checkpoint:
+        continuing = {k: checkpoint["config"][k] for k in ("image_size", "attn")} == {k: config[k] for k in ("image_size", "attn")}
+        fresh = load_weights(model, checkpoint["model"])
+        load_weights(ema, checkpoint["ema"])
+        if continuing:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            step, history = checkpoint["step"], checkpoint["history"]
+            config["init_from"] = checkpoint["config"]["init_from"]
+        print(f"{'continuing' if continuing else 'new stage from'} {args.resume} at step {checkpoint['step']}"
+              + (f"; freshly initialised: {fresh}" if fresh else ""))
+    write_json(config, out / "config.json")
+
+    train_images, val_images = photos_and_split(config["data_dir"])
+    train_images = [image.to(device) for image in train_images]
+    val = validation_set(val_images, config["image_size"], args.val_crops, device)
+    data_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    noise_gen = torch.Generator(device).manual_seed(args.seed * 1_000_033 + step + 1)
+    amp = autocast(device, args.precision)
+    train_model = torch.compile(model) if args.compile else model
+    scale, size, batch = config["noise_scale"], config["image_size"], args.batch_size
+
+    def evaluate():
+        history["val_step"].append(step)
+        history["val_loss"].append(validation_loss(model, val, scale, batch, amp))
+        history["val_loss_ema"].append(validation_loss(ema, val, scale, batch, amp))
+        write_json(history, out / "history.json")
+        plot_losses(history, out / "loss.png", title=f"{size}x{size}, attn {config['attn']['method']}")
+
+    def save():
+        path = out / "checkpoints" / "last.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": step, "config": config, "history": history}, path)
+        return path
+
+    if step == 0:
+        evaluate()
+    step_times, started = [], time.perf_counter()
+    progress = tqdm(total=args.steps, initial=step, disable=args.quiet, desc=f"{size}px {config['attn']['method']}")
+    while step < args.steps:
+        if args.budget is not None and time.perf_counter() - started > args.budget:
+            print(f"stopping at step {step}: --budget {args.budget}s reached")
+            break
+        tick = time.perf_counter()
+        x0 = random_crops(train_images, size, batch, data_gen)
+        eps = torch.randn(x0.shape, generator=noise_gen, device=device)
+        sigma = sample_sigmas(batch, noise_gen)
+        loss = training_step(train_model, optimizer, params, x0, eps, sigma, scale, args.grad_clip, amp).item()
+        update_ema(ema, model, step, args.ema_decay)
+        step_times.append(time.perf_counter() - tick)
+        step += 1
+        history["train_step"].append(step)
+        history["train_loss"].append(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss} at step {step}")
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{batch * size * size / step_times[-1]:.3g}")
+        if step % args.val_every == 0 or step == args.steps:
+            evaluate()
+        if step % args.sample_every == 0:
+            sample_grid(ema, config, args.samples, args.sample_steps, amp, out / "samples" / f"step_{step:06d}.png")
+        if step % args.ckpt_every == 0:
+            save()
+    progress.close()
+    if not history["val_step"] or history["val_step"][-1] != step:
+        evaluate()
+    timed = step_times[len(step_times) // 5:] or step_times       # leave out warm-up (and compilation)
+    summary = {"method": config["attn"]["method"], "attn": config["attn"], "image_size": size, "steps": step,
+               "final_val_loss": history["val_loss"][-1], "final_val_loss_ema": history["val_loss_ema"][-1],
+               "tokens_per_s": batch * size * size * len(timed) / sum(timed) if timed else None,
+               "train_seconds": sum(step_times), "checkpoint": str(save()),
+               "samples": str(sample_grid(ema, config, args.samples, args.sample_steps, amp,
+                                          out / "samples" / "final.png")),
+               "loss_curve": str(out / "loss.png")}
+    write_json(summary, out / "summary.json")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The DiT example (examples/dit) on CPU at a tiny size: llsa and full training, a progressive resume
+at a larger size, a continued run, the outputs it writes, the data loaders and the study smoke test."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.dit import data, study, train  # noqa: E402
+from examples.dit.model import DiT  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+TINY = ["--hidden", "32", "--heads", "2", "--depth", "2", "--batch-size", "2", "--val-crops", "2", "--samples", "2",
+        "--sample-steps", "2", "--quiet"]
+LLSA = '{"method": "llsa", "block_size": 4, "topk": 2}'
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """Three small RGB images (smooth gradients plus noise) as a user's image folder."""
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate([(40, 48), (36, 60), (50, 34)]):
+        ramp = np.linspace(0, 255, w)[None, :, None] * np.array([1.0, 0.5, 0.2])[None, None] * (i + 1) / 3
+        pixels = np.clip(ramp + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"image_{i}.png")
+    return folder
+
+
+def run(tmp_path, name, image_dir, *extra):
+    out = tmp_path / name
+    summary = train.main(["--out", str(out), "--data-dir", str(image_dir), *TINY, *extra])
+    for path in ("config.json", "history.json", "loss.png", "summary.json", "checkpoints/last.pt", "samples/final.png"):
+        assert (out / path).is_file(), f"{name}: {path} missing"
+    assert math.isfinite(summary["final_val_loss"]) and math.isfinite(summary["final_val_loss_ema"])
+    history = json.loads((out / "history.json").read_text())
+    assert all(math.isfinite(x) for x in history["train_loss"])
+    return out, summary, history
+
+
+def test_train_full_and_llsa_then_resume_larger_and_continue(tmp_path, image_dir):
+    common = ["--image-size", "16", "--steps", "3", "--val-every", "3", "--sample-every", "2"]
+    full, summary, _ = run(tmp_path, "full", image_dir, *common, "--attn", "full")
+    assert (full / "samples" / "step_000002.png").is_file() and summary["steps"] == 3
+    run(tmp_path, "llsa", image_dir, *common, "--attn", LLSA)
+
+    ckpt = str(full / "checkpoints" / "last.pt")
+    big, summary, history = run(tmp_path, "llsa32", image_dir, "--image-size", "32", "--steps", "2", "--attn", LLSA,
+                                "--resume", ckpt)
+    config = json.loads((big / "config.json").read_text())
+    assert (config["image_size"], config["rope_size"], config["noise_scale"], config["init_from"]) == (32, 16, 0.5, ckpt)
+    assert summary["steps"] == 2 and history["val_step"][0] == 0, "a new stage starts at step 0 with a validation"
+
+    _, summary, history = run(tmp_path, "llsa32", image_dir, "--image-size", "32", "--steps", "3", "--attn", LLSA,
+                              "--resume", str(big / "checkpoints" / "last.pt"))
+    assert summary["steps"] == 3 and history["train_step"] == [1, 2, 3], "same size and attention continue the run"
+
+
+def test_resume_checks_the_architecture(tmp_path, image_dir):
+    out, _, _ = run(tmp_path, "full", image_dir, "--image-size", "16", "--steps", "1", "--attn", "full")
+    with pytest.raises(ValueError, match="--hidden=64 differs from the checkpoint's 32"):
+        train.main(["--resume", str(out / "checkpoints" / "last.pt"), *TINY[2:], "--hidden", "64", "--out",
+                    str(tmp_path / "x"), "--data-dir", str(image_dir)])
+
+
+def test_new_sparse_parameters_start_fresh_when_loading_dense_weights():
+    dense = DiT(16, {"method": "full"}, hidden=32, heads=2, depth=2)
+    gated = DiT(16, {"method": "vsa", "block_size": 16, "topk": 2, "gate": True}, hidden=32, heads=2, depth=2)
+    fresh = train.load_weights(gated, dense.state_dict())
+    assert fresh == [f"blocks.{i}.attn.attention.params.{p}" for i in range(2) for p in ("gate_bias", "gate_weight")]
+    assert torch.equal(gated.embed.weight, dense.embed.weight)
+    with pytest.raises(ValueError, match="does not fit"):
+        train.load_weights(DiT(16, {"method": "full"}, hidden=32, heads=2, depth=1), dense.state_dict())
+
+
+def test_model_orders_tokens_and_sparse_attention_with_all_blocks_equals_full():
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10.0, 900.0])
+    torch.manual_seed(0)
+    full = DiT(16, {"method": "full"}, hidden=32, heads=2, depth=2, rope_size=8)
+    torch.manual_seed(0)
+    topk = DiT(16, {"method": "topk", "block_size": 16, "topk": 16}, hidden=32, heads=2, depth=2, rope_size=8)
+    for model in (full, topk):
+        for p in model.parameters():          # adaLN-Zero starts at zero: perturb so the test sees attention
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(p.numel()))
+    torch.testing.assert_close(topk(x, t), full(x, t), atol=1e-5, rtol=1e-4)
+    assert torch.equal(full.perm[full.inverse], torch.arange(256))
+    with pytest.raises(ValueError, match="built for 16x16"):
+        full(torch.randn(1, 3, 8, 8), t[:1])
+
+
+def test_bundled_photographs_and_crops():
+    if not any(__import__("importlib").util.find_spec(p) for p in data.BUNDLED):
+        pytest.skip("neither scikit-image nor scikit-learn is installed")
+    photos = data.bundled_photos()
+    assert len(photos) >= 2 and all(p.dtype == torch.uint8 and p.shape[0] == 3 for p in photos.values())
+    train_images, held_out = data.photos_and_split(None)
+    assert len(train_images) + len(held_out) == len(photos) and held_out
+    crops = data.random_crops(train_images, 64, 3, torch.Generator().manual_seed(0))
+    assert crops.shape == (3, 3, 64, 64) and crops.min() >= -1 and crops.max() <= 1
+
+
+def test_folder_loader_needs_two_images(tmp_path, image_dir):
+    assert len(data.folder_images(image_dir)) == 3
+    with pytest.raises(ValueError, match="at least 2 images"):
+        data.folder_images(tmp_path)
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        data.folder_images(tmp_path / "missing")
+
+
+def test_study_smoke(tmp_path, image_dir):
+    results = study.main(["--tiny", "--methods", "full", "llsa", "--throughput-steps", "1", "--out", str(tmp_path),
+                          "--data-dir", str(image_dir)])
+    assert set(results) == {"full", "llsa"} and not any("error" in r for r in results.values())
+    assert all(isinstance(v, float) for r in results.values() for v in r["throughput"].values())
+    for path in ("study.json", "val_loss.png", "throughput.png", "samples_full.png", "samples_llsa.png"):
+        assert (tmp_path / path).is_file()
