@@ -13,4 +13,4 @@ if ! "$PY" -c "import triton" 2>/dev/null; then
     pip_install "triton==3.7.1"
   fi
 fi
-pip_install -e ".[test,plot,quant]"
+pip_install -e ".[test,plot,quant,examples]"
