@@ -1,6 +1,7 @@
 """flexsparse.patch on diffusers-style, timm-style and generic SDPA modules: equivalence, overrides,
 dense warm-up and fallbacks, state_dict round trips, unpatch, deepcopy, torch.compile, real diffusers."""
 import copy
+import functools
 import io
 
 import pytest
@@ -191,6 +192,23 @@ def test_deepcopy_of_a_patched_model_is_independent(kind):
             param.add_(0.1)
     assert torch.equal(model(x), ref)
     assert (twin(x) - ref).abs().max() > 1e-3
+
+
+def test_an_instance_level_forward_is_kept():
+    """Hooks such as accelerate's replace ``module.forward``; patch routes inside them and unpatch restores them."""
+    model, x = TinyModel("generic").eval(), inputs()
+    calls = []
+
+    def hooked(module, *args):
+        calls.append(1)
+        return type(module).forward(module, *args)
+    for block in model.blocks:
+        block.attn.forward = functools.partial(hooked, block.attn)
+    ref = model(x)
+    flexsparse.patch(model, ONE_BLOCK, layers="blocks.*.attn")
+    assert (model(x) - ref).abs().max() > 1e-3 and len(calls) == 6
+    flexsparse.unpatch(model)
+    assert torch.equal(model(x), ref) and len(calls) == 9
 
 
 @pytest.mark.parametrize("kind", ["generic", "timm", "diffusers"])

@@ -71,6 +71,8 @@ def unpatch(model: nn.Module) -> list[str]:
             module.set_processor(record["processor"])
         else:
             del module.forward
+            if record["forward"] is not None:
+                module.forward = record["forward"]
             delattr(module, SITE)
             if record["kind"] == "timm":
                 module.fused_attn = record["fused_attn"]
@@ -91,7 +93,7 @@ def _install_processor(module: nn.Module, processor: FlexSparseAttnProcessor) ->
 
 
 def _install_route(module: nn.Module, kind: str, site: SparseSDPA) -> None:
-    record = {"kind": kind}
+    record = {"kind": kind, "forward": module.__dict__.get("forward")}   # e.g. an accelerate hook
     if kind == "timm":
         record["fused_attn"] = module.fused_attn
         module.fused_attn = True
@@ -101,6 +103,10 @@ def _install_route(module: nn.Module, kind: str, site: SparseSDPA) -> None:
 
 
 def _routed_forward(self: nn.Module, *args, **kwargs):
-    """The module's own forward with its SDPA calls sent to its ``SparseSDPA``."""
+    """The module's forward (an instance-level one it had before patching, else its class's) with its
+    SDPA calls sent to its ``SparseSDPA``."""
+    previous = self.__dict__[RECORD]["forward"]
     with RouteSDPA(getattr(self, SITE)):
-        return type(self).forward(self, *args, **kwargs)
+        if previous is None:
+            return type(self).forward(self, *args, **kwargs)
+        return previous(*args, **kwargs)
