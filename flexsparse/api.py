@@ -1,6 +1,7 @@
 """The functional entry point ``flexsparse.attention``."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping
 
 import torch
@@ -31,7 +32,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
     chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
                               dtype=q.dtype, blocks=blocks)
-    out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params)
+    with _without_autocast(q.device.type):
+        out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params)
     if not return_lse:
         return out
     return out, (lse if lse.dtype == torch.float64 else lse.float())
+
+
+def _without_autocast(device_type: str):
+    """The precision follows the input dtypes (fp32 accumulation); an enclosing autocast region would
+    recast the internal matmuls, selection scores included, to bf16/fp16."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

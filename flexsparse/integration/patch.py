@@ -52,7 +52,7 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
         except (TypeError, ValueError) as err:
             raise type(err)(f"patching module {name!r}: {err}") from err
-    for (name, module, kind), new in zip(sites, built):
+    for (_, module, kind), new in zip(sites, built):
         if kind == "processor":
             _install_processor(module, new)
         else:
@@ -63,7 +63,7 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
 def unpatch(model: nn.Module) -> list[str]:
     """Undo ``patch`` (the learned sparse parameters are dropped); returns the restored module names."""
     restored = []
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         record = module.__dict__.pop(RECORD, None)
         if record is None:
             continue
