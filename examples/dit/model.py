@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import flexsparse
 from flexsparse.masks import morton_order_2d
@@ -91,16 +92,18 @@ class DiT(nn.Module):
     image_size: the side S (the token order, RoPE table and SLA2's per-block parameters depend on it).
     attn: flexsparse config dict of every block's attention (``{"method": "full"}``: dense SDPA).
     rope_size: the side the RoPE positions are rescaled to (the pretraining resolution).
+    checkpointing: recompute each block in the backward pass instead of keeping its activations
+    (about 12x less activation memory for ~1/3 more compute).
     """
 
     def __init__(self, image_size: int, attn: Mapping[str, Any], *, hidden: int = 384, heads: int = 6,
                  depth: int = 12, mlp_ratio: float = 4.0, rope_size: int | None = None, backend: str = "auto",
-                 channels: int = 3):
+                 checkpointing: bool = False, channels: int = 3):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
         attn = flexsparse.Config.from_dict(attn).to_dict()
-        self.image_size, self.rope_size = image_size, rope_size or image_size
+        self.image_size, self.rope_size, self.checkpointing = image_size, rope_size or image_size, checkpointing
         n = image_size * image_size
         order = morton_order_2d(image_size, image_size)
         self.register_buffer("perm", order.perm, persistent=False)
@@ -136,7 +139,10 @@ class DiT(nn.Module):
         tokens = self.embed(x.flatten(2).transpose(1, 2)[:, self.perm])
         c = self.t_embed(timestep_embedding(t))
         for block in self.blocks:
-            tokens = block(tokens, c, self.rope_cos, self.rope_sin)
+            if self.checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(block, tokens, c, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                tokens = block(tokens, c, self.rope_cos, self.rope_sin)
         shift, scale = self.final_ada(c).chunk(2, dim=-1)
         out = self.out(modulate(self.final_norm(tokens), shift, scale))
         return out[:, self.inverse].transpose(1, 2).reshape(batch, channels, height, width)

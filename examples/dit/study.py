@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pixel tokens per throughput batch (batch = tokens / side^2)")
     p.add_argument("--throughput-steps", type=int, default=10, help="timed training steps (after 3 warm-up)")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                   help="keep all activations (DiT-S at 128x128, batch 16, needs about 90 GB without checkpointing)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -99,6 +101,7 @@ def train_method(name: str, attn: dict, args, arch: dict, out: Path) -> dict:
     argv += ["--resume", args.init] if args.init else []
     argv += ["--data-dir", args.data_dir] if args.data_dir else []
     argv += ["--compile"] if args.compile else []
+    argv += ["--checkpointing"] if args.checkpointing else []
     argv += [item for key, value in arch.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     argv += TINY_RUN if args.tiny else []
     summary = train.main(argv)
@@ -111,7 +114,7 @@ def measure_throughput(attn: dict, size: int, args, arch: dict) -> float:
     """Training tokens/s (forward, backward, AdamW step) at ``size x size`` on random data."""
     device = torch.device(args.device)
     batch = max(1, args.throughput_tokens // (size * size))
-    model = DiT(size, attn, **arch).to(device)
+    model = DiT(size, attn, **arch, checkpointing=args.checkpointing).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     step_model = torch.compile(model) if args.compile else model

@@ -71,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/dit")
     p.add_argument("--resume", help="checkpoint to continue, or to start a new stage from")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block (less memory)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA")
     p.add_argument("--backend", default="auto", help="flexsparse backend")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,13 +99,13 @@ def run_config(args, checkpoint: dict | None) -> dict:
             "noise_scale": args.noise_scale or noise_scale(args.image_size), "batch_size": args.batch_size,
             "lr": args.lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
             "ema_decay": args.ema_decay, "data_dir": args.data_dir, "seed": args.seed, "backend": args.backend,
-            "init_from": args.resume}
+            "checkpointing": args.checkpointing, "init_from": args.resume}
 
 
 def build_model(config: dict, device) -> DiT:
     return DiT(config["image_size"], config["attn"], hidden=config["hidden"], heads=config["heads"],
                depth=config["depth"], mlp_ratio=config["mlp_ratio"], rope_size=config["rope_size"],
-               backend=config["backend"]).to(device)
+               backend=config["backend"], checkpointing=config["checkpointing"]).to(device)
 
 
 def load_weights(model: DiT, state: dict) -> list[str]:
