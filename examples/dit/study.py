@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=2000, help="training steps per method")
-    p.add_argument("--budget", type=float, help="also stop each method after this many seconds of training")
+    p.add_argument("--budget", type=float, help="also stop each method after this many seconds of training steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-every", type=int, help="default: steps / 20")
     p.add_argument("--init", help="checkpoint every method starts from (e.g. a low-resolution full-attention run)")

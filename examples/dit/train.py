@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attn", type=attn_config, default={"method": "full"}, help="flexsparse config (JSON) or 'full'")
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=10000, help="training steps of this stage")
-    p.add_argument("--budget", type=float, help="stop after this many seconds of training")
+    p.add_argument("--budget", type=float,
+                   help="stop after this many seconds of training steps (evaluation not counted)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -58,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ARCH_DEFAULTS:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(ARCH_DEFAULTS[name]),
                        help=f"model size (default {ARCH_DEFAULTS[name]}, or the checkpoint's on --resume)")
-    p.add_argument("--rope-size", type=int, help="side RoPE positions are rescaled to (default: the first stage's size)")
+    p.add_argument("--rope-size", type=int,
+                   help="side RoPE positions are rescaled to (default: the first stage's size)")
     p.add_argument("--noise-scale", type=float, help="flow-matching noise scale s (default image size / 64)")
     p.add_argument("--data-dir", help="folder of your own images (default: photographs bundled with "
                    "scikit-image and scikit-learn)")
@@ -173,6 +175,25 @@ def sample_grid(ema: DiT, config: dict, count: int, steps: int, amp, path: Path)
     return save_grid(images, path)
 
 
+def new_history() -> dict:
+    return {"train_step": [], "train_loss": [], "val_step": [], "val_loss": [], "val_loss_ema": []}
+
+
+def restore(checkpoint: dict, config: dict, model: DiT, ema: DiT, optimizer) -> tuple[int, dict]:
+    """Load a checkpoint's weights and EMA; at the same image size and attention also the optimizer,
+    step and history (the run continues), otherwise a new stage starts at step 0. ``(step, history)``."""
+    fresh = load_weights(model, checkpoint["model"])
+    load_weights(ema, checkpoint["ema"])
+    continuing = all(checkpoint["config"][key] == config[key] for key in ("image_size", "attn"))
+    print(f"{'continuing' if continuing else 'new stage from'} {config['init_from']} at step {checkpoint['step']}"
+          + (f"; freshly initialised: {fresh}" if fresh else ""))
+    if not continuing:
+        return 0, new_history()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    config["init_from"] = checkpoint["config"]["init_from"]
+    return checkpoint["step"], checkpoint["history"]
+
+
 def main(argv=None) -> dict:
     return train(parse_args(argv))
 
@@ -187,17 +208,7 @@ def train(args) -> dict:
     ema = copy.deepcopy(model).requires_grad_(False)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    step, history = 0, {"train_step": [], "train_loss": [], "val_step": [], "val_loss": [], "val_loss_ema": []}
-    if checkpoint:
-        continuing = {k: checkpoint["config"][k] for k in ("image_size", "attn")} == {k: config[k] for k in ("image_size", "attn")}
-        fresh = load_weights(model, checkpoint["model"])
-        load_weights(ema, checkpoint["ema"])
-        if continuing:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            step, history = checkpoint["step"], checkpoint["history"]
-            config["init_from"] = checkpoint["config"]["init_from"]
-        print(f"{'continuing' if continuing else 'new stage from'} {args.resume} at step {checkpoint['step']}"
-              + (f"; freshly initialised: {fresh}" if fresh else ""))
+    step, history = restore(checkpoint, config, model, ema, optimizer) if checkpoint else (0, new_history())
     write_json(config, out / "config.json")
 
     train_images, val_images = photos_and_split(config["data_dir"])
@@ -225,10 +236,10 @@ def train(args) -> dict:
 
     if step == 0:
         evaluate()
-    step_times, started = [], time.perf_counter()
+    step_times = []
     progress = tqdm(total=args.steps, initial=step, disable=args.quiet, desc=f"{size}px {config['attn']['method']}")
     while step < args.steps:
-        if args.budget is not None and time.perf_counter() - started > args.budget:
+        if args.budget is not None and sum(step_times) > args.budget:
             print(f"stopping at step {step}: --budget {args.budget}s reached")
             break
         tick = time.perf_counter()
