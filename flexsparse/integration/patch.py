@@ -3,8 +3,8 @@
 Each patched module gets a ``SparseSDPA`` (learned parameters included) registered as a submodule, so
 ``state_dict`` saves and loads it: a diffusers-style ``Attention`` with the stock processor gets a
 ``FlexSparseAttnProcessor`` (keys ``<name>.processor.flexsparse.*``); any other module keeps its code
-and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexsparse`` (timm-style
-blocks get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
+and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexsparse`` (modules with a
+timm-style ``fused_attn`` flag get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
         if kind == "processor":
             _install_processor(module, new)
         else:
-            _install_route(module, kind, new)
+            _install_route(module, new)
     return dict(zip([name for name, _, _ in sites], configs))
 
 
@@ -74,7 +74,7 @@ def unpatch(model: nn.Module) -> list[str]:
             if record["forward"] is not None:
                 module.forward = record["forward"]
             delattr(module, SITE)
-            if record["kind"] == "timm":
+            if "fused_attn" in record:
                 module.fused_attn = record["fused_attn"]
         restored.append(name)
     if not restored:
@@ -92,9 +92,9 @@ def _install_processor(module: nn.Module, processor: FlexSparseAttnProcessor) ->
     module.__dict__[RECORD] = record
 
 
-def _install_route(module: nn.Module, kind: str, site: SparseSDPA) -> None:
-    record = {"kind": kind, "forward": module.__dict__.get("forward")}   # e.g. an accelerate hook
-    if kind == "timm":
+def _install_route(module: nn.Module, site: SparseSDPA) -> None:
+    record = {"kind": "route", "forward": module.__dict__.get("forward")}   # e.g. an accelerate hook
+    if isinstance(getattr(module, "fused_attn", None), bool):   # timm's switch between SDPA and its own math
         record["fused_attn"] = module.fused_attn
         module.fused_attn = True
     module.add_module(SITE, site.to(_device_of(module)))
