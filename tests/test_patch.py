@@ -117,6 +117,23 @@ def test_dense_warmup_runs_the_first_steps_dense():
         torch.testing.assert_close(model(x), expected)
 
 
+@pytest.mark.parametrize("grid", [(8, 8), (2, 4, 8)])
+def test_token_grid_equals_reordering_the_tokens_outside(grid):
+    """Attention is permutation-equivariant, so a token grid inside equals permuting the sequence outside."""
+    torch.manual_seed(0)
+    model, x = TinyModel("generic", depth=1).eval(), inputs()
+    twin = copy.deepcopy(model)
+    flexsparse.patch(model, {**ONE_BLOCK, "token_grid": list(grid)}, layers="blocks.*.attn")
+    flexsparse.patch(twin, ONE_BLOCK, layers="blocks.*.attn")
+    order = model.blocks[0].attn.flexsparse
+    torch.testing.assert_close(model(x), twin(x[:, order.perm])[:, order.inverse])
+    assert (model(x) - twin(x)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"token_grid=\(8, 8\) has 64 tokens but the attention got 32"):
+        flexsparse.unpatch(model)
+        flexsparse.patch(model, ONE_BLOCK, layers="blocks.*.attn", token_grid=(8, 8))
+        model(x[:, :32])
+
+
 def test_cross_attention_is_skipped_by_default_and_dense_when_chosen():
     model, x, context = TinyModel("diffusers", cross_dim=24).eval(), inputs(), torch.randn(2, 7, 24)
     ref = model(x, context)
@@ -149,6 +166,8 @@ def test_errors_name_the_argument():
         (dict(layers=["blocks.0", "blocks.0.attn"]), ValueError, "select both"),
         (dict(layers=["blocks.0.mlp"]), ValueError, "pass head_dim= and num_heads="),
         (dict(dense_warmup_steps=-1), ValueError, "dense_warmup_steps must be an int >= 0"),
+        (dict(token_grid=(8,)), ValueError, r"token_grid must be \(h, w\) or \(t, h, w\)"),
+        (dict(token_grid=(8, 0)), ValueError, "w must be a positive int"),
     ]:
         with pytest.raises(error, match=match):
             flexsparse.patch(model, ONE_BLOCK, **kwargs)
@@ -214,7 +233,8 @@ def test_an_instance_level_forward_is_kept():
 @pytest.mark.parametrize("kind", ["generic", "timm", "diffusers"])
 def test_patched_model_compiles_without_graph_breaks(kind):
     model, x = TinyModel(kind).eval(), inputs()
-    flexsparse.patch(model, {**ALL_BLOCKS, "overrides": {0: "full"}}, layers=layers_for(kind), backend="torch")
+    flexsparse.patch(model, {**ALL_BLOCKS, "overrides": {0: "full"}, "token_grid": [8, 8]}, layers=layers_for(kind),
+                     backend="torch")
     expected = model(x)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)

@@ -25,21 +25,26 @@ RECORD = "_flexsparse_patch"  # what patch changed on a module, for unpatch
 
 
 def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "str | list[str] | None" = None,
-          overrides: Mapping | None = None, dense_warmup_steps: int | None = None, seq_len: int | None = None,
-          head_dim: int | None = None, num_heads: int | None = None, backend: str = "auto") -> dict[str, Config]:
+          overrides: Mapping | None = None, dense_warmup_steps: int | None = None,
+          token_grid: "tuple[int, ...] | None" = None, seq_len: int | None = None, head_dim: int | None = None,
+          num_heads: int | None = None, backend: str = "auto") -> dict[str, Config]:
     """Swap the attention of ``model`` (in place) for the method of ``config``.
 
-    config: a method config dict, optionally with the patch keys ``layers``, ``overrides`` and
-        ``dense_warmup_steps`` (see ``flexsparse.integration.spec``), which may also be given as keywords.
+    config: a method config dict, optionally with the patch keys ``layers``, ``overrides``,
+        ``dense_warmup_steps`` and ``token_grid`` (see ``flexsparse.integration.spec``), which may also
+        be given as keywords.
     layers: module-name globs of the modules to patch; default: every diffusers-style self-attention
         and timm-style attention. Other modules that call ``F.scaled_dot_product_attention`` need a glob.
     overrides: ``{layer index or name glob: "full" | config dict}``, e.g. ``{0: "full", -1: "full"}``.
     dense_warmup_steps: inference steps run dense after ``flexsparse.set_step(model, step)``.
+    token_grid: ``(h, w)`` or ``(t, h, w)`` when the model's tokens are a raster grid: the sparse
+        method then sees them in Z-order / tile order (see ``SparseSDPA``).
     seq_len: sequence length, for methods whose parameters depend on it (SLA2).
     head_dim, num_heads: the query geometry, when it cannot be read from the modules.
     Returns ``{module name: config}`` of the patched modules.
     """
-    spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps)
+    spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps,
+                                 token_grid=token_grid)
     if any(hasattr(m, RECORD) for m in model.modules()):
         raise ValueError("model is already patched; call flexsparse.unpatch(model) first")
     sites = find_sites(model, spec.layers)
@@ -47,7 +52,7 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     built = []
     for (name, module, kind), cfg in zip(sites, configs):
         options = dict(seq_len=seq_len, backend=backend, dense_warmup_steps=spec.dense_warmup_steps,
-                       **head_geometry(name, module, kind, head_dim, num_heads))
+                       token_grid=spec.token_grid, **head_geometry(name, module, kind, head_dim, num_heads))
         try:
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
         except (TypeError, ValueError) as err:

@@ -8,7 +8,7 @@ rescale) with the SDPA call replaced by a ``SparseSDPA``. It is an ``nn.Module``
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,10 +22,11 @@ class FlexSparseAttnProcessor(nn.Module):
     with ``hidden_states (B, N, C)`` or ``(B, C, H, W)``; arguments of ``SparseSDPA``."""
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
-                 seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0):
+                 seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
+                 token_grid: Sequence[int] | None = None):
         super().__init__()
         self.flexsparse = SparseSDPA(config, head_dim=head_dim, num_heads=num_heads, seq_len=seq_len,
-                                     backend=backend, dense_warmup_steps=dense_warmup_steps)
+                                     backend=backend, dense_warmup_steps=dense_warmup_steps, token_grid=token_grid)
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 ``RouteSDPA`` mode that sends a module's SDPA calls to it, and ``set_step`` for dense warm-up."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..config import Config
+from ..masks import TokenOrder, morton_order_2d, tile_order_3d
 from ..methods import method_module
 from ..module import SparseAttention
 
@@ -22,10 +23,17 @@ class SparseSDPA(nn.Module):
     parameters live in ``state_dict``), and dense SDPA instead when the config is ``"full"``, during
     the dense warm-up (see ``set_step``), when a mask or ``is_causal`` is given, or when the method is
     self-attention only and the call is cross-attention (``Nq != Nk``).
+
+    token_grid: ``(h, w)`` or ``(t, h, w)`` of a raster-ordered token sequence: the sparse method then
+    sees the tokens in Z-order (``morton_order_2d``) or tile order (``tile_order_3d``, 4x4x4 tiles), so
+    that its blocks are compact regions, and the output is put back in raster order. Attention is
+    equivariant to a permutation of its tokens (RoPE is applied before), so this changes only which
+    tokens share a block. Keys and values are permuted when they have the grid's length.
     """
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
-                 seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0):
+                 seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
+                 token_grid: Sequence[int] | None = None):
         super().__init__()
         self.config = Config.from_dict(config)
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
@@ -36,6 +44,10 @@ class SparseSDPA(nn.Module):
         self.self_attention_only = not full and method_module(self.config.method).SELF_ATTENTION
         self.attention = None if full else SparseAttention(self.config, head_dim=head_dim, num_heads=num_heads,
                                                            seq_len=seq_len, backend=backend)
+        order = grid_order(token_grid)
+        self.token_grid = None if order is None else tuple(token_grid)
+        self.register_buffer("perm", None if order is None else order.perm, persistent=False)
+        self.register_buffer("inverse", None if order is None else order.inverse, persistent=False)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -48,10 +60,32 @@ class SparseSDPA(nn.Module):
         if dropout_p:
             raise ValueError(f"dropout_p={dropout_p} is not supported by sparse attention; set the attention "
                              "dropout of the patched module to 0 (or use model.eval())")
-        return self.attention(query, key, value, scale=scale)
+        if self.perm is None:
+            return self.attention(query, key, value, scale=scale)
+        n = self.perm.numel()
+        if query.shape[-2] != n:
+            raise ValueError(f"token_grid={self.token_grid} has {n} tokens but the attention got "
+                             f"{query.shape[-2]} queries")
+        query = query[..., self.perm, :]
+        if key.shape[-2] == n:
+            key, value = key[..., self.perm, :], value[..., self.perm, :]
+        return self.attention(query, key, value, scale=scale)[..., self.inverse, :]
 
     def extra_repr(self) -> str:
-        return f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}"
+        return (f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}, "
+                f"token_grid={self.token_grid}")
+
+
+def grid_order(token_grid: Sequence[int] | None) -> TokenOrder | None:
+    """Z-order of an ``(h, w)`` grid, tile order of a ``(t, h, w)`` grid, or None."""
+    if token_grid is None:
+        return None
+    if not isinstance(token_grid, (list, tuple)) or len(token_grid) not in (2, 3):
+        raise ValueError(f"token_grid must be (h, w) or (t, h, w), got {token_grid!r}")
+    try:
+        return morton_order_2d(*token_grid) if len(token_grid) == 2 else tile_order_3d(*token_grid)
+    except ValueError as err:
+        raise ValueError(f"token_grid={token_grid!r}: {err}") from err
 
 
 class RouteSDPA(TorchFunctionMode):

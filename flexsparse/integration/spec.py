@@ -6,7 +6,8 @@ A patch config is a method config plus optional patch keys::
      "layers": ["blocks.*.attn"],                 # module-name globs; default: auto-detect
      "overrides": {"0": "full", "-1": "full",     # by index among the patched modules (negative from the end)
                    "blocks.5.*": {"topk": 16}},   # or by module-name glob
-     "dense_warmup_steps": 4}                     # inference steps 0..3 run dense (see ``set_step``)
+     "dense_warmup_steps": 4,                     # inference steps 0..3 run dense (see ``set_step``)
+     "token_grid": [64, 64]}                      # raster tokens of a 64x64 grid: blocks in Z-order
 
 An override value is ``"full"`` (dense), a dict without ``"method"`` (keys changed on the default
 config) or a dict with ``"method"`` (a new config). Overrides apply in order; later ones win.
@@ -19,20 +20,23 @@ from fnmatch import fnmatchcase
 from typing import Any, Mapping
 
 from ..config import Config
+from .sdpa import grid_order
 
-PATCH_KEYS = ("layers", "overrides", "dense_warmup_steps")
+PATCH_KEYS = ("layers", "overrides", "dense_warmup_steps", "token_grid")
 _INDEX = re.compile(r"-?\d+")
 _ALIASES = {"block_size": ("block_q", "block_k"), "block_q": ("block_size",), "block_k": ("block_size",)}
 
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """The default method config (a dict), module-name globs, ordered overrides, dense warm-up steps."""
+    """The default method config (a dict), module-name globs, ordered overrides, dense warm-up steps,
+    the token grid (see ``SparseSDPA``)."""
 
     default: dict
     layers: tuple[str, ...] | None
     overrides: tuple[tuple[int | str, Any], ...]
     dense_warmup_steps: int
+    token_grid: tuple[int, ...] | None
 
     @classmethod
     def from_config(cls, config: "Mapping[str, Any] | Config", **given) -> "PatchSpec":
@@ -55,7 +59,10 @@ class PatchSpec:
         warmup = inline.get("dense_warmup_steps", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {warmup!r}")
-        return cls(dict(method), _layers(inline.get("layers")), _overrides(inline.get("overrides")), warmup)
+        grid = inline.get("token_grid")
+        grid_order(grid)
+        return cls(dict(method), _layers(inline.get("layers")), _overrides(inline.get("overrides")), warmup,
+                   None if grid is None else tuple(grid))
 
     def configs(self, names: list[str]) -> list[Config]:
         """The config of each of the modules ``names`` (in patch order) after the overrides."""
