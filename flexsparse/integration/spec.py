@@ -60,7 +60,7 @@ class PatchSpec:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {warmup!r}")
         grid = inline.get("token_grid")
-        grid_order(grid)
+        grid_order(grid)                                  # validates it
         return cls(dict(method), _layers(inline.get("layers")), _overrides(inline.get("overrides")), warmup,
                    None if grid is None else tuple(grid))
 
