@@ -164,7 +164,8 @@ def plot(results: dict, out: Path, args) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names, width = list(results), 0.8 / len(args.throughput_sizes)
+    names = [n for n, r in results.items() if any(isinstance(v, float) for v in r.get("throughput", {}).values())]
+    width = 0.8 / len(args.throughput_sizes)
     for i, size in enumerate(args.throughput_sizes):
         values = [results[n].get("throughput", {}).get(str(size)) for n in names]
         ax.bar([j + i * width for j in range(len(names))], [v if isinstance(v, float) else 0 for v in values],
