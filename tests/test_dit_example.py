@@ -17,7 +17,7 @@ from examples.dit.model import DiT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 TINY = ["--hidden", "32", "--heads", "2", "--depth", "2", "--batch-size", "2", "--val-crops", "2", "--samples", "2",
-        "--sample-steps", "2", "--quiet"]
+        "--sample-steps", "2", "--backend", "torch", "--quiet"]
 LLSA = '{"method": "llsa", "block_size": 4, "topk": 2}'
 
 
@@ -115,8 +115,8 @@ def test_folder_loader_needs_two_images(tmp_path, image_dir):
 
 
 def test_study_smoke(tmp_path, image_dir):
-    results = study.main(["--tiny", "--methods", "full", "llsa", "--throughput-steps", "1", "--out", str(tmp_path),
-                          "--data-dir", str(image_dir)])
+    results = study.main(["--tiny", "--methods", "full", "llsa", "--throughput-steps", "1", "--backend", "torch",
+                          "--out", str(tmp_path), "--data-dir", str(image_dir)])
     assert set(results) == {"full", "llsa"} and not any("error" in r for r in results.values())
     assert all(isinstance(v, float) for r in results.values() for v in r["throughput"].values())
     for path in ("study.json", "val_loss.png", "throughput.png", "samples_full.png", "samples_llsa.png"):

@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep all activations (DiT-S at 128x128, batch 16, needs about 90 GB without checkpointing)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--backend", default="auto", help="flexsparse backend of every method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 16x16 images, 2 steps")
@@ -96,7 +97,8 @@ def train_method(name: str, attn: dict, args, arch: dict, out: Path) -> dict:
     argv = ["--attn", json.dumps(attn), "--image-size", str(args.image_size), "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--val-every", str(args.val_every or max(1, args.steps // 20)),
             "--sample-every", str(args.steps), "--ckpt-every", str(args.steps), "--out", str(out / "runs" / name),
-            "--precision", args.precision, "--device", args.device, "--seed", str(args.seed), "--quiet"]
+            "--precision", args.precision, "--backend", args.backend, "--device", args.device, "--seed", str(args.seed),
+            "--quiet"]
     argv += ["--budget", str(args.budget)] if args.budget else []
     argv += ["--resume", args.init] if args.init else []
     argv += ["--data-dir", args.data_dir] if args.data_dir else []
@@ -114,7 +116,7 @@ def measure_throughput(attn: dict, size: int, args, arch: dict) -> float:
     """Training tokens/s (forward, backward, AdamW step) at ``size x size`` on random data."""
     device = torch.device(args.device)
     batch = max(1, args.throughput_tokens // (size * size))
-    model = DiT(size, attn, **arch, checkpointing=args.checkpointing).to(device)
+    model = DiT(size, attn, **arch, backend=args.backend, checkpointing=args.checkpointing).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     step_model = torch.compile(model) if args.compile else model
