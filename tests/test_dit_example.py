@@ -121,3 +121,16 @@ def test_study_smoke(tmp_path, image_dir):
     assert all(isinstance(v, float) for r in results.values() for v in r["throughput"].values())
     for path in ("study.json", "val_loss.png", "throughput.png", "samples_full.png", "samples_llsa.png"):
         assert (tmp_path / path).is_file()
+
+
+@pytest.mark.gpu
+def test_full_size_dit_on_gpu_with_compile_and_progressive_resume(tmp_path):
+    """DiT-S (hidden 384, 12 blocks): 64x64 full attention, then 128x128 LLSA from that checkpoint."""
+    common = ["--batch-size", "4", "--val-crops", "8", "--samples", "4", "--sample-steps", "4", "--checkpointing",
+              "--compile", "--quiet"]
+    small = train.main(["--image-size", "64", "--steps", "3", "--attn", "full", "--out", str(tmp_path / "s64"),
+                        *common])
+    llsa = '{"method": "llsa", "block_size": 16, "topk": 8}'
+    big = train.main(["--image-size", "128", "--steps", "3", "--attn", llsa, "--resume", small["checkpoint"],
+                      "--out", str(tmp_path / "s128"), *common])
+    assert math.isfinite(big["final_val_loss"]) and big["tokens_per_s"] > 0

@@ -241,6 +241,17 @@ def test_patched_model_compiles_without_graph_breaks(kind):
     torch.testing.assert_close(compiled(x), expected)
 
 
+@pytest.mark.gpu
+def test_patched_model_trains_compiled_on_gpu_in_bf16():
+    model, x = TinyModel("timm", dim=128, heads=2).cuda(), torch.randn(2, 1024, 128, device="cuda")
+    flexsparse.patch(model, {"method": "vsa", "block_size": 64, "topk": 4, "gate": True, "token_grid": [32, 32]})
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.compile(model)(x).float().square().mean()
+    loss.backward()
+    grads = [p.grad for name, p in model.named_parameters() if ".flexsparse." in name]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def test_processor_is_a_module_with_learned_parameters():
     model = TinyModel("diffusers")
     flexsparse.patch(model, LEARNED[0])
