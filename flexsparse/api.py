@@ -33,7 +33,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
                               dtype=q.dtype, blocks=blocks)
     with _without_autocast(q.device.type):
-        out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params)
+        out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params, need_lse=return_lse)
     if not return_lse:
         return out
     return out, (lse if lse.dtype == torch.float64 else lse.float())

@@ -4,7 +4,8 @@ Every method module defines:
   ``BACKENDS``        backends it supports (besides ``"auto"``),
   ``SELF_ATTENTION``  whether q and k must have the same length,
   ``init_params(cfg, head_dim, num_heads, seq_len) -> dict[str, Tensor]`` its learnable parameters,
-  ``forward(q, k, v, cfg, *, backend, scale, params) -> (o, lse)``.
+  ``forward(q, k, v, cfg, *, backend, scale, params, need_lse) -> (o, lse)`` (``lse`` may be None
+                      when ``need_lse`` is False and the backend saves work by skipping it).
 """
 from . import full, llsa, sla, sla2, topk, vsa
 

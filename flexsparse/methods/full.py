@@ -15,15 +15,15 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict
     return {}
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
-    """Dense attention. ``torch`` uses SDPA (LSE from a separate, differentiable, row-chunked pass);
-    ``reference`` an explicit softmax."""
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
+    """Dense attention. ``torch`` uses SDPA, and only when ``need_lse`` a separate, differentiable,
+    row-chunked LSE pass (else ``lse`` is None); ``reference`` an explicit softmax."""
     heads = q.shape[1]
     if backend == "reference":
         return masked_softmax_attention(q, [expand_kv_heads(k, heads)], [expand_kv_heads(v, heads)], [None], [None],
                                         scale)
     out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != k.shape[1])
-    return out, _chunked_lse(q, expand_kv_heads(k, heads), scale)
+    return out, (_chunked_lse(q, expand_kv_heads(k, heads), scale) if need_lse else None)
 
 
 def _chunked_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 1024) -> torch.Tensor:

@@ -48,7 +48,7 @@ def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk
         return hierarchical_topk(q_levels, [x.detach() for x in k_levels], topk, cfg.block_size, q.shape[2])
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     levels, topk = plan(cfg, q.shape[2])
     k_levels = pool_pyramid(k, cfg.block_size, levels)
     selection = select(q, k_levels, cfg, levels, topk)

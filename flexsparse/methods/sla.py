@@ -38,7 +38,7 @@ def select(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
     return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2], excluded=bottom)
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     if cfg.quant is not None:
         raise ValueError(f"config key 'quant' is not supported by the {backend!r} backend of method 'sla'")
     d = q.shape[-1]

@@ -66,7 +66,7 @@ def _check_alpha(params, rows: int, tq: int, n: int, block_q: int) -> None:
                          f"gives {tq}; SLA2's alpha is per query block, so build SparseAttention with seq_len={n}")
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     if cfg.quant is not None:
         raise ValueError(f"config key 'quant' is not supported by the {backend!r} backend of method 'sla2'")
     heads, n, d = q.shape[1], q.shape[2], q.shape[3]

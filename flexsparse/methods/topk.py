@@ -17,7 +17,7 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
     return {}
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     selection = select_blocks(q, k, cfg)
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale)

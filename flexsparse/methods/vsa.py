@@ -32,7 +32,7 @@ def gate_values(q: torch.Tensor, params) -> torch.Tensor:
     return (torch.einsum("bhnd,hd->bhn", q, w.to(q.dtype)) + c.to(q.dtype).view(1, -1, 1)).unsqueeze(-1)
 
 
-def forward(q, k, v, cfg, *, backend: str, scale: float, params=None):
+def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     if cfg.gate and not params:
         raise ValueError("vsa with gate=True has learnable parameters; use flexsparse.SparseAttention "
                          "or pass params={'gate_weight': (H, D), 'gate_bias': (H,)}")
