@@ -1,0 +1,168 @@
+"""LLSA forward: one online softmax over the fine level, the enriched coarse levels and the top level.
+
+Two kernels share the softmax state through O and LSE:
+
+1. ``_coarse_fwd_kernel``, query tiles of ``BM`` rows (many query blocks): levels 1..L-1 (the
+   children of ``S_{l+1}`` of the rows' ancestor, shared by every query block under it, so big
+   tiles waste nothing once ``b^{l+1} >= BM``) and every level-L token, each level-l token with
+   logit bias ``ln(count)``. It stores the normalised partial output and its LSE (log2 units).
+2. ``_fine_fwd_kernel``, one query block per program: starts from that partial state (running max
+   = partial LSE, running sum 1, accumulator = partial output), adds the ``K_1 * b`` fine keys of
+   ``S_1`` and stores the final output and natural-log LSE. It works transposed (keys x queries)
+   so that the matrix products have ``K_1 * b`` rows instead of ``b``.
+
+Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_rows_t, log2_count, mm,
+                     sparse_keys, store_rows_t)
+from .layout import Levels, cdiv, pow2
+
+
+@triton.jit
+def _softmax_step(s, v, m, l, acc, IEEE: tl.constexpr):
+    """Online-softmax update of ``(m, l, acc)`` with logits ``s (BM, BN)`` (log2) and values ``v (BN, BD)``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_b, o_h, o_n,
+                       H, GROUP, N, LEVELS, S_TOTAL,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    hk = h // GROUP
+    kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+    vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+    sel = SEL + bh.to(tl.int64) * S_TOTAL
+    start = pid * BM
+    rows = start + tl.arange(0, BM)
+    row_ok = rows < N
+    dim = tl.arange(0, BD)
+    q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for level in range(1, LEVELS):
+        tokens = tl.load(META + level * 6 + T)
+        off = tl.load(META + level * 6 + KV_OFF)
+        topk = tl.load(META + level * 6 + TOPK)
+        span = tl.load(META + level * 6 + SPAN)
+        group = span * BLOCK
+        g0 = start // group
+        n_keys = ((tl.minimum(start + BM, N) - 1) // group - g0 + 1) * topk * BLOCK
+        first_row = sel + tl.load(META + level * 6 + SEL_OFF) + g0 * topk
+        row_group = rows // group - g0
+        for c in range(0, n_keys, BN):
+            g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
+            ok = ok & (tok < tokens)
+            k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
+            v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
+            s = tl.where(ok[None, :] & (row_group[:, None] == g[None, :]), s, float("-inf"))
+            m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
+    tokens = tl.load(META + LEVELS * 6 + T)
+    off = tl.load(META + LEVELS * 6 + KV_OFF)
+    span = tl.load(META + LEVELS * 6 + SPAN)
+    for c in range(0, tokens, BN):
+        tok = c + tl.arange(0, BN)
+        ok = tok < tokens
+        k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
+        v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
+        s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
+    o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
+    ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
+    tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+    tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
+
+
+@triton.jit
+def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
+                     H, GROUP, N, S_TOTAL,
+                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                     FQ: tl.constexpr, FN: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    hk = h // GROUP
+    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
+    lse = LSE + bh.to(tl.int64) * N
+    start = pid * FQ
+    rows = start + tl.arange(0, FQ)
+    row_ok = rows < N
+    dim = tl.arange(0, BD)
+    q_t = load_rows_t(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
+    acc = load_rows_t(o, rows, o_n, dim, row_ok, D).to(tl.float32)
+    m = tl.load(lse + rows, mask=row_ok, other=0.0)
+    l = tl.full([FQ], 1.0, tl.float32)
+    topk = tl.load(META + TOPK)
+    qb0 = start // BLOCK
+    n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+    first_row = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF) + qb0 * topk
+    row_block = rows // BLOCK - qb0
+    for c in range(0, n_keys, FN):
+        g, tok, ok = sparse_keys(first_row, c + tl.arange(0, FN), n_keys, topk, BLOCK)
+        ok = ok & (tok < N)
+        k = load_rows(kb, tok, k_n, dim, ok, D)
+        v = load_rows(vb, tok, k_n, dim, ok, D)
+        s_t = mm(k, q_t, IEEE) * SCALE2
+        s_t = tl.where(ok[:, None] & (g[:, None] == row_block[None, :]), s_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s_t, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p_t = tl.exp2(s_t - m_new[None, :])
+        l = l * alpha + tl.sum(p_t, axis=0)
+        acc = acc * alpha[None, :] + mm(tl.trans(v), p_t.to(v.dtype), IEEE)
+        m = m_new
+    store_rows_t(o, acc / l[None, :], rows, o_n, dim, row_ok, D)
+    tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
+
+
+def forward_tiles(device: torch.device, d: int, block: int) -> dict:
+    """Tile sizes of the two forward kernels (see module docstring)."""
+    fq = pow2(block, 16)
+    if device.type == "cpu":
+        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, warps=4, stages=1, fine_warps=4)
+    return dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=128, warps=8, stages=2, fine_warps=4)
+
+
+def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
+    """O ``(B, H, N, D)`` in q's dtype and natural-log LSE ``(B, H, N)`` fp32.
+
+    q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)`` (same strides); kc, vc: pooled levels 1..L
+    ``(B, Hk, T_1 + ... + T_L, D)`` contiguous; sel: packed selection ``(B, H, S)`` int32.
+    """
+    bsz, heads, n, d = q.shape
+    tiles = tiles or forward_tiles(q.device, d, levels.block)
+    o = torch.empty_like(q)
+    lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
+    meta = levels.meta(q.device)
+    common = dict(D=d, BD=pow2(d, 16), BLOCK=levels.block, SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
+    group = heads // k.shape[1]
+    launcher(_coarse_fwd_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
+        q, kc, vc, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.levels, levels.selection_size,
+        BM=tiles["BM"], BN=tiles["BN"], num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
+    launcher(_fine_fwd_kernel)[(cdiv(n, tiles["FQ"]), bsz * heads)](
+        q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size,
+        FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"], num_stages=tiles["stages"], **common)
+    return o, lse
