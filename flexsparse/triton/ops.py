@@ -91,13 +91,11 @@ def _unpool(grad_pyr: Tensor, levels: Levels) -> Tensor:
     return out
 
 
-def _torch_backward(do, dlse, q, k, v, kc, vc, sel, levels: Levels, scale: float, fuse_pool: bool):
-    def attend(*inputs):
-        return _torch_attention(*inputs[:5], sel, levels, scale)
-
-    (o, lse), vjp = torch.func.vjp(attend, q, k, v, kc, vc)
-    grads = vjp((do, torch.zeros_like(lse) if dlse is None else dlse))
-    dq, dk, dv, dkc, dvc = grads
+def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scale: float, fuse_pool: bool):
+    from .fallback import llsa_attention_backward
+    dq, dks, dvs = llsa_attention_backward(do, dlse, q, [k, *levels.split_pyramid(kc)], [v, *levels.split_pyramid(vc)],
+                                           levels.unpack(sel), scale, o, lse)
+    dk, dkc, dv, dvc = dks[0], torch.cat(dks[1:], dim=2), dvs[0], torch.cat(dvs[1:], dim=2)
     if fuse_pool:
         dk = dk + _unpool(dkc, levels).to(dk.dtype)
         dv = dv + _unpool(dvc, levels).to(dv.dtype)
@@ -111,7 +109,7 @@ def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     """Gradients ``(dq, dk, dv, dkc, dvc)`` of ``llsa_attn`` (see there for ``fuse_pool``)."""
     levels = level_table(q.shape[2], block, topk)
     if not _kernels(q):
-        return _torch_backward(do, dlse, q, k, v, kc, vc, sel, levels, scale, fuse_pool)
+        return _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
     from .csc import selection_csc
     from .llsa_bwd import llsa_backward
     do, q, k, v, kc, vc, sel, o, lse = _dense(do, q, k, v, kc, vc, sel, o, lse)
