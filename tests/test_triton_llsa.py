@@ -240,7 +240,7 @@ def test_gpu_selection_matches_masks():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_method_compiled_and_eager(compiled):
     q, k, v = _gpu_inputs(16384, 4, 2, 64)
-    cfg = {"method": "llsa", "block_size": 16, "topk": 8, "levels": 2}
+    cfg = flexsparse.Config.from_dict({"method": "llsa", "block_size": 16, "topk": 8, "levels": 2})  # outside the graph
 
     def step(q, k, v):
         o, lse = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True)

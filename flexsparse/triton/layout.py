@@ -19,6 +19,7 @@ import torch
 from ..masks import LLSASelection
 
 T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = range(6)
+_META: dict = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,8 +50,16 @@ class Levels:
     def tokens(self, level: int) -> int:
         return self.rows[level][T]
 
-    def meta(self, device) -> torch.Tensor:
-        return torch.tensor(self.rows, dtype=torch.int32, device=device)
+    def meta(self, like: torch.Tensor) -> torch.Tensor:
+        """The level table as an int32 tensor on ``like``'s device. Cached for plain tensors in eager
+        mode (``torch.tensor(..., device="cuda")`` would copy, and wait, on every call); traced calls
+        (fake or functional tensors, compile) build it in the graph."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+            return torch.tensor(self.rows, dtype=torch.int32, device=like.device)
+        key = (self.rows, str(like.device))
+        if key not in _META:
+            _META[key] = torch.tensor(self.rows, dtype=torch.int32, device=like.device)
+        return _META[key]
 
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
         """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""

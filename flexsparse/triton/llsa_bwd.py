@@ -265,14 +265,15 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
 
 
 def backward_tiles(device: torch.device, d: int, block: int) -> dict:
-    """Tile sizes of the backward kernels (see module docstring)."""
+    """Tile sizes of the backward kernels (see module docstring); ``programs``: target grid of the top level."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, QR_FINE=32, QR=32, TK=32, warps=4, stages=1,
-                    fine_warps=4, dkv_warps=4, programs=4)
-    return dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=128, QR_FINE=64, QR=128, TK=64,
-                warps=8, stages=2, fine_warps=4, dkv_warps=4,
-                programs=4 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4, stages=1,
+                    fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, programs=4)
+    wide = d > 64
+    return dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=128, QR_FINE=64, QR=64 if wide else 128, TK=64,
+                TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=8 if wide else 4,
+                programs=4 * 132)
 
 
 def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels: Levels, scale: float,
@@ -286,7 +287,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     bsz, heads, n, d = q.shape
     kv_heads, group = k.shape[1], heads // k.shape[1]
     tiles = tiles or backward_tiles(q.device, d, levels.block)
-    meta = levels.meta(q.device)
+    meta = levels.meta(q)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)
     dq = torch.empty_like(q)
@@ -300,21 +301,21 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
         q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size,
         BLOCK=levels.block, FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"],
-        num_stages=tiles["stages"], **common)
+        num_stages=tiles["fine_stages"], **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
     dvc = torch.empty_like(dkc)
     top = levels.levels
     chunks = cdiv(levels.tokens(top), tiles["TK"])
-    splits = max(1, min(cdiv(n, tiles["QR"]), cdiv(tiles["programs"], chunks * bsz * kv_heads)))
-    queries = cdiv(cdiv(n, splits), tiles["QR"]) * tiles["QR"]
+    splits = max(1, min(cdiv(n, tiles["TOP_QR"]), cdiv(tiles["programs"], chunks * bsz * kv_heads)))
+    queries = cdiv(cdiv(n, splits), tiles["TOP_QR"]) * tiles["TOP_QR"]
     splits = cdiv(n, queries)
     part_k = dkc if splits == 1 else dkc.new_empty(splits, *dkc.shape)
     part_v = dvc if splits == 1 else dvc.new_empty(splits, *dvc.shape)
     launcher(_top_dkv_kernel)[(chunks, splits, bsz * kv_heads)](
         q, kc, vc, do, lse, delta, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), dkc.numel(), heads, kv_heads, group, n, top, queries,
-        TK=tiles["TK"], QR=tiles["QR"], num_warps=tiles["dkv_warps"], num_stages=tiles["stages"], **common)
+        TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["stages"], **common)
     if splits > 1:
         first = levels.rows[top][layout.KV_OFF]
         span = slice(first, first + levels.tokens(top))

@@ -140,8 +140,9 @@ def forward_tiles(device: torch.device, d: int, block: int) -> dict:
     """Tile sizes of the two forward kernels (see module docstring)."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, warps=4, stages=1, fine_warps=4)
-    return dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=128, warps=8, stages=2, fine_warps=4)
+        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, warps=4, stages=1, fine_warps=4, fine_stages=1)
+    return dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=128, warps=8, stages=2, fine_warps=4,
+                fine_stages=1)
 
 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
@@ -154,7 +155,7 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     tiles = tiles or forward_tiles(q.device, d, levels.block)
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
-    meta = levels.meta(q.device)
+    meta = levels.meta(q)
     common = dict(D=d, BD=pow2(d, 16), BLOCK=levels.block, SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
     group = heads // k.shape[1]
     launcher(_coarse_fwd_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
@@ -164,5 +165,5 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     launcher(_fine_fwd_kernel)[(cdiv(n, tiles["FQ"]), bsz * heads)](
         q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size,
-        FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"], num_stages=tiles["stages"], **common)
+        FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"], **common)
     return o, lse

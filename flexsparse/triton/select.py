@@ -96,7 +96,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels) 
     """
     bsz, heads, _, d = q_pyr.shape
     sel = q_pyr.new_empty(bsz, heads, levels.selection_size, dtype=torch.int32)
-    meta = levels.meta(q_pyr.device)
+    meta = levels.meta(q_pyr)
     bd, block = pow2(d, 16), levels.block
     for level in range(levels.levels, 0, -1):
         dense = level == levels.levels
