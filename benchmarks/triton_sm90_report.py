@@ -93,7 +93,7 @@ def main():
     jobs.append(("top dkv", llsa_bwd._top_dkv_kernel,
                  dict(Q=q, KC="*fp32", VC="*fp32", DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
                       PART_V="*fp32"),
-                 dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["stages"]))
+                 dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)

@@ -58,14 +58,7 @@ def load_rows(base, rows, stride, dim, row_ok, D: tl.constexpr):
 
 
 @triton.jit
-def load_rows_t(base, rows, stride, dim, row_ok, D: tl.constexpr):
-    """Transposed ``load_rows``: ``(BD, len(rows))``."""
-    ptr = base + rows.to(tl.int64)[None, :] * stride + dim[:, None]
-    return tl.load(ptr, mask=row_ok[None, :] & (dim[:, None] < D), other=0.0)
-
-
-@triton.jit
-def store_rows_t(base, x, rows, stride, dim, row_ok, D: tl.constexpr):
-    """Store a transposed tile ``x (BD, len(rows))`` into rows ``rows`` of a ``(tokens, D)`` slab."""
-    ptr = base + rows.to(tl.int64)[None, :] * stride + dim[:, None]
-    tl.store(ptr, x.to(base.dtype.element_ty), mask=row_ok[None, :] & (dim[:, None] < D))
+def store_rows(base, x, rows, stride, dim, row_ok, D: tl.constexpr):
+    """Store ``x (len(rows), BD)`` into rows ``rows`` of a ``(tokens, D)`` slab at ``base``."""
+    ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
+    tl.store(ptr, x.to(base.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))

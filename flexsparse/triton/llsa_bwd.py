@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_rows_t, log2_count,
-                     mm, sparse_keys, store_rows_t)
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm,
+                     sparse_keys, store_rows)
 from .layout import Levels, cdiv, pow2
 
 
@@ -115,11 +115,11 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     rows = start + tl.arange(0, FQ)
     row_ok = rows < N
     dim = tl.arange(0, BD)
-    q_t = load_rows_t(Q + head, rows, q_n, dim, row_ok, D)
-    do_t = load_rows_t(DO + head, rows, q_n, dim, row_ok, D)
+    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    dq_t = tl.zeros([BD, FQ], tl.float32)
+    dq = tl.zeros([FQ, BD], tl.float32)
     topk = tl.load(META + TOPK)
     qb0 = start // BLOCK
     n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
@@ -130,26 +130,25 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
         ok = ok & (tok < N)
         k = load_rows(kb, tok, k_n, dim, ok, D)
         v = load_rows(vb, tok, k_n, dim, ok, D)
-        valid = ok[:, None] & row_ok[None, :] & (g[:, None] == row_block[None, :])
-        s_t = mm(k, q_t, IEEE) * SCALE2
-        p_t = tl.where(valid, tl.exp2(s_t - lse2[None, :]), 0.0)
-        ds_t = p_t * (mm(v, do_t, IEEE) - delta[None, :])
-        dq_t += mm(tl.trans(k), ds_t.to(k.dtype), IEEE)
-    dq = DQ + head
-    dq_t = load_rows_t(dq, rows, q_n, dim, row_ok, D).to(tl.float32) + dq_t * SCALE
-    store_rows_t(dq, dq_t, rows, q_n, dim, row_ok, D)
+        valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
+        dq = _dq_step(q, do, lse2, delta, tl.zeros([FN], tl.float32), valid, k, v, dq, SCALE2, IEEE)
+    ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
+    mask = row_ok[:, None] & (dim[None, :] < D)
+    dq = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) + dq * SCALE
+    tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk_t, dv_t, SCALE2: tl.constexpr, IEEE: tl.constexpr):
-    """Key-major update for queries ``q, do (QR, BD)`` and keys ``k, v (BK, BD)`` with logit bias
-    ``bias (BK,)``: ``dv_t += dO^T P``, ``dk_t += Q^T dS`` (unscaled), both ``(BD, BK)``."""
-    s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
-    p = tl.where(row_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-    ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
-    dv_t += mm(tl.trans(do), p.to(do.dtype), IEEE)
-    dk_t += mm(tl.trans(q), ds.to(q.dtype), IEEE)
-    return dk_t, dv_t
+def _dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """Key-major update for keys ``k, v (BK, BD)`` with logit bias ``bias (BK,)`` and queries
+    ``q, do (QR, BD)``: ``dv += P^T dO``, ``dk += dS^T Q`` (unscaled). Works on ``S^T (BK, QR)`` so
+    that every matrix product's first operand is a plain loaded tile or a computed one."""
+    s_t = mm(k, tl.trans(q), IEEE) * SCALE2 + bias[:, None]
+    p_t = tl.where(row_ok[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
+    ds_t = p_t * (mm(v, tl.trans(do), IEEE) - delta[None, :])
+    dv += mm(p_t.to(do.dtype), do, IEEE)
+    dk += mm(ds_t.to(q.dtype), q, IEEE)
+    return dk, dv
 
 
 @triton.jit
@@ -186,8 +185,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     k = load_rows(kb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
     v = load_rows(vb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
     bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
-    dk_t = tl.zeros([BD, BK], tl.float32)
-    dv_t = tl.zeros([BD, BK], tl.float32)
+    dk = tl.zeros([BK, BD], tl.float32)
+    dv = tl.zeros([BK, BD], tl.float32)
     for g in range(GROUP):
         bh = (b * H + hk * GROUP + g).to(tl.int64)
         head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
@@ -204,8 +203,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
             do = load_rows(DO + head, n, q_n, dim, n_ok, D)
             lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-            dk_t, dv_t = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk_t, dv_t, SCALE2, IEEE)
-    dk_t = dk_t * SCALE
+            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
+    dk = dk * SCALE
     if FUSE_POOL:
         pooled_k = DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         pooled_v = DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
@@ -214,14 +213,14 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
             loff = tl.load(META + level * 6 + KV_OFF)
             up = tok // lspan
             inv = 1.0 / tl.maximum(tl.minimum(N - up * lspan, lspan), 1).to(tl.float32)
-            dk_t += load_rows_t(pooled_k, loff + up, D, dim, k_ok, D) * inv[None, :]
-            dv_t += load_rows_t(pooled_v, loff + up, D, dim, k_ok, D) * inv[None, :]
+            dk += load_rows(pooled_k, loff + up, D, dim, k_ok, D) * inv[:, None]
+            dv += load_rows(pooled_v, loff + up, D, dim, k_ok, D) * inv[:, None]
     if FINE:
-        store_rows_t(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk_t, tok, k_n, dim, k_ok, D)
-        store_rows_t(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv_t, tok, k_n, dim, k_ok, D)
+        store_rows(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk, tok, k_n, dim, k_ok, D)
+        store_rows(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv, tok, k_n, dim, k_ok, D)
     else:
-        store_rows_t(DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dk_t, off + tok, D, dim, k_ok, D)
-        store_rows_t(DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dv_t, off + tok, D, dim, k_ok, D)
+        store_rows(DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dk, off + tok, D, dim, k_ok, D)
+        store_rows(DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dv, off + tok, D, dim, k_ok, D)
 
 
 @triton.jit
@@ -244,8 +243,8 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
     k = load_rows(KC + kv, off + tok, D, dim, k_ok, D).to(Q.dtype.element_ty)
     v = load_rows(VC + kv, off + tok, D, dim, k_ok, D).to(Q.dtype.element_ty)
     bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
-    dk_t = tl.zeros([BD, TK], tl.float32)
-    dv_t = tl.zeros([BD, TK], tl.float32)
+    dk = tl.zeros([TK, BD], tl.float32)
+    dv = tl.zeros([TK, BD], tl.float32)
     lo = split * QUERIES
     hi = tl.minimum(lo + QUERIES, N)
     for g in range(GROUP):
@@ -258,10 +257,10 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
             do = load_rows(DO + head, n, q_n, dim, n_ok, D)
             lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-            dk_t, dv_t = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk_t, dv_t, SCALE2, IEEE)
+            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
     part = split.to(tl.int64) * p_s + kv
-    store_rows_t(PART_K + part, dk_t * SCALE, off + tok, D, dim, k_ok, D)
-    store_rows_t(PART_V + part, dv_t, off + tok, D, dim, k_ok, D)
+    store_rows(PART_K + part, dk * SCALE, off + tok, D, dim, k_ok, D)
+    store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
 
 
 def backward_tiles(device: torch.device, d: int, block: int) -> dict:
@@ -269,11 +268,11 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     fq = pow2(block, 16)
     if device.type == "cpu":
         return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4, stages=1,
-                    fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, programs=4)
+                    fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4)
     wide = d > 64
     return dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=128, QR_FINE=64, QR=64 if wide else 128, TK=64,
-                TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=8 if wide else 4,
-                programs=4 * 132)
+                TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=8,
+                top_stages=1 if wide else 2, programs=4 * 132)
 
 
 def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels: Levels, scale: float,
@@ -315,7 +314,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     launcher(_top_dkv_kernel)[(chunks, splits, bsz * kv_heads)](
         q, kc, vc, do, lse, delta, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), dkc.numel(), heads, kv_heads, group, n, top, queries,
-        TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["stages"], **common)
+        TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["top_stages"], **common)
     if splits > 1:
         first = levels.rows[top][layout.KV_OFF]
         span = slice(first, first + levels.tokens(top))

@@ -8,8 +8,9 @@ Two kernels share the softmax state through O and LSE:
    logit bias ``ln(count)``. It stores the normalised partial output and its LSE (log2 units).
 2. ``_fine_fwd_kernel``, one query block per program: starts from that partial state (running max
    = partial LSE, running sum 1, accumulator = partial output), adds the ``K_1 * b`` fine keys of
-   ``S_1`` and stores the final output and natural-log LSE. It works transposed (keys x queries)
-   so that the matrix products have ``K_1 * b`` rows instead of ``b``.
+   ``S_1`` and stores the final output and natural-log LSE. Its matrix products have ``b`` rows
+   (``mma.sync`` on Hopper). A transposed form (keys x queries, wgmma with N = b) needs a transposed
+   shared-memory A operand, which triton 3.6 miscompiles (out-of-bounds wgmma reads on an H200).
 
 Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
 """
@@ -19,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_rows_t, log2_count, mm,
-                     sparse_keys, store_rows_t)
+from .common import KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm, sparse_keys
 from .layout import Levels, cdiv, pow2
 
 
@@ -110,8 +110,8 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
     rows = start + tl.arange(0, FQ)
     row_ok = rows < N
     dim = tl.arange(0, BD)
-    q_t = load_rows_t(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
-    acc = load_rows_t(o, rows, o_n, dim, row_ok, D).to(tl.float32)
+    q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
+    acc = load_rows(o, rows, o_n, dim, row_ok, D).to(tl.float32)
     m = tl.load(lse + rows, mask=row_ok, other=0.0)
     l = tl.full([FQ], 1.0, tl.float32)
     topk = tl.load(META + TOPK)
@@ -124,15 +124,11 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
         ok = ok & (tok < N)
         k = load_rows(kb, tok, k_n, dim, ok, D)
         v = load_rows(vb, tok, k_n, dim, ok, D)
-        s_t = mm(k, q_t, IEEE) * SCALE2
-        s_t = tl.where(ok[:, None] & (g[:, None] == row_block[None, :]), s_t, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s_t, axis=0))
-        alpha = tl.exp2(m - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l = l * alpha + tl.sum(p_t, axis=0)
-        acc = acc * alpha[None, :] + mm(tl.trans(v), p_t.to(v.dtype), IEEE)
-        m = m_new
-    store_rows_t(o, acc / l[None, :], rows, o_n, dim, row_ok, D)
+        s = mm(q, tl.trans(k), IEEE) * SCALE2
+        s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
+        m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
+    ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
+    tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
     tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
 
