@@ -7,13 +7,15 @@ B=2, H=8, bf16, K=8 per level, b=16. Prints a table and writes JSON to ``--out``
 
     python benchmarks/gpu_llsa.py --out bench.json [--shapes 65536:2:64,262144:3:64] [--tiles JSON]
 
-``--tiles`` overrides tile sizes, e.g. ``'{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'`` (keys of
-``llsa_fwd.forward_tiles`` / ``llsa_bwd.backward_tiles``).
+``--tiles`` overrides tile sizes through ``FLEXSPARSE_TRITON_TILES`` (``flexsparse.triton.tiles``), e.g.
+``'{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``. ``--graph`` also times CUDA-graph replays
+(``do_bench_cudagraph``: kernel time without Python launch overhead).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -21,7 +23,6 @@ import torch.nn.functional as F
 import triton
 
 import flexsparse
-from flexsparse.triton import llsa_bwd, llsa_fwd
 
 B, H, K, BLOCK = 2, 8, 8, 16
 
@@ -33,6 +34,15 @@ def keys_per_query(n: int, levels: int) -> int:
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn) -> float | None:
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # a benchmark diagnostic: report and go on
+        print(f"cuda graph timing failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
 
 
 def make_inputs(n: int, d: int):
@@ -69,7 +79,7 @@ def kernel_times(fn, iters: int = 5) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def run_shape(n: int, levels: int, d: int, with_torch: bool, with_sdpa: bool, phases: bool) -> dict:
+def run_shape(n: int, levels: int, d: int, with_torch: bool, with_sdpa: bool, phases: bool, graph: bool) -> dict:
     cfg = {"method": "llsa", "block_size": BLOCK, "topk": K, "levels": levels}
     (q, k, v), grad = make_inputs(n, d)
     row = {"N": n, "L": levels, "D": d, "B": B, "H": H}
@@ -82,6 +92,9 @@ def run_shape(n: int, levels: int, d: int, with_torch: bool, with_sdpa: bool, ph
     row["triton_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["triton_fwd_tflops"] = flops_fwd / row["triton_fwd_ms"] / 1e9
     row["triton_bwd_tflops"] = 2.5 * flops_fwd / (row["triton_fwd_bwd_ms"] - row["triton_fwd_ms"]) / 1e9
+    if graph:
+        row["triton_fwd_graph_ms"] = bench_graph(fwd)
+        row["triton_fwd_bwd_graph_ms"] = bench_graph(fwd_bwd)
     if phases:
         row["kernels_fwd_bwd_ms"] = kernel_times(fwd_bwd)
     if with_torch:
@@ -96,14 +109,6 @@ def run_shape(n: int, levels: int, d: int, with_torch: bool, with_sdpa: bool, ph
     return row
 
 
-def apply_tiles(overrides: dict) -> None:
-    """Make the launchers use tile overrides (benchmark sweeps)."""
-    for module, key, name in ((llsa_fwd, "fwd", "forward_tiles"), (llsa_bwd, "bwd", "backward_tiles")):
-        if key in overrides:
-            base = getattr(module, name)
-            setattr(module, name, lambda device, d, block, _b=base, _o=overrides[key]: {**_b(device, d, block), **_o})
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_llsa.json")
@@ -111,23 +116,26 @@ def main():
                         help="comma-separated N:L:D")
     parser.add_argument("--tiles", default="{}")
     parser.add_argument("--no-phases", action="store_true")
+    parser.add_argument("--graph", action="store_true")
     args = parser.parse_args()
-    apply_tiles(json.loads(args.tiles))
+    if args.tiles != "{}":
+        os.environ["FLEXSPARSE_TRITON_TILES"] = args.tiles
     rows = []
     for spec in args.shapes.split(","):
         n, levels, d = (int(x) for x in spec.split(":"))
         start = time.time()
         row = run_shape(n, levels, d, with_torch=n <= 16384, with_sdpa=n <= 65536,
-                        phases=not args.no_phases and n >= 65536)
+                        phases=not args.no_phases and n >= 65536, graph=args.graph)
         row["wall_s"] = time.time() - start
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'N':>7} {'L':>2} {'D':>4} | {'fwd ms':>7} {'f+b ms':>7} {'fwd TF/s':>8} {'bwd TF/s':>8} | "
-          f"{'torch f':>7} {'torch fb':>8} | {'sdpa f':>7} {'sdpa fb':>8}")
+          f"{'graph f':>7} {'graph fb':>8} | {'torch f':>7} {'torch fb':>8} | {'sdpa f':>7} {'sdpa fb':>8}")
     for r in rows:
-        fmt = lambda key: f"{r[key]:.3f}" if key in r else "-"  # noqa: E731
+        fmt = lambda key: f"{r[key]:.3f}" if r.get(key) is not None else "-"  # noqa: E731
         print(f"{r['N']:>7} {r['L']:>2} {r['D']:>4} | {fmt('triton_fwd_ms'):>7} {fmt('triton_fwd_bwd_ms'):>7} "
-              f"{r['triton_fwd_tflops']:>8.1f} {r['triton_bwd_tflops']:>8.1f} | {fmt('torch_fwd_ms'):>7} "
+              f"{r['triton_fwd_tflops']:>8.1f} {r['triton_bwd_tflops']:>8.1f} | {fmt('triton_fwd_graph_ms'):>7} "
+              f"{fmt('triton_fwd_bwd_graph_ms'):>8} | {fmt('torch_fwd_ms'):>7} "
               f"{fmt('torch_fwd_bwd_ms'):>8} | {fmt('sdpa_fwd_ms'):>7} {fmt('sdpa_fwd_bwd_ms'):>8}")
     for r in rows:
         if "kernels_fwd_bwd_ms" in r:

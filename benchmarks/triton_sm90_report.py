@@ -71,27 +71,29 @@ def main():
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, KP2=8, DENSE=False), 4, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
         ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
-         dict(Q=q, KC="*fp32", VC="*fp32", SEL="*i32", META="*i32", O=q, LSE="*fp32"),
+         dict(Q=q, KC=q, VC=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),
          dict(BLOCK=block, BM=ft["BM"], BN=ft["BN"], **common), ft["warps"], ft["stages"]),
         ("fine fwd", llsa_fwd._fine_fwd_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),
-         dict(BLOCK=block, FQ=ft["FQ"], FN=ft["FN"], **common), ft["fine_warps"], ft["fine_stages"]),
+         dict(BLOCK=block, FQ=ft["FQ"], FN=128, SUB=ft["SUB"], SINGLE=True, **common), ft["fine_warps"],
+         ft["fine_stages"]),
         ("coarse dq", llsa_bwd._coarse_dq_kernel,
-         dict(Q=q, KC="*fp32", VC="*fp32", SEL="*i32", META="*i32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
+         dict(Q=q, KC=q, VC=q, SEL="*i32", META="*i32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
               DELTA="*fp32", DQ=q),
          dict(BLOCK=block, SCALE=0.125, BM=bt["BM"], BN=bt["BN"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]),
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
-         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=bt["FN"], **common), bt["fine_warps"], bt["fine_stages"]),
+         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=128, SUB=bt["SUB"], SINGLE=True, **common), bt["fine_warps"],
+         bt["fine_stages"]),
     ]
-    dkv_ptrs = dict(Q=q, K=q, V=q, KC="*fp32", VC="*fp32", DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
+    dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
                     ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32")
     for fine in (True, False):
         jobs.append((f"sparse dkv ({'fine' if fine else 'coarse'})", llsa_bwd._sparse_dkv_kernel, dkv_ptrs,
                      dict(BLOCK=block, BK=16, SCALE=0.125, QR=bt["QR_FINE"] if fine else bt["QR"], FINE=fine,
                           FUSE_POOL=fine, **common), bt["dkv_warps"], bt["stages"]))
     jobs.append(("top dkv", llsa_bwd._top_dkv_kernel,
-                 dict(Q=q, KC="*fp32", VC="*fp32", DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
+                 dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
                       PART_V="*fp32"),
                  dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:

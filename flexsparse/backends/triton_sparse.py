@@ -26,12 +26,16 @@ def llsa_select(q: torch.Tensor, k: torch.Tensor, block: int, topk: tuple[int, .
 
 def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tuple[int, ...], scale: float,
          deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLSA with ``L = len(topk)`` levels: ``o (B, H, N, D)`` in q's dtype, LSE ``(B, H, N)`` fp32."""
+    """LLSA with ``L = len(topk)`` levels: ``o (B, H, N, D)`` in q's dtype, LSE ``(B, H, N)`` fp32.
+
+    Selection scores use fp32 pyramids; the attended pooled K/V are those means in q's dtype (what
+    the tensor cores read anyway)."""
     n, levels = q.shape[2], len(topk)
     with torch.no_grad():
         k_pyr = ops.llsa_pool(k.detach(), block, levels)
-        v_pyr = ops.llsa_pool(v.detach(), block, levels)
+        v_pyr = ops.llsa_pool(v.detach(), block, levels, True)
         sel = ops.llsa_select(ops.llsa_pool(q.detach(), block, levels), k_pyr, n, block, list(topk))
+        k_pyr = k_pyr.to(q.dtype)
     return ops.llsa_attn(q, k, v, k_pyr, v_pyr, sel, block, list(topk), scale, True, deterministic)
 
 

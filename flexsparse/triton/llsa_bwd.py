@@ -28,6 +28,8 @@ from . import layout
 from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm,
                      sparse_keys, store_rows)
 from .layout import Levels, cdiv, pow2
+from .llsa_fwd import fine_keys
+from .tiles import overrides
 
 
 @triton.jit
@@ -102,7 +104,8 @@ def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_
 def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
                     H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                    SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, IEEE: tl.constexpr):
+                    SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
+                    SINGLE: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -111,31 +114,39 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
     vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    start = pid * FQ
-    rows = start + tl.arange(0, FQ)
-    row_ok = rows < N
-    dim = tl.arange(0, BD)
-    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
-    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([FQ, BD], tl.float32)
+    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
-    qb0 = start // BLOCK
-    n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
-    first_row = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF) + qb0 * topk
-    row_block = rows // BLOCK - qb0
-    for c in range(0, n_keys, FN):
-        g, tok, ok = sparse_keys(first_row, c + tl.arange(0, FN), n_keys, topk, BLOCK)
-        ok = ok & (tok < N)
-        k = load_rows(kb, tok, k_n, dim, ok, D)
-        v = load_rows(vb, tok, k_n, dim, ok, D)
-        valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
-        dq = _dq_step(q, do, lse2, delta, tl.zeros([FN], tl.float32), valid, k, v, dq, SCALE2, IEEE)
-    ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
-    mask = row_ok[:, None] & (dim[None, :] < D)
-    dq = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) + dq * SCALE
-    tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=mask)
+    dim = tl.arange(0, BD)
+    for sub in range(SUB):  # with SINGLE the innermost loop: the next rows' gathers overlap this math
+        start = (pid * SUB + sub) * FQ
+        rows = start + tl.arange(0, FQ)
+        row_ok = rows < N
+        q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+        do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([FQ, BD], tl.float32)
+        qb0 = start // BLOCK
+        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+        row_block = rows // BLOCK - qb0
+        zero = tl.zeros([FN], tl.float32)
+        if SINGLE:
+            g, tok, ok = sparse_keys(sel + qb0 * topk, tl.arange(0, FN), n_keys, topk, BLOCK)
+            ok = ok & (tok < N)
+            valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
+            dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
+                          load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
+        else:
+            for c in range(0, n_keys, FN):
+                g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
+                ok = ok & (tok < N)
+                valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
+                dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
+                              load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
+        ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
+        mask = row_ok[:, None] & (dim[None, :] < D)
+        dq = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) + dq * SCALE
+        tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -264,15 +275,19 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
 
 
 def backward_tiles(device: torch.device, d: int, block: int) -> dict:
-    """Tile sizes of the backward kernels (see module docstring); ``programs``: target grid of the top level."""
+    """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
+    ``programs``: target grid of the top level."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4, stages=1,
-                    fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4)
-    wide = d > 64
-    return dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=128, QR_FINE=64, QR=64 if wide else 128, TK=64,
-                TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=8,
-                top_stages=1 if wide else 2, programs=4 * 132)
+        base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4,
+                    stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4)
+    else:
+        wide = d > 64
+        base = dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
+                    TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=2 if wide else 3, dkv_warps=4,
+                    top_warps=8 if d > 32 else 4,
+                    top_stages=1 if wide else 2, programs=4 * 132)
+    return {**base, **overrides("bwd")}
 
 
 def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels: Levels, scale: float,
@@ -296,11 +311,13 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
         q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
         heads, group, n, levels.levels, levels.selection_size, BLOCK=levels.block, BM=tiles["BM"], BN=tiles["BN"],
         HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
-    launcher(_fine_dq_kernel)[(cdiv(n, tiles["FQ"]), bsz * heads)](
+    keys = fine_keys(levels.block, levels.topk[0], tiles["FQ"])
+    fn = min(tiles["FN"], pow2(keys, 16))
+    launcher(_fine_dq_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
         q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size,
-        BLOCK=levels.block, FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"],
-        num_stages=tiles["fine_stages"], **common)
+        BLOCK=levels.block, FQ=tiles["FQ"], FN=fn, SUB=tiles["SUB"], SINGLE=keys <= fn,
+        num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"], **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
     dvc = torch.empty_like(dkc)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .common import KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm, sparse_keys
 from .layout import Levels, cdiv, pow2
+from .tiles import overrides
 
 
 @triton.jit
@@ -96,7 +97,8 @@ def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_
 def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
                      H, GROUP, N, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                     FQ: tl.constexpr, FN: tl.constexpr, IEEE: tl.constexpr):
+                     FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, SINGLE: tl.constexpr,
+                     IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -104,41 +106,56 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
     hk = h // GROUP
     kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
     vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     lse = LSE + bh.to(tl.int64) * N
-    start = pid * FQ
-    rows = start + tl.arange(0, FQ)
-    row_ok = rows < N
-    dim = tl.arange(0, BD)
-    q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
-    acc = load_rows(o, rows, o_n, dim, row_ok, D).to(tl.float32)
-    m = tl.load(lse + rows, mask=row_ok, other=0.0)
-    l = tl.full([FQ], 1.0, tl.float32)
+    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
-    qb0 = start // BLOCK
-    n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
-    first_row = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF) + qb0 * topk
-    row_block = rows // BLOCK - qb0
-    for c in range(0, n_keys, FN):
-        g, tok, ok = sparse_keys(first_row, c + tl.arange(0, FN), n_keys, topk, BLOCK)
-        ok = ok & (tok < N)
-        k = load_rows(kb, tok, k_n, dim, ok, D)
-        v = load_rows(vb, tok, k_n, dim, ok, D)
-        s = mm(q, tl.trans(k), IEEE) * SCALE2
-        s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-        m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
-    ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
-    tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
-    tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
+    dim = tl.arange(0, BD)
+    for sub in range(SUB):  # with SINGLE the innermost loop: the next rows' gathers overlap this math
+        start = (pid * SUB + sub) * FQ
+        rows = start + tl.arange(0, FQ)
+        row_ok = rows < N
+        q = load_rows(qb, rows, q_n, dim, row_ok, D)
+        acc = load_rows(o, rows, o_n, dim, row_ok, D).to(tl.float32)
+        m = tl.load(lse + rows, mask=row_ok, other=0.0)
+        l = tl.full([FQ], 1.0, tl.float32)
+        qb0 = start // BLOCK
+        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+        row_block = rows // BLOCK - qb0
+        if SINGLE:
+            g, tok, ok = sparse_keys(sel + qb0 * topk, tl.arange(0, FN), n_keys, topk, BLOCK)
+            ok = ok & (tok < N)
+            s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
+            s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
+            m, l, acc = _softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+        else:
+            for c in range(0, n_keys, FN):
+                g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
+                ok = ok & (tok < N)
+                s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
+                s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
+                m, l, acc = _softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+        ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
+        tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+        tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
+
+
+def fine_keys(block: int, topk: int, fq: int) -> int:
+    """Most fine keys a ``fq``-row query tile can see: ``K_1 * b`` per query block it touches."""
+    blocks = fq // block if fq % block == 0 else fq // block + 2
+    return blocks * topk * block
 
 
 def forward_tiles(device: torch.device, d: int, block: int) -> dict:
-    """Tile sizes of the two forward kernels (see module docstring)."""
+    """Tile sizes of the two forward kernels (see module docstring), with ``tiles.overrides("fwd")``."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        return dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, warps=4, stages=1, fine_warps=4, fine_stages=1)
-    return dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=128, warps=8, stages=2, fine_warps=4,
-                fine_stages=1)
+        base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, warps=4, stages=1, fine_warps=4, fine_stages=1)
+    else:
+        base = dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=256, SUB=8, warps=8, stages=2,
+                    fine_warps=4, fine_stages=2 if d > 64 else 3)
+    return {**base, **overrides("fwd")}
 
 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
@@ -158,8 +175,11 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
         q, kc, vc, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
         o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.levels, levels.selection_size,
         BM=tiles["BM"], BN=tiles["BN"], num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
-    launcher(_fine_fwd_kernel)[(cdiv(n, tiles["FQ"]), bsz * heads)](
+    keys = fine_keys(levels.block, levels.topk[0], tiles["FQ"])
+    fn = min(tiles["FN"], pow2(keys, 16))
+    launcher(_fine_fwd_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
         q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size,
-        FQ=tiles["FQ"], FN=tiles["FN"], num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"], **common)
+        FQ=tiles["FQ"], FN=fn, SUB=tiles["SUB"], SINGLE=keys <= fn, num_warps=tiles["fine_warps"],
+        num_stages=tiles["fine_stages"], **common)
     return o, lse

@@ -40,13 +40,16 @@ def _dense(*tensors: Tensor) -> list[Tensor]:
 
 
 @torch.library.triton_op("flexsparse::llsa_pool", mutates_args=())
-def llsa_pool(x: Tensor, block: int, levels: int) -> Tensor:
-    """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``
-    fp32 (fp64 for fp64). Not differentiable (the attention backward pools the gradients itself)."""
+def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> Tensor:
+    """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
+    fp32 (fp64 for fp64), or x's dtype with ``same_dtype`` (sums are fp32 either way). Not differentiable
+    (the attention backward pools the gradients itself)."""
     if not _kernels(x):
-        return torch.cat(pool_pyramid(x, block, levels), dim=2)
+        pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
+        return pyramid.to(x.dtype) if same_dtype else pyramid
     from .pool import pool_pyramid as pool_kernel
-    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels))
+    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels),
+                       x.dtype if same_dtype else torch.float32)
 
 
 @torch.library.triton_op("flexsparse::llsa_select", mutates_args=())

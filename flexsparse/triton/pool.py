@@ -40,17 +40,19 @@ def _pool_level_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
     out = pyr + (dst_off + t).to(tl.int64)[:, None] * D + dim[None, :]
     out_mask = t_ok[:, None] & (dim[None, :] < D)
     tl.store(SUMS + out, total, mask=out_mask)
-    tl.store(MEANS + out, total / count[:, None], mask=out_mask)
+    tl.store(MEANS + out, (total / count[:, None]).to(MEANS.dtype.element_ty), mask=out_mask)
 
 
-def pool_pyramid(x: torch.Tensor, levels: Levels) -> torch.Tensor:
-    """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)`` fp32."""
+def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)``
+    in ``dtype`` (the sums stay fp32)."""
     bsz, heads, n, d = x.shape
-    means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
-    sums = torch.empty_like(means)
+    means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
+    sums = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
     block = levels.block
     bb, bd = pow2(block), pow2(d)
-    tt = max(1, 4096 // (bb * bd))
+    elems, warps = (4096, 4) if x.device.type == "cpu" else (16384, 8)
+    tt = max(1, elems // (bb * bd))
     for level in range(1, levels.levels + 1):
         dst_tokens, dst_off = levels.rows[level][0], levels.rows[level][1]
         src_tokens, src_off = levels.rows[level - 1][0], levels.rows[level - 1][1]
@@ -58,5 +60,5 @@ def pool_pyramid(x: torch.Tensor, levels: Levels) -> torch.Tensor:
         launcher(_pool_level_kernel)[grid](
             x, sums, means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
             heads, n, src_tokens, src_off, dst_off, dst_tokens, block**level,
-            D=d, BD=bd, BLOCK=block, BB=bb, TT=tt, FROM_SUMS=level > 1)
+            D=d, BD=bd, BLOCK=block, BB=bb, TT=tt, FROM_SUMS=level > 1, num_warps=warps)
     return means
