@@ -216,10 +216,11 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 
 
 @gpu
-@pytest.mark.parametrize("n,heads,kv_heads,d,topk", [(16384, 4, 2, 64, (8, 8)), (9000, 2, 2, 128, (8, 8)),
-                                                     (70000, 2, 1, 64, (8, 8, 8))])
-def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk):
-    q, k, v = _gpu_inputs(n, heads, kv_heads, d)
+@pytest.mark.parametrize("n,heads,kv_heads,d,topk,dtype", [
+    (16384, 4, 2, 64, (8, 8), torch.bfloat16), (9000, 2, 2, 128, (8, 8), torch.bfloat16),
+    (70000, 2, 1, 64, (8, 8, 8), torch.bfloat16), (4133, 2, 1, 32, (8, 8), torch.float16)])
+def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
+    q, k, v = _gpu_inputs(n, heads, kv_heads, d, dtype)
     block, levels = 16, len(topk)
     selection = triton_sparse.llsa_select(q, k, block, topk)
     got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
