@@ -40,7 +40,8 @@ def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tu
 
 
 def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
-                   selection: LLSASelection, scale: float, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   selection: LLSASelection, scale: float,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA attention over given levels, as ``torch_sparse.llsa_attention``: k_levels[l], v_levels[l]
     ``(B, Hk, T_l, D)`` for l = 0..L, each with its own gradient. Returns ``o``, ``lse``."""
     acc = accumulation_dtype(q.dtype)

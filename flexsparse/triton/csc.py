@@ -62,7 +62,8 @@ def selection_csc(sel: torch.Tensor, levels: Levels, deterministic: bool = False
         launcher(_count_kernel)[(cdiv(keys * topk, _BE), bsz * heads)](
             sel, offsets, levels.selection_size, levels.csc_size, sel_off, csc_off, keys * topk, BE=_BE)
     for keys, topk, sel_off, csc_off in segments:
-        offsets[:, :, csc_off:csc_off + keys + 1] = offsets[:, :, csc_off:csc_off + keys + 1].cumsum(-1, dtype=torch.int32)
+        segment = slice(csc_off, csc_off + keys + 1)
+        offsets[:, :, segment] = offsets[:, :, segment].cumsum(-1, dtype=torch.int32)
     cursor = offsets.clone()
     for keys, topk, sel_off, csc_off in segments:
         launcher(_scatter_kernel)[(cdiv(keys * topk, _BE), bsz * heads)](

@@ -27,7 +27,8 @@ def _groups(x: torch.Tensor, groups: int, size: int, value: float = 0.0) -> torc
 
 
 def _flat_ids(ids: torch.Tensor, block: int, kv_heads: int, tokens: int) -> torch.Tensor:
-    """Row of every gathered key in a ``(B * Hk * tokens, D)`` view: ids ``(B, H, G, K)`` -> ``(B, H, G, K * block)``."""
+    """Row of every gathered key in a ``(B * Hk * tokens, D)`` view:
+    ids ``(B, H, G, K)`` -> ``(B, H, G, K * block)``."""
     bsz, heads = ids.shape[:2]
     kv = kv_head_index(heads, kv_heads, ids.device).view(1, heads, 1, 1)
     batch = torch.arange(bsz, device=ids.device).view(bsz, 1, 1, 1)

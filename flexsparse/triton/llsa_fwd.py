@@ -169,7 +169,8 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
     meta = levels.meta(q)
-    common = dict(D=d, BD=pow2(d, 16), BLOCK=levels.block, SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
+    common = dict(D=d, BD=pow2(d, 16), BLOCK=levels.block, SCALE2=float(scale * LOG2E.value),
+                  IEEE=q.dtype == torch.float32)
     group = heads // k.shape[1]
     launcher(_coarse_fwd_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
         q, kc, vc, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
