@@ -6,6 +6,9 @@ with a backend's ``block_sparse_attention`` / ``llsa_attention``.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from . import flex, torch_sparse
@@ -44,7 +47,9 @@ def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: 
     if backend == "flex":
         return flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks) is None
     if backend == "triton":
-        return device.type == "cuda"
+        if importlib.util.find_spec("triton") is None:
+            return False
+        return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
     return False
 
 

@@ -15,7 +15,7 @@ from ..backends import sparse_primitives
 from ..masks import LLSASelection, auto_levels, hierarchical_topk, num_blocks, pool_pyramid
 from ..reference import llsa_dense
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
 
 
@@ -50,6 +50,9 @@ def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     levels, topk = plan(cfg, q.shape[2])
+    if backend == "triton":
+        from ..backends import triton_sparse
+        return triton_sparse.llsa(q, k, v, cfg.block_size, topk, scale, deterministic=cfg.deterministic)
     k_levels = pool_pyramid(k, cfg.block_size, levels)
     selection = select(q, k_levels, cfg, levels, topk)
     if backend == "reference":

@@ -1,0 +1,107 @@
+"""Compile the LLSA kernels for sm_90 without a GPU and report registers, spills, shared memory and
+the matrix instructions in the SASS (HGMMA = Hopper wgmma; HMMA = the older mma.sync path).
+
+Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
+[--d 64] [--dtype bf16] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
+from the GPU machine's by a version.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flexsparse.triton import csc, llsa_bwd, llsa_fwd, pool, select
+from flexsparse.triton.layout import pow2
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_kernel(fn, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in pointers or re.fullmatch(r"[a-z]+_[bhns]", n)}
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def report(name, kernel, sass: bool):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+        code = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    mma = {}
+    for op in re.findall(r"\b(HGMMA\.[\w.]+|HMMA\.[\w.]+|LDL|STL)\b", code):
+        mma[op] = mma.get(op, 0) + 1
+    print(f"{name:34s} regs {regs.group(1):>4s} stack {regs.group(2):>4s} local {regs.group(4):>4s} "
+          f"smem {kernel.metadata.shared:>6d}  {mma}")
+    if sass:
+        print(code)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--sass", default="")
+    args = parser.parse_args()
+    import torch
+    dev = torch.device("cuda")
+    d, dt, block = args.d, args.dtype, 16
+    common = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=False)
+    ft = llsa_fwd.forward_tiles(dev, d, block)
+    bt = llsa_bwd.backward_tiles(dev, d, block)
+    q = f"*{dt}"
+    jobs = [
+        ("pool", pool._pool_level_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
+         dict(D=d, BD=pow2(d), BLOCK=block, BB=16, TT=max(1, 4096 // (16 * pow2(d))), FROM_SUMS=False), 4, 1),
+        ("select(dense)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
+         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, KP2=8, DENSE=True), 4, 1),
+        ("select(children)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
+         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, KP2=8, DENSE=False), 4, 1),
+        ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
+        ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
+         dict(Q=q, KC=q, VC=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),
+         dict(BLOCK=block, BM=ft["BM"], BN=ft["BN"], **common), ft["warps"], ft["stages"]),
+        ("fine fwd", llsa_fwd._fine_fwd_kernel,
+         dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),
+         dict(BLOCK=block, FQ=ft["FQ"], FN=128, SUB=ft["SUB"], SINGLE=True, **common), ft["fine_warps"],
+         ft["fine_stages"]),
+        ("coarse dq", llsa_bwd._coarse_dq_kernel,
+         dict(Q=q, KC=q, VC=q, SEL="*i32", META="*i32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
+              DELTA="*fp32", DQ=q),
+         dict(BLOCK=block, SCALE=0.125, BM=bt["BM"], BN=bt["BN"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]),
+        ("fine dq", llsa_bwd._fine_dq_kernel,
+         dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
+         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=128, SUB=bt["SUB"], SINGLE=True, **common), bt["fine_warps"],
+         bt["fine_stages"]),
+    ]
+    dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
+                    ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32")
+    for fine in (True, False):
+        jobs.append((f"sparse dkv ({'fine' if fine else 'coarse'})", llsa_bwd._sparse_dkv_kernel, dkv_ptrs,
+                     dict(BLOCK=block, BK=16, SCALE=0.125, QR=bt["QR_FINE"] if fine else bt["QR"], FINE=fine,
+                          FUSE_POOL=fine, **common), bt["dkv_warps"], bt["stages"]))
+    jobs.append(("top dkv", llsa_bwd._top_dkv_kernel,
+                 dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
+                      PART_V="*fp32"),
+                 dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
+    for name, fn, ptrs, consts, warps, stages in jobs:
+        try:
+            report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)
+        except Exception as exc:  # report and go on: this is a diagnostic tool
+            print(f"{name:34s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Jitted helpers shared by the LLSA kernels, and the level-table columns as kernel constants."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import layout
+
+# Columns of the level table (``layout``) and math constants, usable inside kernels and on the host.
+T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = (tl.constexpr(getattr(layout, name))
+                                           for name in ("T", "KV_OFF", "TOPK", "SEL_OFF", "CSC_OFF", "SPAN"))
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def launcher(kernel):
+    """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); interpreted kernels as they are."""
+    from triton.runtime.jit import JITFunction
+    return torch.library.wrap_triton(kernel) if isinstance(kernel, JITFunction) else kernel
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; exact fp32 products when ``IEEE`` (no TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def log2_count(tok, span, n):
+    """``log2`` of the number of real fine tokens under level tokens ``tok`` of ``span``; -inf for padding."""
+    count = tl.minimum(n - tok * span, span)
+    return tl.where(count > 0, tl.log2(tl.maximum(count, 1).to(tl.float32)), float("-inf"))
+
+
+@triton.jit
+def sparse_keys(row_ptr, e, n_keys, topk, BLOCK: tl.constexpr):
+    """Key slots ``e`` of consecutive selection rows at ``row_ptr`` (``topk`` ids each, ``BLOCK`` children
+    per id). Returns ``(row, child token, in range)``: slot e is child ``e % BLOCK`` of entry
+    ``(e // BLOCK) % topk`` of row ``e // (topk * BLOCK)``."""
+    per_row = topk * BLOCK
+    row = e // per_row
+    rest = e - row * per_row
+    entry = rest // BLOCK
+    ok = e < n_keys
+    parent = tl.load(row_ptr + row * topk + entry, mask=ok, other=0)
+    return row, parent * BLOCK + (rest - entry * BLOCK), ok
+
+
+@triton.jit
+def load_rows(base, rows, stride, dim, row_ok, D: tl.constexpr):
+    """Rows ``rows`` of a ``(tokens, D)`` slab at ``base``: ``(len(rows), BD)``, zeros where masked."""
+    ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
+    return tl.load(ptr, mask=row_ok[:, None] & (dim[None, :] < D), other=0.0)
+
+
+@triton.jit
+def store_rows(base, x, rows, stride, dim, row_ok, D: tl.constexpr):
+    """Store ``x (len(rows), BD)`` into rows ``rows`` of a ``(tokens, D)`` slab at ``base``."""
+    ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
+    tl.store(ptr, x.to(base.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))

@@ -1,0 +1,98 @@
+"""Host-side sizes of an LLSA problem (no Triton import): the level table and packed layouts.
+
+The level table ``meta`` is an int32 tensor ``(L + 1, 6)``, one row per level l = 0..L:
+
+* ``T``       tokens at level l (``ceil(N / b^l)``),
+* ``KV_OFF``  first row of level l in a concatenated pyramid ``(B, H, T_1 + ... + T_L, D)`` (0 for l = 0),
+* ``TOPK``    ``K_{l+1}`` (0 for l = L),
+* ``SEL_OFF`` first entry of ``S_{l+1}`` in a packed selection ``(B, H, sum_l T_l * K_l)`` (row-major
+  ``(T_{l+1}, K_{l+1})`` blocks, finest first),
+* ``CSC_OFF`` first entry of the key offsets of ``S_{l+1}``'s CSC in ``(B, H, sum_l (T_l + 1))``,
+* ``SPAN``    ``b^l``, fine tokens under one level-l token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..masks import LLSASelection
+
+T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = range(6)
+_META: dict = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(x: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(x, minimum)."""
+    return max(minimum, 1 << max(0, int(x) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Levels:
+    """Sizes of an LLSA problem; ``rows`` is the level table (see module docstring)."""
+
+    n: int
+    block: int
+    topk: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    pyramid_tokens: int
+    selection_size: int
+    csc_size: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.topk)
+
+    def tokens(self, level: int) -> int:
+        return self.rows[level][T]
+
+    def meta(self, like: torch.Tensor) -> torch.Tensor:
+        """The level table as an int32 tensor on ``like``'s device. Cached for plain tensors in eager
+        mode (``torch.tensor(..., device="cuda")`` would copy, and wait, on every call); traced calls
+        (fake or functional tensors, compile) build it in the graph."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+            return torch.tensor(self.rows, dtype=torch.int32, device=like.device)
+        key = (self.rows, str(like.device))
+        if key not in _META:
+            _META[key] = torch.tensor(self.rows, dtype=torch.int32, device=like.device)
+        return _META[key]
+
+    def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
+        """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""
+        return list(pyramid.split([self.tokens(level) for level in range(1, self.levels + 1)], dim=2))
+
+    def unpack(self, sel: torch.Tensor) -> LLSASelection:
+        """Packed ``(B, H, S)`` -> ``LLSASelection`` (views)."""
+        bsz, heads, _ = sel.shape
+        parts = []
+        for level in range(self.levels):
+            rows, k, off = self.tokens(level + 1), self.topk[level], self.rows[level][SEL_OFF]
+            parts.append(sel[:, :, off:off + rows * k].unflatten(2, (rows, k)))
+        return LLSASelection(indices=tuple(parts), block=self.block, n=self.n)
+
+
+def pack(selection: LLSASelection) -> torch.Tensor:
+    """``LLSASelection`` -> packed ``(B, H, sum_l T_l * K_l)`` int32."""
+    return torch.cat([s.flatten(2) for s in selection.indices], dim=2).to(torch.int32).contiguous()
+
+
+def level_table(n: int, block: int, topk) -> Levels:
+    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)``."""
+    topk = tuple(int(k) for k in topk)
+    levels = len(topk)
+    rows, kv_off, sel_off, csc_off = [], 0, 0, 0
+    for level in range(levels + 1):
+        tokens = cdiv(n, block**level)
+        k = topk[level] if level < levels else 0
+        rows.append((tokens, kv_off if level else 0, k, sel_off, csc_off, block**level))
+        if level:
+            kv_off += tokens
+        if level < levels:
+            parents = cdiv(n, block ** (level + 1))
+            sel_off += parents * k
+            csc_off += parents + 1
+    return Levels(n, block, topk, tuple(rows), kv_off, sel_off, csc_off)

@@ -1,0 +1,352 @@
+"""LLSA backward.
+
+dQ, query-major, like the forward in two kernels: ``_coarse_dq_kernel`` (big query tiles over levels
+1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (one query block per
+program, transposed, adds the fine level).
+
+dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
+
+* ``_sparse_dkv_kernel`` for level l < L: one program per level-(l+1) token p owns its ``b`` children
+  at level l and walks the CSC list of ``S_{l+1}`` (the level-(l+1) query tokens that selected p);
+  each entry stands for ``b^{l+1}`` consecutive fine queries. For l = 0 it can also add the
+  gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is the backward of the
+  pooling pyramid.
+* ``_top_dkv_kernel`` for level L: dense, split over query ranges for parallelism; the partial
+  sums are added in a fixed order (deterministic).
+
+GQA: a dK/dV program loops over the query heads of its KV head, so no atomics are needed. Probabilities
+are recomputed from the saved LSE; every level-l logit carries its ``ln(count)`` bias, so coarse
+gradients get their weights.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import layout
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm,
+                     sparse_keys, store_rows)
+from .layout import Levels, cdiv, pow2
+from .llsa_fwd import fine_keys
+from .tiles import overrides
+
+
+@triton.jit
+def _dq_step(q, do, lse2, delta, bias, valid, k, v, dq, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """``dq += dS @ K`` (unscaled) for logits ``q k^T * SCALE2 + bias`` (log2), kept where ``valid (BM, BN)``."""
+    s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
+    p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = mm(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    return dq + mm(ds.to(k.dtype), k, IEEE)
+
+
+@triton.jit
+def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h,
+                      H, GROUP, N, LEVELS, S_TOTAL,
+                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                      SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    hk = h // GROUP
+    kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+    vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+    sel = SEL + bh.to(tl.int64) * S_TOTAL
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    start = pid * BM
+    rows = start + tl.arange(0, BM)
+    row_ok = rows < N
+    dim = tl.arange(0, BD)
+    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+    delta = tl.sum(load_rows(O + head, rows, q_n, dim, row_ok, D).to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
+    dq = tl.zeros([BM, BD], tl.float32)
+    for level in range(1, LEVELS):
+        tokens = tl.load(META + level * 6 + T)
+        off = tl.load(META + level * 6 + KV_OFF)
+        topk = tl.load(META + level * 6 + TOPK)
+        span = tl.load(META + level * 6 + SPAN)
+        group = span * BLOCK
+        g0 = start // group
+        n_keys = ((tl.minimum(start + BM, N) - 1) // group - g0 + 1) * topk * BLOCK
+        first_row = sel + tl.load(META + level * 6 + SEL_OFF) + g0 * topk
+        row_group = rows // group - g0
+        for c in range(0, n_keys, BN):
+            g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
+            ok = ok & (tok < tokens)
+            k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
+            v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
+            valid = row_ok[:, None] & ok[None, :] & (row_group[:, None] == g[None, :])
+            dq = _dq_step(q, do, lse2, delta, log2_count(tok, span, N), valid, k, v, dq, SCALE2, IEEE)
+    tokens = tl.load(META + LEVELS * 6 + T)
+    off = tl.load(META + LEVELS * 6 + KV_OFF)
+    span = tl.load(META + LEVELS * 6 + SPAN)
+    for c in range(0, tokens, BN):
+        tok = c + tl.arange(0, BN)
+        ok = tok < tokens
+        k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
+        v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
+        dq = _dq_step(q, do, lse2, delta, log2_count(tok, span, N), row_ok[:, None] & ok[None, :], k, v, dq,
+                      SCALE2, IEEE)
+    ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
+    tl.store(ptr, (dq * SCALE).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+
+
+@triton.jit
+def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
+                    H, GROUP, N, S_TOTAL,
+                    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                    SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
+                    SINGLE: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    hk = h // GROUP
+    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+    topk = tl.load(META + TOPK)
+    dim = tl.arange(0, BD)
+    for sub in range(SUB):  # with SINGLE the innermost loop: the next rows' gathers overlap this math
+        start = (pid * SUB + sub) * FQ
+        rows = start + tl.arange(0, FQ)
+        row_ok = rows < N
+        q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+        do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([FQ, BD], tl.float32)
+        qb0 = start // BLOCK
+        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+        row_block = rows // BLOCK - qb0
+        zero = tl.zeros([FN], tl.float32)
+        if SINGLE:
+            g, tok, ok = sparse_keys(sel + qb0 * topk, tl.arange(0, FN), n_keys, topk, BLOCK)
+            ok = ok & (tok < N)
+            valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
+            dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
+                          load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
+        else:
+            for c in range(0, n_keys, FN):
+                g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
+                ok = ok & (tok < N)
+                valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
+                dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
+                              load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
+        ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
+        mask = row_ok[:, None] & (dim[None, :] < D)
+        dq = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) + dq * SCALE
+        tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """Key-major update for keys ``k, v (BK, BD)`` with logit bias ``bias (BK,)`` and queries
+    ``q, do (QR, BD)``: ``dv += P^T dO``, ``dk += dS^T Q`` (unscaled). Works on ``S^T (BK, QR)`` so
+    that every matrix product's first operand is a plain loaded tile or a computed one."""
+    s_t = mm(k, tl.trans(q), IEEE) * SCALE2 + bias[:, None]
+    p_t = tl.where(row_ok[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
+    ds_t = p_t * (mm(v, tl.trans(do), IEEE) - delta[None, :])
+    dv += mm(p_t.to(do.dtype), do, IEEE)
+    dk += mm(ds_t.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC,
+                       q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
+                       H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                       SCALE2: tl.constexpr, SCALE: tl.constexpr, QR: tl.constexpr, FINE: tl.constexpr,
+                       FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
+    parent = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk - b * HK
+    tokens = tl.load(META + LEVEL * 6 + T)
+    off = tl.load(META + LEVEL * 6 + KV_OFF)
+    span = tl.load(META + LEVEL * 6 + SPAN)
+    sel_off = tl.load(META + LEVEL * 6 + SEL_OFF)
+    csc_off = tl.load(META + LEVEL * 6 + CSC_OFF)
+    group = span * BLOCK
+    child = tl.arange(0, BK)
+    tok = parent * BLOCK + child
+    k_ok = (child < BLOCK) & (tok < tokens)
+    dim = tl.arange(0, BD)
+    if FINE:
+        kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+        vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+        key_rows = tok
+        key_stride = k_n
+    else:
+        kb = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        vb = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        key_rows = off + tok
+        key_stride = D
+    k = load_rows(kb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
+    v = load_rows(vb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
+    bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
+    dk = tl.zeros([BK, BD], tl.float32)
+    dv = tl.zeros([BK, BD], tl.float32)
+    for g in range(GROUP):
+        bh = (b * H + hk * GROUP + g).to(tl.int64)
+        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
+        lo = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent)
+        hi = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent + 1)
+        entries = ROWS + bh * S_TOTAL + sel_off + lo
+        n_rows = (hi - lo) * group
+        for c in range(0, n_rows, QR):
+            f = c + tl.arange(0, QR)
+            entry = f // group
+            n = tl.load(entries + entry, mask=f < n_rows, other=0) * group + (f - entry * group)
+            n_ok = (f < n_rows) & (n < N)
+            q = load_rows(Q + head, n, q_n, dim, n_ok, D)
+            do = load_rows(DO + head, n, q_n, dim, n_ok, D)
+            lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
+            delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
+            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
+    dk = dk * SCALE
+    if FUSE_POOL:
+        pooled_k = DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        pooled_v = DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        for level in range(1, LEVELS + 1):
+            lspan = tl.load(META + level * 6 + SPAN)
+            loff = tl.load(META + level * 6 + KV_OFF)
+            up = tok // lspan
+            inv = 1.0 / tl.maximum(tl.minimum(N - up * lspan, lspan), 1).to(tl.float32)
+            dk += load_rows(pooled_k, loff + up, D, dim, k_ok, D) * inv[:, None]
+            dv += load_rows(pooled_v, loff + up, D, dim, k_ok, D) * inv[:, None]
+    if FINE:
+        store_rows(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk, tok, k_n, dim, k_ok, D)
+        store_rows(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv, tok, k_n, dim, k_ok, D)
+    else:
+        store_rows(DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dk, off + tok, D, dim, k_ok, D)
+        store_rows(DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dv, off + tok, D, dim, k_ok, D)
+
+
+@triton.jit
+def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q_n, c_b, c_h, p_s,
+                    H, HK, GROUP, N, LEVELS, QUERIES,
+                    D: tl.constexpr, BD: tl.constexpr, TK: tl.constexpr, SCALE2: tl.constexpr,
+                    SCALE: tl.constexpr, QR: tl.constexpr, IEEE: tl.constexpr):
+    chunk = tl.program_id(0)
+    split = tl.program_id(1)
+    bhk = tl.program_id(2)
+    b = bhk // HK
+    hk = bhk - b * HK
+    tokens = tl.load(META + LEVELS * 6 + T)
+    off = tl.load(META + LEVELS * 6 + KV_OFF)
+    span = tl.load(META + LEVELS * 6 + SPAN)
+    tok = chunk * TK + tl.arange(0, TK)
+    k_ok = tok < tokens
+    dim = tl.arange(0, BD)
+    kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+    k = load_rows(KC + kv, off + tok, D, dim, k_ok, D).to(Q.dtype.element_ty)
+    v = load_rows(VC + kv, off + tok, D, dim, k_ok, D).to(Q.dtype.element_ty)
+    bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
+    dk = tl.zeros([TK, BD], tl.float32)
+    dv = tl.zeros([TK, BD], tl.float32)
+    lo = split * QUERIES
+    hi = tl.minimum(lo + QUERIES, N)
+    for g in range(GROUP):
+        bh = (b * H + hk * GROUP + g).to(tl.int64)
+        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
+        for n0 in range(lo, hi, QR):
+            n = n0 + tl.arange(0, QR)
+            n_ok = n < hi
+            q = load_rows(Q + head, n, q_n, dim, n_ok, D)
+            do = load_rows(DO + head, n, q_n, dim, n_ok, D)
+            lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
+            delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
+            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
+    part = split.to(tl.int64) * p_s + kv
+    store_rows(PART_K + part, dk * SCALE, off + tok, D, dim, k_ok, D)
+    store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
+
+
+def backward_tiles(device: torch.device, d: int, block: int) -> dict:
+    """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
+    ``programs``: target grid of the top level."""
+    fq = pow2(block, 16)
+    if device.type == "cpu":
+        base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4,
+                    stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4)
+    else:
+        wide = d > 64
+        base = dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
+                    TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=2 if wide else 3, dkv_warps=4,
+                    top_warps=8 if d > 32 else 4,
+                    top_stages=1 if wide else 2, programs=4 * 132)
+    return {**base, **overrides("bwd")}
+
+
+def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels: Levels, scale: float,
+                  fuse_pool: bool, tiles: dict | None = None):
+    """Gradients ``(dq, dk, dv, dkc, dvc)`` of the LLSA forward.
+
+    Shapes as in ``llsa_forward``; do like q; dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of
+    ``sel`` (``csc.selection_csc``). dkc, dvc ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of
+    the pooled levels; with ``fuse_pool`` dk, dv already include them (through the pooling).
+    """
+    bsz, heads, n, d = q.shape
+    kv_heads, group = k.shape[1], heads // k.shape[1]
+    tiles = tiles or backward_tiles(q.device, d, levels.block)
+    meta = levels.meta(q)
+    common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
+                  IEEE=q.dtype == torch.float32)
+    dq = torch.empty_like(q)
+    delta = torch.empty_like(lse)
+    launcher(_coarse_dq_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
+        q, kc, vc, sel, meta, o, do, lse, dlse if dlse is not None else lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+        heads, group, n, levels.levels, levels.selection_size, BLOCK=levels.block, BM=tiles["BM"], BN=tiles["BN"],
+        HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
+    keys = fine_keys(levels.block, levels.topk[0], tiles["FQ"])
+    fn = min(tiles["FN"], pow2(keys, 16))
+    launcher(_fine_dq_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
+        q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size,
+        BLOCK=levels.block, FQ=tiles["FQ"], FN=fn, SUB=tiles["SUB"], SINGLE=keys <= fn,
+        num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"], **common)
+
+    dkc = torch.empty_like(kc, dtype=torch.float32)
+    dvc = torch.empty_like(dkc)
+    top = levels.levels
+    chunks = cdiv(levels.tokens(top), tiles["TK"])
+    splits = max(1, min(cdiv(n, tiles["TOP_QR"]), cdiv(tiles["programs"], chunks * bsz * kv_heads)))
+    queries = cdiv(cdiv(n, splits), tiles["TOP_QR"]) * tiles["TOP_QR"]
+    splits = cdiv(n, queries)
+    part_k = dkc if splits == 1 else dkc.new_empty(splits, *dkc.shape)
+    part_v = dvc if splits == 1 else dvc.new_empty(splits, *dvc.shape)
+    launcher(_top_dkv_kernel)[(chunks, splits, bsz * kv_heads)](
+        q, kc, vc, do, lse, delta, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
+        kc.stride(0), kc.stride(1), dkc.numel(), heads, kv_heads, group, n, top, queries,
+        TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["top_stages"], **common)
+    if splits > 1:
+        first = levels.rows[top][layout.KV_OFF]
+        span = slice(first, first + levels.tokens(top))
+        dkc[:, :, span] = part_k[:, :, :, span].sum(0)
+        dvc[:, :, span] = part_v[:, :, :, span].sum(0)
+
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    for level in range(top - 1, -1, -1):
+        fine = level == 0
+        launcher(_sparse_dkv_kernel)[(levels.tokens(level + 1), bsz * kv_heads)](
+            q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), kc.stride(0), kc.stride(1),
+            heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size,
+            BLOCK=levels.block, BK=pow2(levels.block, 16), QR=tiles["QR_FINE"] if fine else tiles["QR"],
+            FINE=fine, FUSE_POOL=fine and fuse_pool, num_warps=tiles["dkv_warps"], num_stages=tiles["stages"],
+            **common)
+    return dq, dk, dv, dkc, dvc

@@ -1,0 +1,142 @@
+"""``torch.library`` ops of the LLSA Triton kernels (namespace ``flexsparse``).
+
+``triton_op`` + ``wrap_triton`` make the kernels visible to ``torch.compile(fullgraph=True)``
+(forward and backward, no graph breaks); the fake implementations are the op bodies themselves.
+Every body branches on the device: CUDA runs the kernels; CPU runs them through the Triton
+interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to the ``torch``
+backend. fp64 always takes the fallback.
+
+Ops: ``llsa_pool`` (pooling pyramid), ``llsa_select`` (packed hierarchical selection),
+``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``. Pyramids are ``(B, H, T_1 + ... + T_L, D)``
+fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32 (``flexsparse.triton.layout``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import torch_sparse
+from ..masks import hierarchical_topk, pool_pyramid
+from .layout import Levels, level_table, pack
+
+
+def interpreting() -> bool:
+    """Whether the Triton interpreter is on (it must be set before the kernel modules are imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels(x: Tensor) -> bool:
+    """Whether ``x`` goes to the Triton kernels (else to the torch fallback)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())
+
+
+def _dense(*tensors: Tensor) -> list[Tensor]:
+    return [t.contiguous() for t in tensors]
+
+
+@torch.library.triton_op("flexsparse::llsa_pool", mutates_args=())
+def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> Tensor:
+    """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
+    fp32 (fp64 for fp64), or x's dtype with ``same_dtype`` (sums are fp32 either way). Not differentiable
+    (the attention backward pools the gradients itself)."""
+    if not _kernels(x):
+        pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
+        return pyramid.to(x.dtype) if same_dtype else pyramid
+    from .pool import pool_pyramid as pool_kernel
+    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels),
+                       x.dtype if same_dtype else torch.float32)
+
+
+@torch.library.triton_op("flexsparse::llsa_select", mutates_args=())
+def llsa_select(q_pyr: Tensor, k_pyr: Tensor, n: int, block: int, topk: list[int]) -> Tensor:
+    """Packed hierarchical top-K ``(B, H, S)`` int32 from pooled pyramids (``llsa_pool`` of q and k)."""
+    levels = level_table(n, block, topk)
+    if not _kernels(q_pyr):
+        sel = hierarchical_topk(levels.split_pyramid(q_pyr), levels.split_pyramid(k_pyr), tuple(topk), block, n)
+        return pack(sel)
+    from .select import hierarchical_topk as select_kernel
+    return select_kernel(q_pyr.contiguous(), k_pyr.contiguous(), levels)
+
+
+def _torch_attention(q, k, v, kc, vc, sel, levels: Levels, scale: float):
+    return torch_sparse.llsa_attention(q, [k, *levels.split_pyramid(kc)], [v, *levels.split_pyramid(vc)],
+                                       levels.unpack(sel), scale)
+
+
+@torch.library.triton_op("flexsparse::llsa_attn", mutates_args=())
+def llsa_attn(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, sel: Tensor, block: int, topk: list[int],
+              scale: float, fuse_pool: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """LLSA output ``(B, H, N, D)`` and natural-log LSE ``(B, H, N)`` fp32.
+
+    kc, vc: pooled pyramids of k and v; sel: packed selection. With ``fuse_pool`` the gradients of
+    k and v include the paths through the pyramids and kc, vc get none (pass them detached);
+    without it kc and vc get their own gradients. ``deterministic`` makes dK/dV bitwise reproducible.
+    """
+    levels = level_table(q.shape[2], block, topk)
+    if not _kernels(q):
+        return _torch_attention(q, k, v, kc, vc, sel, levels, scale)
+    from .llsa_fwd import llsa_forward
+    return llsa_forward(*_dense(q, k, v, kc, vc, sel), levels, scale)
+
+
+def _unpool(grad_pyr: Tensor, levels: Levels) -> Tensor:
+    """Backward of the pooling pyramid: ``(B, H, sum T_l, D)`` -> ``(B, H, N, D)``."""
+    out = 0
+    for level, grad in enumerate(levels.split_pyramid(grad_pyr), start=1):
+        span = levels.block**level
+        counts = (levels.n - torch.arange(grad.shape[2], device=grad.device) * span).clamp(max=span)
+        out = out + (grad / counts.to(grad.dtype)[:, None]).repeat_interleave(span, dim=2)[:, :, :levels.n]
+    return out
+
+
+def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scale: float, fuse_pool: bool):
+    from .fallback import llsa_attention_backward
+    dq, dks, dvs = llsa_attention_backward(do, dlse, q, [k, *levels.split_pyramid(kc)], [v, *levels.split_pyramid(vc)],
+                                           levels.unpack(sel), scale, o, lse)
+    dk, dkc, dv, dvc = dks[0], torch.cat(dks[1:], dim=2), dvs[0], torch.cat(dvs[1:], dim=2)
+    if fuse_pool:
+        dk = dk + _unpool(dkc, levels).to(dk.dtype)
+        dv = dv + _unpool(dvc, levels).to(dv.dtype)
+    return dq, dk, dv, dkc, dvc
+
+
+@torch.library.triton_op("flexsparse::llsa_attn_bwd", mutates_args=())
+def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor,
+                  sel: Tensor, o: Tensor, lse: Tensor, block: int, topk: list[int], scale: float, fuse_pool: bool,
+                  deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, dkc, dvc)`` of ``llsa_attn`` (see there for ``fuse_pool``)."""
+    levels = level_table(q.shape[2], block, topk)
+    if not _kernels(q):
+        return _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
+    from .csc import selection_csc
+    from .llsa_bwd import llsa_backward
+    do, q, k, v, kc, vc, sel, o, lse = _dense(do, q, k, v, kc, vc, sel, o, lse)
+    offsets, rows = selection_csc(sel, levels, deterministic)
+    dlse = None if dlse is None else dlse.contiguous()
+    dq, dk, dv, dkc, dvc = llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels, scale,
+                                         fuse_pool)
+    return dq, dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, kc, vc, sel, block, topk, scale, fuse_pool, deterministic = inputs
+    ctx.save_for_backward(q, k, v, kc, vc, sel, *output)
+    ctx.args = (block, topk, scale, fuse_pool, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, kc, vc, sel, o, lse = ctx.saved_tensors
+    block, topk, scale, fuse_pool, deterministic = ctx.args
+    dq, dk, dv, dkc, dvc = llsa_attn_bwd(do, dlse, q, k, v, kc, vc, sel, o, lse, block, topk, scale, fuse_pool,
+                                         deterministic)
+    if fuse_pool:
+        dkc = dvc = None
+    return dq, dk, dv, dkc, dvc, None, None, None, None, None, None
+
+
+llsa_attn.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,296 @@
+"""The ``triton`` backend of LLSA.
+
+CPU (CI): the kernels run through the Triton interpreter in fp32 on tiny shapes (several L, odd N,
+GQA) against ``flexsparse.masks`` (pooling, selection, CSC), the ``torch`` backend (outputs, LSE and
+all gradients, pooled levels as separate leaves) and the dense reference. They run in a child pytest
+started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``, see ``triton_support``).
+GPU (``pytest -m gpu``): bf16 at realistic sizes, eager and ``torch.compile(fullgraph=True)``, opcheck.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triton_support as ts
+
+pytest.importorskip("triton")
+
+import flexsparse  # noqa: E402
+from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
+from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, pool_pyramid  # noqa: E402
+from flexsparse.triton import ops  # noqa: E402
+from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
+
+cpu_only = pytest.mark.skipif(not ts.INTERPRETED or ts.HAS_CUDA,
+                              reason="interpreter test: runs in the child process of test_interpreter_suite")
+cpu_parent = pytest.mark.skipif(ts.INTERPRETED or ts.HAS_CUDA, reason="CPU test of the parent process")
+
+
+def gpu(test):
+    """``pytest -m gpu`` tests, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not ts.HAS_CUDA, reason="needs a CUDA GPU")(test))
+
+
+@cpu_parent
+def test_interpreter_suite():
+    result = ts.run_interpreter_suite(__file__)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+# (n, block, topk, heads, kv_heads, head_dim): several L, odd and tiny N, GQA.
+CASES = [
+    (1, 4, (1,), 1, 1, 16),
+    (17, 16, (1,), 1, 1, 16),
+    (100, 8, (4, 2), 2, 2, 32),
+    (259, 16, (2, 2), 2, 1, 16),
+    (300, 4, (3, 2, 2), 2, 1, 16),
+]
+
+
+def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu"):
+    make = ts.grid_values if grid else torch.randn
+    q = make(1, heads, n, d)
+    k = make(1, kv_heads, n, d) + (0.5 if grid else 0.3 * torch.randn(1, kv_heads, 1, d))
+    v = make(1, kv_heads, n, d)
+    return [x.to(dtype=dtype, device=device) for x in (q, k, v)]
+
+
+def _leaf_run(fn, q, k, v, selection, levels, scale, pooled_dtype=None):
+    """o, lse and the gradients of q, k, v and of every pooled level (separate fp32 leaves, rounded
+    through ``pooled_dtype`` first: the kernels read bf16 pooled keys, and at the dense top level
+    that rounding alone moves the pooled gradients by ~2% against fp32 means)."""
+
+    def pooled(x):
+        return [(p.to(pooled_dtype).float() if pooled_dtype else p).detach().requires_grad_()
+                for p in pool_pyramid(x, selection.block, levels)]
+
+    q = q.detach().requires_grad_()
+    k_levels = [k.detach().requires_grad_()] + pooled(k)
+    v_levels = [v.detach().requires_grad_()] + pooled(v)
+    o, lse = fn(q, k_levels, v_levels, selection, scale)
+    gen = torch.Generator().manual_seed(0)
+    w_o = torch.randn(o.shape, generator=gen).to(o)
+    w_lse = torch.randn(lse.shape, generator=gen).to(lse)
+    ((o.float() * w_o.float()).sum() + (lse * w_lse).sum()).backward()
+    return [o, lse, q.grad] + [x.grad for x in k_levels] + [x.grad for x in v_levels]
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+
+@cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
+def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
+    x = torch.randn(2, kv_heads, n, d)
+    got = ops.llsa_pool(x, block, len(topk))
+    torch.testing.assert_close(got, torch.cat(pool_pyramid(x, block, len(topk)), dim=2), rtol=1e-6, atol=1e-6)
+
+
+@cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
+def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
+    q, k, _ = _qkv(n, heads, kv_heads, d, grid=True)
+    q_levels, k_levels = pool_pyramid(q, block, len(topk)), pool_pyramid(k, block, len(topk))
+    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
+    got = level_table(n, block, topk).unpack(sel)
+    for level, (a, b) in enumerate(zip(got.indices, expected.indices), start=1):
+        assert torch.equal(a, b), f"S_{level} differs"
+
+
+@cpu_only
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_csc_is_transpose(deterministic):
+    from flexsparse.triton.csc import selection_csc
+    n, block, topk = 300, 4, (3, 2, 2)
+    q, k, _ = _qkv(n, 2, 1, 16)
+    selection = hierarchical_topk(pool_pyramid(q, block, 3), pool_pyramid(k, block, 3), topk, block, n)
+    levels = level_table(n, block, topk)
+    offsets, rows = selection_csc(pack(selection), levels, deterministic)
+    for level, s in enumerate(selection.indices):
+        keys = s.shape[2]
+        start, first = levels.rows[level][CSC_OFF], levels.rows[level][SEL_OFF]
+        off = offsets[..., start:start + keys + 1].long()
+        got = rows[..., first:first + s.shape[2] * s.shape[3]]
+        dense = torch.zeros(*s.shape[:3], keys, dtype=torch.bool).scatter_(-1, s.long(), True)
+        for h in range(s.shape[1]):
+            for key in range(keys):
+                members = got[0, h, off[0, h, key]:off[0, h, key + 1]].long()
+                assert torch.equal(members.sort().values, dense[0, h, :, key].nonzero().flatten())
+        if deterministic:
+            assert torch.equal(got, csr_to_csc(s, keys).rows)
+
+
+@cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
+def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d):
+    """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level."""
+    q, k, v = _qkv(n, heads, kv_heads, d)
+    levels = len(topk)
+    selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
+    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
+    want = _leaf_run(torch_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
+    names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]
+    for name, a, b in zip(names, got, want):
+        assert ts.rel_err(a, b) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[3]])
+def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
+    """The whole method (pool, select, attend, gradients through the pooling) against the dense spec."""
+    q, k, v = _qkv(n, heads, kv_heads, d, grid=True)
+    cfg = {"method": "llsa", "block_size": block, "topk": list(topk)}
+    results = {}
+    for backend in ("triton", "reference"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, lse = flexsparse.attention(*leaves, cfg, backend=backend, return_lse=True)
+        gen = torch.Generator().manual_seed(1)
+        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (lse * torch.randn(lse.shape, generator=gen)).sum()
+        loss.backward()
+        results[backend] = [o, lse] + [x.grad for x in leaves]
+    for name, a, b in zip(["o", "lse", "dq", "dk", "dv"], results["triton"], results["reference"]):
+        assert ts.rel_err(a, b) < 1e-5, name
+
+
+@cpu_only
+def test_deterministic_gradients_are_bitwise_reproducible():
+    q, k, v = _qkv(100, 2, 1, 16)
+    cfg = {"method": "llsa", "block_size": 8, "topk": [4, 2], "deterministic": True}
+    grads = []
+    for _ in range(2):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        flexsparse.attention(*leaves, cfg, backend="triton").square().sum().backward()
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@cpu_parent
+def test_runs_on_cpu_only_with_interpreter():
+    with ts.interpreter_env(False):
+        assert not runs_on("triton", torch.device("cpu"), needs_grad=True)
+    with ts.interpreter_env(True):
+        assert runs_on("triton", torch.device("cpu"), needs_grad=True)
+
+
+@cpu_parent
+def test_cpu_fallback_without_interpreter():
+    """Without the interpreter, the op bodies fall back to the torch backend on CPU."""
+    q, k, v = _qkv(100, 2, 1, 16, grid=True)
+    cfg = {"method": "llsa", "block_size": 8, "topk": [4, 2]}
+    with ts.interpreter_env(False):
+        results = []
+        for backend in ("triton", "torch"):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            o = flexsparse.attention(*leaves, cfg, backend=backend)
+            o.square().sum().backward()
+            results.append([o] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+@cpu_parent
+def test_opcheck_cpu_fallback():
+    n, block, topk = 100, 8, [4, 2]
+    q, k, v = _qkv(n, 2, 1, 16)
+    with ts.interpreter_env(False):
+        k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
+        sel = ops.llsa_select(ops.llsa_pool(q, block, 2), k_pyr, n, block, topk)
+        torch.library.opcheck(ops.llsa_pool, (k, block, 2))
+        torch.library.opcheck(ops.llsa_select, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
+        for fuse in (False, True):
+            args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
+                    v_pyr.requires_grad_(not fuse), sel, block, topk, 0.25, fuse, False)
+            # aot_dispatch_dynamic of the fallback takes about a minute on 2 cores: once is enough here
+            utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fuse else None
+            torch.library.opcheck(ops.llsa_attn, args, **({"test_utils": utils} if utils else {}))
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    q, k, v = _qkv(n, heads, kv_heads, d)
+    return [x.to("cuda", dtype) for x in (q, k, v)]
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,topk,dtype", [
+    (16384, 4, 2, 64, (8, 8), torch.bfloat16), (9000, 2, 2, 128, (8, 8), torch.bfloat16),
+    (70000, 2, 1, 64, (8, 8, 8), torch.bfloat16), (4133, 2, 1, 32, (8, 8), torch.float16)])
+def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
+    q, k, v = _gpu_inputs(n, heads, kv_heads, d, dtype)
+    block, levels = 16, len(topk)
+    selection = triton_sparse.llsa_select(q, k, block, topk)
+    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
+    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5, q.dtype)
+    names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]
+    for name, a, b in zip(names, got, want):
+        assert ts.rel_err(a, b) < 2e-2, name
+
+
+@gpu
+def test_gpu_selection_matches_masks():
+    n, block, topk = 65536, 16, (8, 8)
+    q, k, _ = _gpu_inputs(n, 4, 2, 64)
+    q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
+    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    got = level_table(n, block, topk).unpack(sel)
+    want = hierarchical_topk(q_levels, k_levels, topk, block, n)
+    top = (got.indices[-1] == want.indices[-1]).all(-1).float().mean().item()
+    assert top > 0.99
+    fine = children_topk(q_levels[0], k_levels[0], got.indices[1], topk[0], block)  # same parents
+    assert (got.indices[0] == fine).all(-1).float().mean().item() > 0.99
+
+
+@gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_method_compiled_and_eager(compiled):
+    q, k, v = _gpu_inputs(16384, 4, 2, 64)
+    cfg = flexsparse.Config.from_dict({"method": "llsa", "block_size": 16, "topk": 8, "levels": 2})  # outside the graph
+
+    def step(q, k, v):
+        o, lse = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True)
+        return o, lse
+
+    fn = torch.compile(step, fullgraph=True) if compiled else step
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = fn(*leaves)
+    (o.float().square().sum() + lse.sum()).backward()
+    ref_leaves = [x.float().clone().requires_grad_() for x in (q, k, v)]
+    ro, rlse = flexsparse.attention(*ref_leaves, cfg, backend="torch", return_lse=True)
+    (ro.square().sum() + rlse.sum()).backward()
+    assert ts.rel_err(o, ro) < 2e-2
+    assert ts.rel_err(lse, rlse) < 2e-2
+    for a, b in zip(leaves, ref_leaves):
+        assert ts.rel_err(a.grad, b.grad) < 3e-2
+
+
+@gpu
+def test_gpu_deterministic():
+    q, k, v = _gpu_inputs(16384, 4, 2, 64)
+    cfg = {"method": "llsa", "block_size": 16, "topk": 8, "deterministic": True}
+    grads = []
+    for _ in range(2):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        flexsparse.attention(*leaves, cfg, backend="triton").float().square().sum().backward()
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_gpu_opcheck():
+    n, block, topk = 4100, 16, [8, 4]
+    q, k, v = _gpu_inputs(n, 2, 1, 64)
+    k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
+    q_pyr = ops.llsa_pool(q, block, 2)
+    sel = ops.llsa_select(q_pyr, k_pyr, n, block, topk)
+    torch.library.opcheck(ops.llsa_pool, (k, block, 2))
+    torch.library.opcheck(ops.llsa_select, (q_pyr, k_pyr, n, block, topk))
+    for fuse in (False, True):
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
+                v_pyr.requires_grad_(not fuse), sel, block, topk, 0.125, fuse, False)
+        torch.library.opcheck(ops.llsa_attn, args)

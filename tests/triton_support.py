@@ -1,0 +1,57 @@
+"""Test support for the Triton backend: the interpreter subprocess and shared helpers.
+
+The Triton interpreter must be on (``TRITON_INTERPRET=1``) before ``triton`` itself is imported,
+which other test files may do first. So on a machine without CUDA the interpreter tests run in a
+child pytest process started with the variable set (``run_interpreter_suite``); in the parent
+process they are skipped and nothing else is affected. Tests that need the variable off for a
+moment (the torch fallback) use ``interpreter_env(False)``: the op bodies read it at call time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_interpreter_suite(path: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the non-GPU tests of ``path`` in a child pytest with the interpreter on."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def interpreter_env(on: bool):
+    """``TRITON_INTERPRET=1`` inside the block (unset with ``on=False``), restored after."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in fp64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grid_values(*shape) -> torch.Tensor:
+    """Random multiples of 1/4 in [-1, 1] (fp32): pooled means and raw dots are exact, so every
+    summation order gives the same scores, and exact ties exercise the tie-break."""
+    return torch.randint(-4, 5, shape) / 4
