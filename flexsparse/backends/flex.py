@@ -127,7 +127,7 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     block_mask, layout = llsa_block_mask(selection)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
-    return attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(q)), scale)
+    return attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(selection.indices[0])), scale)
 
 
 class SmallBlockChoices(InductorChoices):

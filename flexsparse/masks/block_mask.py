@@ -154,7 +154,8 @@ class LLSALayout:
 
     def log_weights(self, like: torch.Tensor) -> torch.Tensor:
         """Per extended-KV token ``ln(#real fine tokens under it)``, ``-inf`` on padding: ``(length,)`` fp32
-        on ``like``'s device (an opaque op, so that compiled graphs see a plain buffer)."""
+        on ``like``'s device (an opaque op, so that compiled graphs see a plain buffer; ``like`` must not
+        require grad, e.g. a selection table)."""
         return extended_log_weights(like, self.n, self.block, list(self.segment_blocks))
 
 
