@@ -19,6 +19,8 @@ def parse_args(argv=None):
                                      "against dense SDPA on the best available device.")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--methods", nargs="+", default=available_methods(), choices=available_methods())
+    parser.add_argument("--backends", nargs="+", choices=["torch", "flex", "triton"],
+                        help="backends to time (default: every one that runs on the device)")
     parser.add_argument("--sizes", type=int, nargs="+", help="sequence lengths (default: fit the device)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--batch", type=int, help="default 2 on CUDA, 1 on CPU")
@@ -41,7 +43,8 @@ def main(argv=None) -> None:
     meta = {"device_name": name, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "heads": heads,
             "dim": args.dim, "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     print(f"flexsparse benchmark on {name}: B={batch} H={heads} D={args.dim} {meta['dtype']}, N={sizes}")
-    rows = run(args.methods, sizes, device, dtype, batch, heads, args.dim, not args.no_backward, not args.no_check)
+    rows = run(args.methods, sizes, device, dtype, batch, heads, args.dim, not args.no_backward, not args.no_check,
+               args.backends)
     table = [[r.method, r.backend, r.n, r.forward_ms, r.forward_backward_ms, r.speedup_forward,
               r.speedup_forward_backward, r.max_error] for r in rows]
     print(tabulate(table, headers=["method", "backend", "N", "fwd ms", "fwd+bwd ms", "speedup fwd",

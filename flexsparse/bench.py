@@ -77,35 +77,37 @@ def build(config: dict, backend: str, dim: int, heads: int, n: int, device, dtyp
     return module
 
 
-def max_error(config: dict, backend: str, device: torch.device, n: int = 700, dim: int = 32) -> float:
-    """Max |o - o_ref| at a small size against the reference in fp64 (fp32 inputs for the backend)."""
+def max_error(config: dict, backend: str, device: torch.device, dtype: torch.dtype, n: int = 700,
+              dim: int = 64) -> float:
+    """Max |o - o_ref| at a small size against the fp64 reference (inputs in ``dtype`` for the backend)."""
     heads = 2
     q, k, v = random_qkv(1, heads, n, dim, torch.float64, device, False)
     reference = build(config, "reference", dim, heads, n, device, torch.float64).double()
-    test = build(config, backend, dim, heads, n, device, torch.float32)
+    test = build(config, backend, dim, heads, n, device, dtype)
     with torch.no_grad():
         want = reference(q, k, v)
-        got = test(q.float(), k.float(), v.float())
+        got = test(q.to(dtype), k.to(dtype), v.to(dtype))
     return (got.double() - want).abs().max().item()
 
 
-def supported_backends(method: str, device: torch.device, needs_grad: bool) -> list[str]:
-    """Non-reference backends of ``method`` that run on ``device``."""
+def supported_backends(method: str, device: torch.device, needs_grad: bool,
+                       wanted: list[str] | None = None) -> list[str]:
+    """Non-reference backends of ``method`` that run on ``device`` (among ``wanted`` if given)."""
     return [b for b in method_module(method).BACKENDS
-            if b != "reference" and backends.runs_on(b, device, needs_grad)]
+            if b != "reference" and backends.runs_on(b, device, needs_grad) and (wanted is None or b in wanted)]
 
 
 def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch.dtype, batch: int, heads: int,
-        dim: int, backward: bool, check: bool) -> list[Row]:
+        dim: int, backward: bool, check: bool, wanted_backends: list[str] | None = None) -> list[Row]:
     """Benchmark rows for every (method, backend, N)."""
     rows = []
     errors: dict[tuple[str, str], float] = {}
-    jobs = [(m, b, n) for n in sizes for m in methods for b in supported_backends(m, device, backward)]
+    jobs = [(m, b, n) for n in sizes for m in methods for b in supported_backends(m, device, backward, wanted_backends)]
     sdpa: dict[int, tuple[float, float | None]] = {}
     for method, backend, n in tqdm(jobs, desc="benchmark", unit="run"):
         config = DEMO_CONFIGS[method]
         if check and (method, backend) not in errors:
-            errors[(method, backend)] = max_error(config, backend, device)
+            errors[(method, backend)] = max_error(config, backend, device, dtype)
         q, k, v = random_qkv(batch, heads, n, dim, dtype, device, backward)
         if n not in sdpa:
             fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)
