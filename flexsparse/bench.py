@@ -118,9 +118,13 @@ def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch
         except ValueError as exc:  # e.g. top-K larger than the number of blocks at this N
             tqdm.write(f"skip {method}/{backend} at N={n}: {exc}")
             continue
-        with torch.no_grad():
-            forward = time_ms(lambda: module(q, k, v), device)
-        both = time_ms(lambda: module(q, k, v).sum().backward(), device) if backward else None
+        try:
+            with torch.no_grad():
+                forward = time_ms(lambda: module(q, k, v), device)
+            both = time_ms(lambda: module(q, k, v).sum().backward(), device) if backward else None
+        except (RuntimeError, torch.OutOfMemoryError) as exc:   # keep the rest of the table
+            tqdm.write(f"failed {method}/{backend} at N={n}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
         rows.append(Row(method, backend, n, forward, both, sdpa[n][0], sdpa[n][1], sdpa[n][0] / forward,
                         (sdpa[n][1] / both) if backward else None, errors.get((method, backend))))
     return rows

@@ -29,6 +29,20 @@ CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be 
 
 _FLEX_CPU = torch.compile(flex_attention, dynamic=False)
 _FLEX_CUDA = torch.compile(flex_attention)
+# Every flex call in the process shares one compiled function; each (dtype, block size, head dim,
+# score_mod, grad mode, ...) is a recompile. Past dynamo's limit it would silently run the eager,
+# dense O(N^2) FlexAttention, so flexsparse raises that limit and turns hitting it into an error.
+RECOMPILE_LIMIT = 64
+
+
+def _compiled_flex(fn, *args, **kwargs):
+    """Call a compiled flex_attention with a raised recompile limit that fails loudly when hit
+    (inside a user's ``torch.compile`` region the call is traced and the user's settings apply)."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        return fn(*args, **kwargs)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
@@ -76,10 +90,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":  # the C++ kernel misreads inputs that are views of 2-D buffers: copy
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = _FLEX_CPU(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = _compiled_flex(_FLEX_CPU, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                             enable_gqa=gqa)
         return out, None
     block_q, block_kv = block_mask.BLOCK_SIZE
-    out, aux = _FLEX_CUDA(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+    out, aux = _compiled_flex(_FLEX_CUDA, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=gqa,
                           kernel_options=tile_options(block_q, block_kv, q.dtype, q.shape[-1]),
                           return_aux=AuxRequest(lse=True))
     return out, aux.lse
