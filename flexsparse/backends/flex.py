@@ -95,9 +95,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
         return out, None
     block_q, block_kv = block_mask.BLOCK_SIZE
     out, aux = _compiled_flex(_FLEX_CUDA, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=gqa,
-                          kernel_options=tile_options(block_q, block_kv, q.dtype, q.shape[-1]),
-                          return_aux=AuxRequest(lse=True))
+                              enable_gqa=gqa, kernel_options=tile_options(block_q, block_kv, q.dtype, q.shape[-1]),
+                              return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
