@@ -250,3 +250,17 @@ def test_lse_is_natural_log_of_the_sparse_branch():
         keys = [t for t in range(12) if t // 4 in sel.indices[0, 0, i // 4].tolist()]
         want = torch.logsumexp(q[0, 0, i] @ k[0, 0, keys].T / math.sqrt(8), dim=0)
         torch.testing.assert_close(lse[0, 0, i], want, rtol=1e-12, atol=1e-12)
+
+
+def test_dense_block_form_of_the_masked_linear_branch_matches_the_gather_form():
+    from helpers import qkv
+
+    q, k, v = qkv(heads=4, kv_heads=2, n=333, d=8)
+    for negligible in (0.0, 0.2):
+        cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3,
+                                           "negligible_ratio": negligible})
+        selection = sla_method.select(q, k, cfg)
+        for fmap in ("softmax", "elu", "relu"):
+            a = torch_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+            b = torch_linear.masked_linear_attention_dense_blocks(q, k, v, selection, feature_map=fmap, eps=1e-5)
+            assert rel_err(b, a) < 1e-10

@@ -97,3 +97,26 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     z_rows = (w @ z.unsqueeze(2)).flatten(1, 2)                                 # (B, H, Tq, D)
     out = (phi_q @ h_rows) / (eps + phi_q @ z_rows.unsqueeze(-1))
     return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
+
+
+def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                         selection: BlockSelection, *, feature_map: str, eps: float) -> torch.Tensor:
+    """Same result as ``masked_linear_attention`` through block-level matmuls: ``H_i = (1 - M_i) @ h``
+    with the ``(B, H, Tq, Tk)`` block map M of the skipped blocks. O(Tq * Tk * D^2) work on tensor-friendly
+    matmuls instead of O(N * skipped * block_k) gathers, and no cancellation; used by the ``flex``
+    backend on GPUs (the ``torch`` backend keeps the gather form: no ``(N/b)^2`` tensor)."""
+    skipped = selection.indices
+    if selection.excluded is not None:
+        skipped = torch.cat([skipped, selection.excluded], dim=-1)
+    if skipped.shape[-1] == selection.num_k_blocks:
+        return q.new_zeros(q.shape)
+    keep = torch.ones(*skipped.shape[:3], selection.num_k_blocks, dtype=accumulation_dtype(q.dtype),
+                      device=q.device)
+    keep.scatter_(-1, skipped.long(), 0.0)
+    return weighted_linear_attention(q, k, v, keep, selection.block_q, selection.block_k,
+                                     feature_map=feature_map, eps=eps)
+
+
+def masked_linear_for(backend: str):
+    """The masked linear branch a backend uses: block-level matmuls with ``flex``, gathers otherwise."""
+    return masked_linear_attention_dense_blocks if backend == "flex" else masked_linear_attention

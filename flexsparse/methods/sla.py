@@ -49,7 +49,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"])
     o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
     if cfg.linear == "masked":
-        o_l = torch_linear.masked_linear_attention(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
+        o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
         o_l = torch_linear.linear_attention(q, k, v, feature_map=cfg.feature_map, eps=cfg.eps)
     acc = accumulation_dtype(q.dtype)

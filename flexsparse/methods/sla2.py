@@ -87,7 +87,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
         o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k.to(q.dtype), v, mask, scale)
-        o_l = torch_linear.masked_linear_attention(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
+        o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)
     out = alpha * o_s.to(acc) + (1 - alpha) * o_l.to(acc)
