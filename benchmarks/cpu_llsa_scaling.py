@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -45,9 +46,11 @@ def main() -> None:
         print(json.dumps(measure(args.one, args.device)))
         return
     rows = []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     for n in args.sizes:
         result = subprocess.run([sys.executable, __file__, "--one", str(n), "--device", args.device],
-                                check=True, capture_output=True, text=True)
+                                check=True, capture_output=True, text=True, env=env)
         rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
         print(f"N={n}: {rows[-1]}", file=sys.stderr)
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
