@@ -8,7 +8,7 @@ Unknown methods or keys raise ``ValueError`` naming them and listing the valid o
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
 FEATURE_MAPS = ("softmax", "elu", "relu")

@@ -2,7 +2,6 @@
 processor), timm-style, and a generic module that calls SDPA; ``TinyModel`` stacks them in blocks."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa

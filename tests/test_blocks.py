@@ -45,7 +45,7 @@ def test_vsa_gate_parameters_get_gradients():
     params = dict(attn.params.items())
     outs = run_both(q, k, v, cfg, params)
     (o_t, l_t, g_t), (o_r, l_r, g_r) = outs["torch"], outs["reference"]
-    assert rel_err(o_t, o_r) < 1e-12
+    assert rel_err(o_t, o_r) < 1e-12 and rel_err(l_t, l_r) < 1e-12
     for a, b in zip(g_t, g_r):
         assert b.abs().sum() > 0 and rel_err(a, b) < 1e-11
 

@@ -8,23 +8,16 @@ never contributes. GQA: K/V heads divide Q heads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..masks import BlockSelection, kv_head_index
 from ..masks.pooling import accumulation_dtype
+from ..reference.sla import feature_map_dense
 from .torch_sparse import _gather_blocks, _pad_tokens
 
 
 def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     """phi over the last dim in the accumulation dtype: ``softmax``, ``elu`` (elu + 1) or ``relu``."""
-    x = x.to(accumulation_dtype(x.dtype))
-    if name == "softmax":
-        return torch.softmax(x, dim=-1)
-    if name == "elu":
-        return F.elu(x) + 1
-    if name == "relu":
-        return torch.relu(x)
-    raise ValueError(f"unknown feature map {name!r}; valid: ['softmax', 'elu', 'relu']")
+    return feature_map_dense(x.to(accumulation_dtype(x.dtype)), name)
 
 
 def _global_state(phi_k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,20 @@ import torch
 from .pooling import num_blocks
 
 
+class _BlockGrid:
+    """Block counts of a (query block, key block) grid over ``n_q`` x ``n_k`` tokens."""
+
+    @property
+    def num_q_blocks(self) -> int:
+        return num_blocks(self.n_q, self.block_q)
+
+    @property
+    def num_k_blocks(self) -> int:
+        return num_blocks(self.n_k, self.block_k)
+
+
 @dataclass(frozen=True)
-class BlockSelection:
+class BlockSelection(_BlockGrid):
     """Top-K key blocks per query block.
 
     indices: ``(B, H, Tq, K)`` int32 key-block ids, ascending, distinct per row.
@@ -27,14 +39,6 @@ class BlockSelection:
     n_q: int
     n_k: int
     excluded: torch.Tensor | None = None
-
-    @property
-    def num_q_blocks(self) -> int:
-        return num_blocks(self.n_q, self.block_q)
-
-    @property
-    def num_k_blocks(self) -> int:
-        return num_blocks(self.n_k, self.block_k)
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,9 @@ class LLSASelection:
     def levels(self) -> int:
         return len(self.indices)
 
-    def tokens(self, level: int) -> int:
-        """Real tokens at ``level`` (level 0 is the input)."""
-        return num_blocks(self.n, self.block**level)
-
 
 @dataclass(frozen=True)
-class SoftBlockMask:
+class SoftBlockMask(_BlockGrid):
     """Soft block mask of SLA2's stage-1 router (SoftTop-k).
 
     logits: ``(B, H, Tq, Tk)`` pre-sigmoid values; the block weight is ``M = sigmoid(logits)``
@@ -72,11 +72,3 @@ class SoftBlockMask:
     block_k: int
     n_q: int
     n_k: int
-
-    @property
-    def num_q_blocks(self) -> int:
-        return num_blocks(self.n_q, self.block_q)
-
-    @property
-    def num_k_blocks(self) -> int:
-        return num_blocks(self.n_k, self.block_k)
