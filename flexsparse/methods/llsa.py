@@ -49,6 +49,9 @@ def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
+    if cfg.quant is not None:
+        raise ValueError("config key 'quant' (FP8 quantization of the sparse branch) is not implemented yet "
+                         "for method 'llsa'")
     levels, topk = plan(cfg, q.shape[2])
     if backend == "triton":
         from ..backends import triton_sparse

@@ -18,6 +18,9 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
+    if cfg.quant is not None:
+        raise ValueError("config key 'quant' (FP8 quantization of the sparse branch) is not implemented yet "
+                         "for method 'topk'")
     selection = select_blocks(q, k, cfg)
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale)
