@@ -73,7 +73,7 @@ def breakdown(q, k, v, cfg) -> tuple[dict, dict, dict, float]:
                                  layout.block, q.dtype)
         v_ext = flex.extended_kv([v, *pool_pyramid(v, cfg.block_size, levels)], layout.segment_blocks,
                                  layout.block, q.dtype)
-        score_mod = flex.log_weight_score_mod(layout.log_weights(selection.indices[0]))
+        score_mod = flex.llsa_score_mod(layout)
         density = (sum(topk) * cfg.block_size + layout.segment_blocks[-1] * cfg.block_size) / q.shape[2]
         return (timed(select), timed(lambda: llsa_block_mask(selection)),
                 timed(lambda: flex.attend(q, k_ext, v_ext, mask, score_mod, scale)), density)

@@ -83,7 +83,7 @@ def test_eager_flex_honours_the_selection():
     mask, layout = llsa_block_mask(sel)
     k_ext = flex.extended_kv([k, *k_levels], layout.segment_blocks, 16, q.dtype)
     v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
-    out = flex_attention(q, k_ext, v_ext, score_mod=flex.log_weight_score_mod(layout.log_weights(q)),
+    out = flex_attention(q, k_ext, v_ext, score_mod=flex.llsa_score_mod(layout),
                          block_mask=mask, scale=0.2, enable_gqa=True)
     ref, _ = torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

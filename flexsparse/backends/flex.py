@@ -22,7 +22,7 @@ from torch._inductor.choices import InductorChoices
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..masks import BlockSelection, LLSASelection
-from ..masks.block_mask import block_selection_to_block_mask, llsa_block_mask
+from ..masks.block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be a multiple of it
@@ -111,14 +111,22 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     return attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
 
 
-def log_weight_score_mod(log_weights: torch.Tensor):
-    """score_mod adding ``log_weights[kv_idx]`` (``(Lkv,)`` fp32) to every logit. One factory, so
-    one ``__code__`` for every call."""
+def llsa_score_mod(layout: LLSALayout):
+    """score_mod adding ``ln(count)`` of the extended-KV token ``kv_idx`` (``-inf`` on padding), computed
+    from ``kv_idx`` with integer arithmetic over the layout's segments (no captured buffer). One
+    factory, so one ``__code__`` for every call; the layout's ints are guarded constants."""
+    starts = [layout.start_block(level) * layout.block for level in range(layout.levels + 1)]
+    spans = [layout.block**level for level in range(layout.levels + 1)]
+    n = layout.n
 
-    def add_log_weight(score, b, h, q_idx, kv_idx):
-        return score + log_weights[kv_idx]
+    def add_log_count(score, b, h, q_idx, kv_idx):
+        log_count = torch.zeros_like(score)
+        for start, span in zip(starts, spans):
+            count = torch.clamp(n - (kv_idx - start) * span, min=0, max=span)
+            log_count = torch.where(kv_idx >= start, torch.log(count.to(score.dtype)), log_count)
+        return score + log_count
 
-    return add_log_weight
+    return add_log_count
 
 
 def extended_kv(levels: list[torch.Tensor], segment_blocks: tuple[int, ...], block: int,
@@ -142,7 +150,7 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     block_mask, layout = llsa_block_mask(selection)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
-    return attend(q, k, v, block_mask, log_weight_score_mod(layout.log_weights(selection.indices[0])), scale)
+    return attend(q, k, v, block_mask, llsa_score_mod(layout), scale)
 
 
 class SmallBlockChoices(InductorChoices):

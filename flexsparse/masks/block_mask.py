@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from .csc import csr_to_csc
-from .pooling import log_token_weights, num_blocks
+from .pooling import num_blocks
 from .selection import BlockSelection, LLSASelection
 
 BITS = 32  # selected-block flags per int32 word of the mask_mod table
@@ -111,19 +111,6 @@ def block_selection_to_block_mask(selection: BlockSelection) -> BlockMask:
                                (selection.n_q, selection.n_k))
 
 
-@torch.library.custom_op("flexsparse::extended_log_weights", mutates_args=())
-def extended_log_weights(like: torch.Tensor, n: int, block: int, segment_blocks: list[int]) -> torch.Tensor:
-    """``ln(count)`` of every token of the extended KV ``[level 0 | ... | level L]`` (level l padded to
-    ``segment_blocks[l] * block`` tokens), ``-inf`` on padding: ``(sum(segment_blocks) * block,)`` fp32."""
-    return torch.cat([log_token_weights(n, block**level, blocks * block, like.device)
-                      for level, blocks in enumerate(segment_blocks)])
-
-
-@extended_log_weights.register_fake
-def _extended_log_weights_fake(like, n, block, segment_blocks):
-    return like.new_empty(sum(segment_blocks) * block, dtype=torch.float32)
-
-
 @dataclass(frozen=True)
 class LLSALayout:
     """The extended KV of LLSA on FlexAttention: ``[level 0 | level 1 | ... | level L]``.
@@ -152,12 +139,6 @@ class LLSALayout:
         """First KV block of ``level``'s segment."""
         return sum(self.segment_blocks[:level])
 
-    def log_weights(self, like: torch.Tensor) -> torch.Tensor:
-        """Per extended-KV token ``ln(#real fine tokens under it)``, ``-inf`` on padding: ``(length,)`` fp32
-        on ``like``'s device (an opaque op, so that compiled graphs see a plain buffer; ``like`` must not
-        require grad, e.g. a selection table)."""
-        return extended_log_weights(like, self.n, self.block, list(self.segment_blocks))
-
 
 def llsa_layout(n: int, block: int, levels: int) -> LLSALayout:
     """Layout of the extended KV for length ``n``, block ``block`` and ``levels`` levels."""
@@ -185,7 +166,7 @@ def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor
 
 def llsa_block_mask(selection: LLSASelection) -> tuple[BlockMask, LLSALayout]:
     """BlockMask of LLSA over the extended KV (Q and KV blocks of ``selection.block`` tokens), and
-    the layout whose ``log_weights`` the score_mod adds (``-inf`` keeps segment padding out)."""
+    the layout from which the score_mod derives each token's ``ln(count)`` (``-inf`` keeps padding out)."""
     layout = llsa_layout(selection.n, selection.block, selection.levels)
     ids = llsa_block_ids(selection, layout)
     mask = block_mask_from_ids(ids, layout.num_blocks, selection.block, selection.block,
