@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm,
-                     sparse_keys, store_rows)
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, coarse_level_keys, launcher, load_rows,
+                     log2_count, mm, sparse_keys, store_rows)
 from .layout import Levels, cdiv, pow2
 from .llsa_fwd import fine_keys
 from .tiles import overrides
@@ -70,15 +70,8 @@ def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
     dq = tl.zeros([BM, BD], tl.float32)
     for level in range(1, LEVELS):
-        tokens = tl.load(META + level * 6 + T)
-        off = tl.load(META + level * 6 + KV_OFF)
-        topk = tl.load(META + level * 6 + TOPK)
-        span = tl.load(META + level * 6 + SPAN)
-        group = span * BLOCK
-        g0 = start // group
-        n_keys = ((tl.minimum(start + BM, N) - 1) // group - g0 + 1) * topk * BLOCK
-        first_row = sel + tl.load(META + level * 6 + SEL_OFF) + g0 * topk
-        row_group = rows // group - g0
+        tokens, off, topk, span, n_keys, first_row, row_group = coarse_level_keys(META, level, sel, start, rows, N,
+                                                                                 BM, BLOCK)
         for c in range(0, n_keys, BN):
             g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
             ok = ok & (tok < tokens)

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, log2_count, mm, sparse_keys
+from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, coarse_level_keys, launcher, load_rows, log2_count,
+                     mm, sparse_keys)
 from .layout import Levels, cdiv, pow2
 from .tiles import overrides
 
@@ -59,15 +60,8 @@ def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     for level in range(1, LEVELS):
-        tokens = tl.load(META + level * 6 + T)
-        off = tl.load(META + level * 6 + KV_OFF)
-        topk = tl.load(META + level * 6 + TOPK)
-        span = tl.load(META + level * 6 + SPAN)
-        group = span * BLOCK
-        g0 = start // group
-        n_keys = ((tl.minimum(start + BM, N) - 1) // group - g0 + 1) * topk * BLOCK
-        first_row = sel + tl.load(META + level * 6 + SEL_OFF) + g0 * topk
-        row_group = rows // group - g0
+        tokens, off, topk, span, n_keys, first_row, row_group = coarse_level_keys(META, level, sel, start, rows, N,
+                                                                                 BM, BLOCK)
         for c in range(0, n_keys, BN):
             g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
             ok = ok & (tok < tokens)
