@@ -55,8 +55,10 @@ def _random_ids(b, h, rows, cols, k, seed=0):
 def test_block_tables_match_flex_transpose_and_bits():
     b, h, rows, cols, k = 2, 3, 7, 40, 5
     ids = _random_ids(b, h, rows, cols, k)
-    kv_num, kv_idx, q_num, q_idx, bits = block_tables(ids, cols)
+    kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, cols)
     assert kv_idx.shape == (b, h, rows, cols) and torch.equal(kv_idx[..., :k], ids)
+    for empty, full in zip(partial, (kv_num, kv_idx, q_num, q_idx)):  # same layout: the kernels share strides
+        assert not empty.any() and empty.shape == full.shape and empty.stride() == full.stride()
     assert torch.equal(kv_num, torch.full((b, h, rows), k, dtype=torch.int32))
     ref = BlockMask.from_kv_blocks(torch.zeros_like(kv_num), torch.zeros_like(kv_idx), kv_num, kv_idx.clone(),
                                    BLOCK_SIZE=16)

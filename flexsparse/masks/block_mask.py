@@ -26,14 +26,17 @@ BITS = 32  # selected-block flags per int32 word of the mask_mod table
 
 
 @torch.library.custom_op("flexsparse::block_tables", mutates_args=())
-def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor, torch.Tensor]:
-    """Full-block tables of a selection ``ids (B, H, Qb, K)`` (int32, distinct per row) over
-    ``num_kv_blocks`` KV blocks.
+def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> list[torch.Tensor]:
+    """Block tables of a selection ``ids (B, H, Qb, K)`` (int32, distinct per row) over
+    ``num_kv_blocks`` KV blocks, every selected block full.
 
     Returns int32 ``kv_num (B, H, Qb)``, ``kv_idx (B, H, Qb, KVb)``, ``q_num (B, H, KVb)``,
-    ``q_idx (B, H, KVb, Qb)`` (query blocks of each KV block, ascending, zero padded) and
-    ``bits (B, H, Qb, ceil(KVb/32))`` (bit ``j % 32`` of word ``j // 32`` set iff block j is selected).
+    ``q_idx (B, H, KVb, Qb)`` (query blocks of each KV block, ascending, zero padded),
+    ``bits (B, H, Qb, ceil(KVb/32))`` (bit ``j % 32`` of word ``j // 32`` set iff block j is selected)
+    and the four empty partial tables, zeros shaped like the first four. The partial tables are made
+    here, not by the caller: the FlexAttention kernels read a partial table with its full twin's
+    strides, and inside a user's ``torch.compile`` graph inductor may pad the strides of tensors it
+    creates itself (seen: an illegal memory access in the LLSA backward), but keeps an op's outputs.
     """
     bsz, heads, tq, k = ids.shape
     kv_num = torch.full((bsz, heads, tq), k, dtype=torch.int32, device=ids.device)
@@ -51,15 +54,17 @@ def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> tuple[torch.Tensor, t
     flat = ids.long()
     words.scatter_add_(-1, flat // BITS, torch.ones_like(flat) << (flat % BITS))  # distinct bits: sum == or
     bits = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)    # same bit pattern in int32
-    return kv_num, kv_idx, q_num, q_idx.view(bsz, heads, num_kv_blocks, tq), bits
+    full = [kv_num, kv_idx, q_num, q_idx.view(bsz, heads, num_kv_blocks, tq)]
+    return [*full, bits, *(torch.zeros_like(x) for x in full)]
 
 
 @block_tables.register_fake
 def _block_tables_fake(ids, num_kv_blocks):
     bsz, heads, tq, _ = ids.shape
     new = ids.new_empty
-    return (new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks), new(bsz, heads, num_kv_blocks),
-            new(bsz, heads, num_kv_blocks, tq), new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)))
+    full = [new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks), new(bsz, heads, num_kv_blocks),
+             new(bsz, heads, num_kv_blocks, tq)]
+    return [*full, new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)), *(torch.empty_like(x) for x in full)]
 
 
 def selection_mask_mod(bits: torch.Tensor, block_q: int, block_kv: int):
@@ -80,23 +85,18 @@ def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, blo
     """BlockMask with every block of ``ids (B, H, Qb, K)`` full and no partial blocks.
 
     seq_lengths: ``(Lq, Lkv)``, the true lengths (ragged tails are bounds-checked by the kernel).
-    The empty partial index lists are zeros of the same shapes as the full ones: the Triton kernels
-    index the partial and full tables with one set of strides.
+    The empty partial index lists are zeros of the same shapes and strides as the full ones (see
+    ``block_tables``).
     """
-    kv_num, kv_idx, q_num, q_idx, bits = block_tables(ids, num_kv_blocks)
-    bsz, heads, tq, _ = ids.shape
-
-    def zeros(*shape):
-        return torch.zeros(shape, dtype=torch.int32, device=ids.device)
-
+    kv_num, kv_idx, q_num, q_idx, bits, no_kv_num, no_kv_idx, no_q_num, no_q_idx = block_tables(ids, num_kv_blocks)
     return BlockMask(
         seq_lengths=seq_lengths,
-        kv_num_blocks=zeros(bsz, heads, tq),
-        kv_indices=zeros(bsz, heads, tq, num_kv_blocks),
+        kv_num_blocks=no_kv_num,
+        kv_indices=no_kv_idx,
         full_kv_num_blocks=kv_num,
         full_kv_indices=kv_idx,
-        q_num_blocks=zeros(bsz, heads, num_kv_blocks),
-        q_indices=zeros(bsz, heads, num_kv_blocks, tq),
+        q_num_blocks=no_q_num,
+        q_indices=no_q_idx,
         full_q_num_blocks=q_num,
         full_q_indices=q_idx,
         BLOCK_SIZE=(block_q, block_kv),
