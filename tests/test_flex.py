@@ -57,6 +57,7 @@ def test_block_tables_match_flex_transpose_and_bits():
     ids = _random_ids(b, h, rows, cols, k)
     kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, cols)
     assert kv_idx.shape == (b, h, rows, cols) and torch.equal(kv_idx[..., :k], ids)
+    assert len(partial) == 4  # CPU: all four partial tables (CUDA: the counts only)
     for empty, full in zip(partial, (kv_num, kv_idx, q_num, q_idx)):  # same layout: the kernels share strides
         assert not empty.any() and empty.shape == full.shape and empty.stride() == full.stride()
     assert torch.equal(kv_num, torch.full((b, h, rows), k, dtype=torch.int32))

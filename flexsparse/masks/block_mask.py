@@ -33,10 +33,7 @@ def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> list[torch.Tensor]:
     Returns int32 ``kv_num (B, H, Qb)``, ``kv_idx (B, H, Qb, KVb)``, ``q_num (B, H, KVb)``,
     ``q_idx (B, H, KVb, Qb)`` (query blocks of each KV block, ascending, zero padded),
     ``bits (B, H, Qb, ceil(KVb/32))`` (bit ``j % 32`` of word ``j // 32`` set iff block j is selected)
-    and the four empty partial tables, zeros shaped like the first four. The partial tables are made
-    here, not by the caller: the FlexAttention kernels read a partial table with its full twin's
-    strides, and inside a user's ``torch.compile`` graph inductor may pad the strides of tensors it
-    creates itself (seen: an illegal memory access in the LLSA backward), but keeps an op's outputs.
+    and the empty partial tables (``empty_partial_tables``).
     """
     bsz, heads, tq, k = ids.shape
     kv_num = torch.full((bsz, heads, tq), k, dtype=torch.int32, device=ids.device)
@@ -55,7 +52,23 @@ def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> list[torch.Tensor]:
     words.scatter_add_(-1, flat // BITS, torch.ones_like(flat) << (flat % BITS))  # distinct bits: sum == or
     bits = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)    # same bit pattern in int32
     full = [kv_num, kv_idx, q_num, q_idx.view(bsz, heads, num_kv_blocks, tq)]
-    return [*full, bits, *(torch.zeros_like(x) for x in full)]
+    return [*full, bits, *empty_partial_tables(full, torch.zeros_like)]
+
+
+def empty_partial_tables(full: list[torch.Tensor], like) -> list[torch.Tensor]:
+    """The empty partial tables of ``full = [kv_num, kv_idx, q_num, q_idx]``, made by ``like`` (zeros).
+
+    The FlexAttention kernels read a partial table with its full twin's strides. On CUDA only the
+    zero counts are made and the full index tables serve as the partial ones too (never read with zero
+    counts; same strides by construction; saves two ``(B, H, Qb, KVb)`` tables). On CPU all four
+    (its C++ kernel rejects one tensor in both roles). They are outputs of ``block_tables``, not made by
+    the caller: inside a user's ``torch.compile`` graph inductor may pad the strides of tensors it
+    creates itself (seen: an illegal memory access in the LLSA backward), but keeps an op's outputs.
+    """
+    kv_num, _, q_num, _ = full
+    if kv_num.device.type == "cuda":
+        return [like(kv_num), like(q_num)]
+    return [like(x) for x in full]
 
 
 @block_tables.register_fake
@@ -63,8 +76,8 @@ def _block_tables_fake(ids, num_kv_blocks):
     bsz, heads, tq, _ = ids.shape
     new = ids.new_empty
     full = [new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks), new(bsz, heads, num_kv_blocks),
-             new(bsz, heads, num_kv_blocks, tq)]
-    return [*full, new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)), *(torch.empty_like(x) for x in full)]
+            new(bsz, heads, num_kv_blocks, tq)]
+    return [*full, new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)), *empty_partial_tables(full, torch.empty_like)]
 
 
 def selection_mask_mod(bits: torch.Tensor, block_q: int, block_kv: int):
@@ -85,10 +98,13 @@ def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, blo
     """BlockMask with every block of ``ids (B, H, Qb, K)`` full and no partial blocks.
 
     seq_lengths: ``(Lq, Lkv)``, the true lengths (ragged tails are bounds-checked by the kernel).
-    The empty partial index lists are zeros of the same shapes and strides as the full ones (see
-    ``block_tables``).
+    The partial lists are empty (zero counts, see ``empty_partial_tables``).
     """
-    kv_num, kv_idx, q_num, q_idx, bits, no_kv_num, no_kv_idx, no_q_num, no_q_idx = block_tables(ids, num_kv_blocks)
+    kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, num_kv_blocks)
+    if len(partial) == 2:
+        (no_kv_num, no_q_num), no_kv_idx, no_q_idx = partial, kv_idx, q_idx
+    else:
+        no_kv_num, no_kv_idx, no_q_num, no_q_idx = partial
     return BlockMask(
         seq_lengths=seq_lengths,
         kv_num_blocks=no_kv_num,
