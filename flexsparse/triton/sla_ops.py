@@ -41,8 +41,10 @@ def block_topk(q_pooled: Tensor, k_pooled: Tensor, topk: int, bottomk: int) -> t
 
 
 def _blocks(x: Tensor, blocks: int, size: int) -> Tensor:
-    """``(B, H, N, C)`` -> ``(B, H, blocks, size, C)``, zero padded."""
-    return F.pad(x, (0, 0, 0, blocks * size - x.shape[2])).unflatten(2, (blocks, size))
+    """``(B, H, N, C)`` -> ``(B, H, blocks, size, C)``, zero padded (a view when N fills the blocks)."""
+    if blocks * size > x.shape[2]:
+        x = F.pad(x, (0, 0, 0, blocks * size - x.shape[2]))
+    return x.unflatten(2, (blocks, size))
 
 
 def _features(q: Tensor, k: Tensor, v: Tensor, tq: int, block_q: int, tk: int, block_k: int, feature_map: str):
@@ -105,8 +107,8 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
         rows = query_states(states.sum(2), states, skipped)
     else:
         rows = _query_states_torch(states.sum(2), states, skipped)
-    y = phi_q @ rows.unflatten(-1, (d, d + 1))                                  # (B, H, Tq, bq, D + 1)
-    out = y[..., :d] / (eps + y[..., d:])
+    state_q = rows.unflatten(-1, (d, d + 1))                                    # (B, H, Tq, D, D + 1)
+    out = (phi_q @ state_q[..., :d]) / (eps + phi_q @ state_q[..., d:])          # (B, H, Tq, bq, D)
     return out.flatten(2, 3)[:, :, :nq].to(q.dtype), rows
 
 
