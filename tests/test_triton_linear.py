@@ -96,10 +96,11 @@ def test_matches_dense_reference(fmap):
 
 
 @cpu_only
-def test_every_block_skipped_gives_exactly_zero():
+@pytest.mark.parametrize("ratio,negligible", [(1.0, 0.0), (0.34, 0.67)])   # all selected; 1 selected + 2 excluded
+def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
     q, k, v = _inputs(1, 2, 1, 40, 40, 8)
-    selection = _selection(q, k, 16, 16, 0.34, 0.67)         # Tk = 3: 1 selected + 2 excluded
-    assert skipped_blocks(selection).shape[-1] == 3
+    selection = _selection(q, k, 16, 16, ratio, negligible)
+    assert skipped_blocks(selection).shape[-1] == 3                       # Tk = 3
     out = triton_linear.masked_linear_attention(q, k, v, selection, feature_map="softmax", eps=1e-5)
     assert torch.equal(out, torch.zeros_like(q))
 

@@ -57,6 +57,11 @@ def _features(q: Tensor, k: Tensor, v: Tensor, tq: int, block_q: int, tk: int, b
     return phi_q, phi_k, v_aug
 
 
+def _group_sum(x: Tensor, kv_heads: int) -> Tensor:
+    """Sum over the query heads of each KV head: ``(B, H, ...)`` -> ``(B, Hk, ...)``."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
+
+
 def _query_states_torch(total: Tensor, states: Tensor, skipped: Tensor) -> Tensor:
     """``linear.query_states`` by a gather: ``(B, H, Tq, M)``."""
     bsz, heads, tq, width = skipped.shape
@@ -70,11 +75,11 @@ def _query_states_torch(total: Tensor, states: Tensor, skipped: Tensor) -> Tenso
 def _key_states_torch(total: Tensor, grads: Tensor, skipped: Tensor, tk: int) -> Tensor:
     """``linear.key_states`` by a scatter-add: ``(B, Hk, Tk, M)``."""
     bsz, heads, tq, width = skipped.shape
-    kv_heads, m = total.shape[1], total.shape[-1]
+    m = total.shape[-1]
     ids = skipped.long().flatten(2).unsqueeze(-1).expand(-1, -1, -1, m)
     src = grads.unsqueeze(3).expand(-1, -1, -1, width, -1).flatten(2, 3)
     sums = grads.new_zeros(bsz, heads, tk, m).scatter_add_(2, ids, src)
-    return total.unsqueeze(2) - sums.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
+    return total.unsqueeze(2) - _group_sum(sums, total.shape[1])
 
 
 def _gradient_states(total: Tensor, grads: Tensor, skipped: Tensor, tk: int, kernels: bool) -> Tensor:
@@ -85,11 +90,6 @@ def _gradient_states(total: Tensor, grads: Tensor, skipped: Tensor, tk: int, ker
     from .linear import key_states
     csc = csr_to_csc(skipped, tk)  # the one key-major transpose of the branch
     return key_states(total, grads, csc.offsets, csc.rows)
-
-
-def _group_sum(x: Tensor, kv_heads: int) -> Tensor:
-    """Sum over the query heads of each KV head: ``(B, H, ...)`` -> ``(B, Hk, ...)``."""
-    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
 
 
 @torch.library.triton_op("flexsparse::masked_linear", mutates_args=())
