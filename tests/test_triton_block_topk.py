@@ -32,7 +32,7 @@ CASES = [
     (1, 2, 1, 5, 7, 16, 3, 2, None),
     (2, 2, 2, 19, 40, 8, 5, 0, None),
     (1, 4, 2, 9, 13, 4, 13, 0, None),            # K = Tk
-    (1, 2, 1, 20, 45, 8, 7, 9, 16),              # streaming: 3 chunks of 16 keys
+    (1, 2, 1, 12, 45, 8, 7, 9, 16),              # streaming: 3 chunks of 16 keys
     (1, 1, 1, 17, 13, 4, 6, 7, 8),               # streaming, top + bottom = Tk
 ]
 
