@@ -21,14 +21,7 @@ from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, pool_
 from flexsparse.triton import ops  # noqa: E402
 from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
 
-cpu_only = pytest.mark.skipif(not ts.INTERPRETED or ts.HAS_CUDA,
-                              reason="interpreter test: runs in the child process of test_interpreter_suite")
-cpu_parent = pytest.mark.skipif(ts.INTERPRETED or ts.HAS_CUDA, reason="CPU test of the parent process")
-
-
-def gpu(test):
-    """``pytest -m gpu`` tests, skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not ts.HAS_CUDA, reason="needs a CUDA GPU")(test))
+cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 
 
 @cpu_parent

@@ -13,11 +13,21 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+cpu_only = pytest.mark.skipif(not INTERPRETED or HAS_CUDA,
+                              reason="interpreter test: runs in the child process of test_interpreter_suite")
+cpu_parent = pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="CPU test of the parent process")
+
+
+def gpu(test):
+    """``pytest -m gpu`` tests, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
 
 
 def run_interpreter_suite(path: str, timeout: float = 900) -> subprocess.CompletedProcess:

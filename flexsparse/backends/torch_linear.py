@@ -20,6 +20,28 @@ def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     return feature_map_dense(x.to(accumulation_dtype(x.dtype)), name)
 
 
+def feature_map_backward(x: torch.Tensor, phi: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
+    """Gradient w.r.t. ``x`` of ``phi = apply_feature_map(x, name)`` given ``grad = dL/dphi`` (same shapes),
+    in phi's dtype: softmax ``phi * (grad - rowsum(grad * phi))``, elu ``grad * (x > 0 ? 1 : phi)``,
+    relu ``grad * (x > 0)``."""
+    if name == "softmax":
+        return phi * (grad - (grad * phi).sum(-1, keepdim=True))
+    positive = x > 0
+    if name == "elu":
+        return grad * torch.where(positive, 1.0, phi)
+    if name == "relu":
+        return grad * positive
+    raise ValueError(f"unknown feature map {name!r}; valid: ['softmax', 'elu', 'relu']")
+
+
+def skipped_blocks(selection: BlockSelection) -> torch.Tensor:
+    """Key blocks the masked linear branch leaves out per query block: the selected ones, then the
+    excluded ones: ``(B, H, Tq, K + Kx)`` int32."""
+    if selection.excluded is None:
+        return selection.indices
+    return torch.cat([selection.indices, selection.excluded], dim=-1)
+
+
 def _global_state(phi_k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``H = phi(K)^T V`` ``(B, H, D, D)`` and ``Z = colsum phi(K)`` ``(B, H, D)`` per query head."""
     idx = kv_head_index(heads, phi_k.shape[1], phi_k.device)
@@ -53,9 +75,7 @@ def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     acc = accumulation_dtype(q.dtype)
     bq, bk = selection.block_q, selection.block_k
     tq, tk = selection.num_q_blocks, selection.num_k_blocks
-    skipped = selection.indices
-    if selection.excluded is not None:
-        skipped = torch.cat([skipped, selection.excluded], dim=-1)
+    skipped = skipped_blocks(selection)
     if skipped.shape[-1] == tk:
         return q.new_zeros(q.shape)
     phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * bq).unflatten(2, (tq, bq))
@@ -98,9 +118,7 @@ def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: to
     with the ``(B, H, Tq, Tk)`` block map M of the skipped blocks. O(Tq * Tk * D^2) work on tensor-friendly
     matmuls instead of O(N * skipped * block_k) gathers, and no cancellation; used by the ``flex``
     backend on GPUs (the ``torch`` backend keeps the gather form: no ``(N/b)^2`` tensor)."""
-    skipped = selection.indices
-    if selection.excluded is not None:
-        skipped = torch.cat([skipped, selection.excluded], dim=-1)
+    skipped = skipped_blocks(selection)
     if skipped.shape[-1] == selection.num_k_blocks:
         return q.new_zeros(q.shape)
     keep = torch.ones(*skipped.shape[:3], selection.num_k_blocks, dtype=accumulation_dtype(q.dtype),
@@ -111,5 +129,9 @@ def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def masked_linear_for(backend: str):
-    """The masked linear branch a backend uses: block-level matmuls with ``flex``, gathers otherwise."""
+    """The masked linear branch a backend uses: block-level matmuls with ``flex``, the Triton gather-subtract
+    with ``triton`` (``triton_linear``), gathers otherwise."""
+    if backend == "triton":
+        from .triton_linear import masked_linear_attention as triton_masked_linear_attention
+        return triton_masked_linear_attention
     return masked_linear_attention_dense_blocks if backend == "flex" else masked_linear_attention

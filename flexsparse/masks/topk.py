@@ -7,9 +7,13 @@ exist at once.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .pooling import accumulation_dtype
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -37,7 +41,23 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, *, bot
     q_pooled: ``(B, H, Tq, D)``; k_pooled: ``(B, Hk, Tk, D)``.
     Returns ``(top, bottom)``: ``(B, H, Tq, topk)`` and ``(B, H, Tq, bottomk)`` (or ``None``)
     int32 block ids sorted ascending. The bottom set never overlaps the top set.
+    CUDA tensors go to the Triton kernel (``flexsparse::block_topk``, no score matrix) when triton is
+    installed; otherwise the scores are sorted in row chunks of at most ``max_elements`` (``sorted_block_topk``).
     """
+    tk = k_pooled.shape[2]
+    if topk < 1 or bottomk < 0 or topk + bottomk > tk:
+        raise ValueError(f"block_topk: topk={topk} (>= 1) plus bottomk={bottomk} (>= 0) must fit in the {tk} key "
+                         "blocks of k_pooled")
+    if _HAS_TRITON and q_pooled.is_cuda:
+        from ..triton.sla_ops import block_topk as block_topk_op
+        top, bottom = block_topk_op(q_pooled, k_pooled, topk, bottomk)
+        return top, (bottom if bottomk else None)
+    return sorted_block_topk(q_pooled, k_pooled, topk, bottomk=bottomk, max_elements=max_elements)
+
+
+def sorted_block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, *, bottomk: int = 0,
+                      max_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``block_topk`` by a stable sort of the fp32 (fp64) scores, ``max_elements`` scores at a time."""
     b, h, tq, _ = q_pooled.shape
     tk = k_pooled.shape[2]
     rows = max(1, max_elements // max(1, b * h * tk))

@@ -25,6 +25,30 @@ def _take_best(v, i):
 
 
 @triton.jit
+def merge_topk(best_v, best_i, cv, ci, KSEL: tl.constexpr, KP2: tl.constexpr):
+    """One streaming step of a per-row top-K: the ``KSEL`` best of a running top-K ``(best_v, best_i)``
+    ``(R, KP2)`` and a chunk of candidates ``(cv, ci)`` ``(R, C)``, ordered by largest value, then smallest
+    id (K passes). Empty slots and masked candidates hold ``(-inf, 2^31 - 1)``. Returns the new running
+    top-K ``(R, KP2)``, best first."""
+    slot = tl.arange(0, KP2)
+    new_v = tl.zeros_like(best_v) + float("-inf")
+    new_i = tl.zeros_like(best_i) + 2147483647
+    for r in range(KSEL):
+        v1, i1 = _take_best(best_v, best_i)
+        v2, i2 = _take_best(cv, ci)
+        first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+        new_v = tl.where(slot[None, :] == r, tl.where(first, v1, v2)[:, None], new_v)
+        new_i = tl.where(slot[None, :] == r, tl.where(first, i1, i2)[:, None], new_i)
+        gone = first[:, None] & (best_i == i1[:, None])
+        best_v = tl.where(gone, float("-inf"), best_v)
+        best_i = tl.where(gone, 2147483647, best_i)
+        gone = (~first)[:, None] & (ci == i2[:, None])
+        cv = tl.where(gone, float("-inf"), cv)
+        ci = tl.where(gone, 2147483647, ci)
+    return new_v, new_i
+
+
+@triton.jit
 def _select_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BQ: tl.constexpr,
                    BC: tl.constexpr, KSEL: tl.constexpr, KP2: tl.constexpr, DENSE: tl.constexpr):
@@ -68,22 +92,7 @@ def _select_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
                     mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
         cv = tl.where(c_ok[None, :], mm(q, tl.trans(k), True), float("-inf"))
         ci = tl.where(c_ok, cand, 2147483647)[None, :] + tl.zeros([BQ, BC], tl.int32)
-        new_v = tl.full([BQ, KP2], float("-inf"), tl.float32)
-        new_i = tl.full([BQ, KP2], 2147483647, tl.int32)
-        for r in range(KSEL):
-            v1, i1 = _take_best(best_v, best_i)
-            v2, i2 = _take_best(cv, ci)
-            first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
-            new_v = tl.where(slot[None, :] == r, tl.where(first, v1, v2)[:, None], new_v)
-            new_i = tl.where(slot[None, :] == r, tl.where(first, i1, i2)[:, None], new_i)
-            gone = first[:, None] & (best_i == i1[:, None])
-            best_v = tl.where(gone, float("-inf"), best_v)
-            best_i = tl.where(gone, 2147483647, best_i)
-            gone = (~first)[:, None] & (ci == i2[:, None])
-            cv = tl.where(gone, float("-inf"), cv)
-            ci = tl.where(gone, 2147483647, ci)
-        best_v = new_v
-        best_i = new_i
+        best_v, best_i = merge_topk(best_v, best_i, cv, ci, KSEL, KP2)
     ids = tl.sort(best_i, dim=1)
     out = sel + out_off + rows[:, None] * KSEL + slot[None, :]
     tl.store(out, ids, mask=row_ok[:, None] & (slot[None, :] < KSEL))

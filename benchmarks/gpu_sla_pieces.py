@@ -1,0 +1,149 @@
+"""GPU benchmark of two SLA / SLA2 pieces in Triton: the router's block top-K and the masked linear branch.
+
+``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernel) against the
+sorted PyTorch path (``masks.sorted_block_topk``) and checks they agree. ``bench_masked_linear`` times
+``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its gather-subtract kernels
+alone (with their L2 -> SM traffic in GB/s, also with bf16 states for comparison), the ``torch`` gather form
+(small N) and the ``flex`` dense-block form. do_bench medians in ms; bf16 inputs; fixed SLA selections
+(smoothed pooled router). Both functions return dicts, so other benchmark scripts can call them.
+
+    python benchmarks/gpu_sla_pieces.py [--out pieces.json] [--linear 65536:64:51:0,16384:64:13:26] [--topk ...]
+
+``--linear`` entries are ``N:D:K:Kx`` (B=2, H=8, 64 x 64 blocks), ``--topk`` entries ``Tq:Tk:D:K:Kb`` (B*H=16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from gpu_llsa import bench, kernel_times
+
+from flexsparse.backends import torch_linear, triton_linear
+from flexsparse.backends.torch_linear import skipped_blocks
+from flexsparse.masks import BlockSelection, block_topk, csr_to_csc, pooled_qk, sorted_block_topk
+from flexsparse.triton import linear
+from flexsparse.triton.sla_ops import _features, _group_sum
+
+B, H, BLOCK = 2, 8, 64
+DEVICE = "cuda"
+
+
+def bench_block_topk(tq: int, tk: int, d: int, topk: int, bottomk: int) -> dict:
+    """``masks.block_topk`` (kernel) vs ``sorted_block_topk`` at B=2, H=8 (pooled inputs, fp32)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    qp = torch.randn(B, H, tq, d, device=DEVICE, generator=gen)
+    kp = torch.randn(B, H, tk, d, device=DEVICE, generator=gen)
+    got, want = block_topk(qp, kp, topk, bottomk=bottomk), sorted_block_topk(qp, kp, topk, bottomk=bottomk)
+    return {"Tq": tq, "Tk": tk, "D": d, "K": topk, "Kb": bottomk,
+            "kernel_ms": bench(lambda: block_topk(qp, kp, topk, bottomk=bottomk)),
+            "sorted_ms": bench(lambda: sorted_block_topk(qp, kp, topk, bottomk=bottomk)),
+            "rows_equal": (got[0] == want[0]).all(-1).float().mean().item()}
+
+
+def _selection(q, k, topk: int, bottomk: int) -> BlockSelection:
+    q_bar, k_bar = pooled_qk(q, k, BLOCK, BLOCK, smooth_k=True)
+    top, bottom = block_topk(q_bar, k_bar, topk, bottomk=bottomk)
+    return BlockSelection(top, BLOCK, BLOCK, q.shape[2], k.shape[2], excluded=bottom)
+
+
+def _gather_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dict:
+    """The two gather-subtract launches alone (fp32 states, and bf16 states read as fp32) and their traffic."""
+    skipped = skipped_blocks(selection)
+    tq, tk = skipped.shape[2], selection.num_k_blocks
+    _, phi_k, v_aug = _features(q, k, v, tq, BLOCK, tk, BLOCK, feature_map)
+    states = (phi_k.transpose(-1, -2) @ v_aug).flatten(-2)
+    total = states.sum(2)
+    states_bf16 = states.bfloat16()
+    csc = csr_to_csc(skipped, tk)
+    grads = torch.randn(*skipped.shape[:3], states.shape[-1], device=q.device)
+    grad_total = _group_sum(grads.sum(2), k.shape[1])
+    gbytes = skipped.numel() * states.shape[-1] * 4 / 1e9
+    out = {"gather_GB": gbytes,
+           "query_states_ms": bench(lambda: linear.query_states(total, states, skipped)),
+           "query_states_bf16_ms": bench(lambda: linear.query_states(total, states_bf16, skipped)),
+           "key_states_ms": bench(lambda: linear.key_states(grad_total, grads, csc.offsets, csc.rows)),
+           "csc_ms": bench(lambda: csr_to_csc(skipped, tk))}
+    out["query_states_GBps"] = gbytes / out["query_states_ms"] * 1e3
+    out["key_states_GBps"] = gbytes / out["key_states_ms"] * 1e3
+    return out
+
+
+def bench_masked_linear(n: int, d: int, topk: int, bottomk: int, feature_map: str = "softmax",
+                        with_torch: bool = False, with_dense_blocks: bool = True, phases: bool = True) -> dict:
+    """The masked linear branch at B=2, H=8, 64 x 64 blocks, ``topk`` selected + ``bottomk`` excluded per row."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, grad = (torch.randn(B, H, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    selection = _selection(q, k, topk, bottomk)
+    row = {"N": n, "D": d, "K": topk, "Kx": bottomk, "feature_map": feature_map}
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def timed(fn, prefix):
+        def fwd():
+            with torch.no_grad():
+                fn(q, k, v, selection, feature_map=feature_map, eps=1e-5)
+
+        def fwd_bwd():
+            torch.autograd.grad(fn(*leaves, selection, feature_map=feature_map, eps=1e-5), leaves, grad)
+
+        torch.cuda.reset_peak_memory_stats()
+        row[f"{prefix}_fwd_ms"] = bench(fwd)
+        row[f"{prefix}_fwd_bwd_ms"] = bench(fwd_bwd)
+        row[f"{prefix}_bwd_ms"] = row[f"{prefix}_fwd_bwd_ms"] - row[f"{prefix}_fwd_ms"]
+        row[f"{prefix}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return fwd_bwd
+
+    fwd_bwd = timed(triton_linear.masked_linear_attention, "triton")
+    row.update(_gather_kernels(q, k, v, selection, feature_map))
+    if phases:
+        row["kernels_fwd_bwd_ms"] = kernel_times(fwd_bwd)
+    if with_torch:
+        timed(torch_linear.masked_linear_attention, "torch")
+    if with_dense_blocks:
+        timed(torch_linear.masked_linear_attention_dense_blocks, "dense_blocks")
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_sla_pieces.json")
+    parser.add_argument("--topk", default="1024:1024:64:51:0,1024:1024:64:51:102,512:512:64:32:0,2048:2048:64:102:0,"
+                                          "4096:4096:64:204:0,256:8192:64:16:0")
+    parser.add_argument("--linear", default="65536:64:51:0,65536:64:51:102,16384:64:12:0,32768:64:16:0,"
+                                            "65536:64:16:0,131072:64:16:0")
+    args = parser.parse_args()
+    topk_rows = [bench_block_topk(*(int(x) for x in spec.split(":"))) for spec in args.topk.split(",") if spec]
+    print(f"\nblock top-K, B=2 H=8\n{'Tq':>6} {'Tk':>6} {'D':>4} {'K':>4} {'Kb':>4} | {'kernel':>8} {'sorted':>8} "
+          f"{'equal':>6}")
+    for r in topk_rows:
+        print(f"{r['Tq']:>6} {r['Tk']:>6} {r['D']:>4} {r['K']:>4} {r['Kb']:>4} | {r['kernel_ms']:>8.3f} "
+              f"{r['sorted_ms']:>8.3f} {r['rows_equal']:>6.3f}")
+    linear_rows = []
+    for spec in args.linear.split(","):
+        if spec:
+            n, d, topk, bottomk = (int(x) for x in spec.split(":"))
+            linear_rows.append(bench_masked_linear(n, d, topk, bottomk, with_torch=n <= 16384,
+                                                   with_dense_blocks=n <= 65536, phases=n == 65536))
+            print(json.dumps({key: val for key, val in linear_rows[-1].items() if key != "kernels_fwd_bwd_ms"}),
+                  flush=True)
+    fmt = lambda r, key: f"{r[key]:.3f}" if r.get(key) is not None else "-"  # noqa: E731
+    print(f"\nmasked linear branch, B=2 H=8, 64x64 blocks, bf16 (ms)\n{'N':>7} {'D':>4} {'K':>4} {'Kx':>4} | "
+          f"{'fwd':>7} {'bwd':>7} {'GiB':>6} | {'gatherQ':>7} {'GB/s':>6} {'bf16 Q':>7} {'gatherK':>7} {'GB/s':>6} "
+          f"{'csc':>6} | {'torch f':>7} {'torch b':>7} | {'dense f':>7} {'dense b':>7}")
+    for r in linear_rows:
+        print(f"{r['N']:>7} {r['D']:>4} {r['K']:>4} {r['Kx']:>4} | {fmt(r, 'triton_fwd_ms'):>7} "
+              f"{fmt(r, 'triton_bwd_ms'):>7} {r['triton_peak_gib']:>6.2f} | {fmt(r, 'query_states_ms'):>7} "
+              f"{r['query_states_GBps']:>6.0f} {fmt(r, 'query_states_bf16_ms'):>7} {fmt(r, 'key_states_ms'):>7} "
+              f"{r['key_states_GBps']:>6.0f} {fmt(r, 'csc_ms'):>6} | {fmt(r, 'torch_fwd_ms'):>7} "
+              f"{fmt(r, 'torch_bwd_ms'):>7} | {fmt(r, 'dense_blocks_fwd_ms'):>7} {fmt(r, 'dense_blocks_bwd_ms'):>7}")
+    for r in linear_rows:
+        if "kernels_fwd_bwd_ms" in r:
+            print(f"\nkernels, fwd+bwd, N={r['N']} K={r['K']} Kx={r['Kx']} (ms per call):")
+            for name, ms in list(r["kernels_fwd_bwd_ms"].items())[:16]:
+                print(f"  {ms:8.3f}  {name}")
+    with open(args.out, "w") as f:
+        json.dump({"block_topk": topk_rows, "masked_linear": linear_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The masked linear branch of SLA / SLA2 through the ``flexsparse::masked_linear`` op (Triton gather-subtract).
+
+Same contract as ``torch_linear.masked_linear_attention``; O(N (K + Kx) D^2) work and no token gather:
+per key block ``[h_j | z_j]`` (fp32), per query block the global sums minus its skipped blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..masks import BlockSelection
+from ..triton import sla_ops
+from .torch_linear import skipped_blocks
+
+
+def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
+                            feature_map: str, eps: float) -> torch.Tensor:
+    """Linear attention of each query block over the key blocks that are neither selected nor excluded.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``. Returns ``(B, H, Nq, D)`` in q's dtype (exactly 0 when
+    every block is skipped). Differentiable w.r.t. q, k, v. The subtraction loses relative precision when
+    the remaining keys carry a tiny fraction of the global mass (fp32: ~1e-7 / fraction).
+    """
+    skipped = skipped_blocks(selection)
+    if skipped.shape[-1] == selection.num_k_blocks:
+        return q.new_zeros(q.shape)
+    out, _ = sla_ops.masked_linear(q, k, v, skipped, selection.block_q, selection.block_k, feature_map, eps)
+    return out

@@ -1,0 +1,159 @@
+"""``torch.library`` ops of the SLA / SLA2 pieces in Triton (namespace ``flexsparse``).
+
+``block_topk``: the routers' single-level top-K (and bottom-K) selection (``block_topk`` kernels).
+``masked_linear`` (differentiable) and ``masked_linear_bwd``: the masked linear branch
+``O_l = phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` with ``[H_i | Z_i] = [H | Z] - sum_{j skipped by i} [h_j | z_j]``,
+``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32, fp64 for fp64 inputs). The per-block states
+``[h_j | z_j]`` are ``D x (D + 1)`` (one matmul with ``[V_j | 1]``); the gather-subtract over the skipped
+blocks (forward) and over the key-major lists (backward) runs in ``linear``; phi, the block matmuls and
+phi's gradient are PyTorch.
+
+Memory: the forward holds the key-block states ``(B, Hk, Tk, D (D + 1))`` and returns the query-block
+states ``(B, H, Tq, D (D + 1))`` (saved for backward: about ``2 D / block_q`` times the size of a bf16 q);
+the backward holds their gradients (same sizes). Everything else is O(N D).
+
+Like ``ops``: CUDA runs the kernels; CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1``
+is set, else falls back to PyTorch gathers (``_query_states_torch``, ``_key_states_torch``); fp64 always
+takes the fallback.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..backends.torch_linear import apply_feature_map, feature_map_backward
+from ..masks import csr_to_csc, kv_head_index
+from ..masks.pooling import accumulation_dtype
+from ..masks.topk import sorted_block_topk
+from .ops import _kernels
+
+
+@torch.library.triton_op("flexsparse::block_topk", mutates_args=())
+def block_topk(q_pooled: Tensor, k_pooled: Tensor, topk: int, bottomk: int) -> tuple[Tensor, Tensor]:
+    """``(top (B, H, Tq, topk), bottom (B, H, Tq, bottomk))`` int32 ascending (``masks.block_topk``; the
+    bottom table is empty for ``bottomk = 0``). q_pooled ``(B, H, Tq, D)``, k_pooled ``(B, Hk, Tk, D)``."""
+    if not _kernels(q_pooled):
+        top, bottom = sorted_block_topk(q_pooled, k_pooled, topk, bottomk=bottomk)
+        return top, (top[..., :0].clone() if bottom is None else bottom)
+    from .block_topk import block_topk as topk_kernel
+    return topk_kernel(q_pooled, k_pooled, topk, bottomk)
+
+
+def _blocks(x: Tensor, blocks: int, size: int) -> Tensor:
+    """``(B, H, N, C)`` -> ``(B, H, blocks, size, C)``, zero padded (a view when N fills the blocks)."""
+    if blocks * size > x.shape[2]:
+        x = F.pad(x, (0, 0, 0, blocks * size - x.shape[2]))
+    return x.unflatten(2, (blocks, size))
+
+
+def _features(q: Tensor, k: Tensor, v: Tensor, tq: int, block_q: int, tk: int, block_k: int, feature_map: str):
+    """``phi(Q)`` ``(B, H, Tq, bq, D)``, ``phi(K)`` ``(B, Hk, Tk, bk, D)`` and ``[V | 1]`` ``(B, Hk, Tk, bk, D + 1)``
+    in the accumulation dtype; padded tokens are all zero."""
+    acc = accumulation_dtype(q.dtype)
+    phi_q = _blocks(apply_feature_map(q, feature_map).to(acc), tq, block_q)
+    phi_k = _blocks(apply_feature_map(k, feature_map).to(acc), tk, block_k)
+    v_aug = _blocks(F.pad(v.to(acc), (0, 1), value=1.0), tk, block_k)
+    return phi_q, phi_k, v_aug
+
+
+def _group_sum(x: Tensor, kv_heads: int) -> Tensor:
+    """Sum over the query heads of each KV head: ``(B, H, ...)`` -> ``(B, Hk, ...)``."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
+
+
+def _query_states_torch(total: Tensor, states: Tensor, skipped: Tensor) -> Tensor:
+    """``linear.query_states`` by a gather: ``(B, H, Tq, M)``."""
+    bsz, heads, tq, width = skipped.shape
+    m = states.shape[-1]
+    kv = kv_head_index(heads, states.shape[1], states.device)
+    ids = skipped.long().flatten(2).unsqueeze(-1).expand(-1, -1, -1, m)
+    picked = states[:, kv].gather(2, ids).view(bsz, heads, tq, width, m)
+    return total[:, kv].unsqueeze(2) - picked.sum(3)
+
+
+def _key_states_torch(total: Tensor, grads: Tensor, skipped: Tensor, tk: int) -> Tensor:
+    """``linear.key_states`` by a scatter-add: ``(B, Hk, Tk, M)``."""
+    bsz, heads, tq, width = skipped.shape
+    m = total.shape[-1]
+    ids = skipped.long().flatten(2).unsqueeze(-1).expand(-1, -1, -1, m)
+    src = grads.unsqueeze(3).expand(-1, -1, -1, width, -1).flatten(2, 3)
+    sums = grads.new_zeros(bsz, heads, tk, m).scatter_add_(2, ids, src)
+    return total.unsqueeze(2) - _group_sum(sums, total.shape[1])
+
+
+def _gradient_states(total: Tensor, grads: Tensor, skipped: Tensor, tk: int, kernels: bool) -> Tensor:
+    """Gradients of the key-block states: ``total[kv] - sum`` of ``grads`` over the query blocks that skipped
+    each key block (all query heads of the KV head): ``(B, Hk, Tk, M)``."""
+    if not kernels:
+        return _key_states_torch(total, grads, skipped, tk)
+    from .linear import key_states
+    csc = csr_to_csc(skipped, tk)  # the one key-major transpose of the branch
+    return key_states(total, grads, csc.offsets, csc.rows)
+
+
+@torch.library.triton_op("flexsparse::masked_linear", mutates_args=())
+def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int, block_k: int, feature_map: str,
+                  eps: float) -> tuple[Tensor, Tensor]:
+    """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states ``[H_i | Z_i]``
+    ``(B, H, Tq, D (D + 1))`` (fp32, fp64 for fp64; for the backward). q ``(B, H, Nq, D)``; k, v
+    ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the key blocks each query block leaves out, S < Tk."""
+    nq, d = q.shape[2], q.shape[3]
+    tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
+    phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
+    states = (phi_k.transpose(-1, -2) @ v_aug).flatten(-2)                    # (B, Hk, Tk, D (D + 1))
+    if _kernels(q):
+        from .linear import query_states
+        rows = query_states(states.sum(2), states, skipped)
+    else:
+        rows = _query_states_torch(states.sum(2), states, skipped)
+    state_q = rows.unflatten(-1, (d, d + 1))                                    # (B, H, Tq, D, D + 1)
+    out = (phi_q @ state_q[..., :d]) / (eps + phi_q @ state_q[..., d:])          # (B, H, Tq, bq, D)
+    return out.flatten(2, 3)[:, :, :nq].to(q.dtype), rows
+
+
+@torch.library.triton_op("flexsparse::masked_linear_bwd", mutates_args=())
+def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows: Tensor, block_q: int,
+                      block_k: int, feature_map: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows``.
+
+    With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
+    ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
+    ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
+    ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
+    nq, d = q.shape[2], q.shape[3]
+    tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
+    phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
+    rows = rows.unflatten(-1, (d, d + 1))
+    y = phi_q @ rows
+    den = eps + y[..., d:]
+    out = y[..., :d] / den
+    g = _blocks(do.to(out.dtype), tq, block_q)
+    dy = torch.cat([g, -(g * out).sum(-1, keepdim=True)], dim=-1) / den      # (B, H, Tq, bq, D + 1)
+    dphi_q = dy @ rows.transpose(-1, -2)
+    d_rows = (phi_q.transpose(-1, -2) @ dy).flatten(-2)                         # (B, H, Tq, D (D + 1))
+    kv_heads = k.shape[1]
+    d_states = _gradient_states(_group_sum(d_rows.sum(2), kv_heads), d_rows, skipped, tk, _kernels(q))
+    d_states = d_states.unflatten(-1, (d, d + 1))                               # (B, Hk, Tk, D, D + 1)
+    dphi_k = v_aug @ d_states.transpose(-1, -2)
+    dv = (phi_k @ d_states)[..., :d]
+    dq = feature_map_backward(q, phi_q.flatten(2, 3)[:, :, :nq], dphi_q.flatten(2, 3)[:, :, :nq], feature_map)
+    nk = k.shape[2]
+    dk = feature_map_backward(k, phi_k.flatten(2, 3)[:, :, :nk], dphi_k.flatten(2, 3)[:, :, :nk], feature_map)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.flatten(2, 3)[:, :, :nk].to(v.dtype)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, skipped, block_q, block_k, feature_map, eps = inputs
+    ctx.save_for_backward(q, k, v, skipped, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = (block_q, block_k, feature_map, eps)
+
+
+def _backward(ctx, do, _):
+    q, k, v, skipped, rows = ctx.saved_tensors
+    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+masked_linear.register_autograd(_backward, setup_context=_setup)

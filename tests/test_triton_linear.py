@@ -1,0 +1,167 @@
+"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, op ``flexsparse::masked_linear``).
+
+CPU (CI): the gather-subtract kernel runs through the Triton interpreter in fp32 on tiny shapes against
+``torch_linear.masked_linear_attention`` and the dense reference (outputs and gradients of q, k, v), with
+and without excluded blocks, GQA, odd N, block_q != block_k, the three feature maps; all blocks skipped
+gives exactly 0. They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``).
+GPU (``pytest -m gpu``): bf16 at N = 16K against the torch backend, eager and ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triton_support as ts
+
+pytest.importorskip("triton")
+
+from flexsparse.backends import torch_linear, triton_linear  # noqa: E402
+from flexsparse.backends.torch_linear import skipped_blocks  # noqa: E402
+from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sla_block_counts, num_blocks  # noqa: E402
+from flexsparse.reference import block_mask_dense  # noqa: E402
+from flexsparse.reference.sla import sparse_linear_dense  # noqa: E402
+from flexsparse.triton import sla_ops  # noqa: E402
+
+cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
+
+
+@cpu_parent
+def test_interpreter_suite():
+    result = ts.run_interpreter_suite(__file__)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+def _inputs(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu"):
+    q = torch.randn(b, h, nq, d)
+    k = torch.randn(b, hk, nk, d) + 0.5 * torch.randn(1, hk, 1, d)
+    v = torch.randn(b, hk, nk, d)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def _selection(q, k, block_q, block_k, topk_ratio, negligible_ratio):
+    """SLA's router on the given q, k: ``BlockSelection`` with ``excluded`` when ``negligible_ratio > 0``."""
+    topk, bottomk = sla_block_counts(topk_ratio, negligible_ratio, num_blocks(k.shape[2], block_k))
+    q_bar, k_bar = pooled_qk(q.float(), k.float(), block_q, block_k, smooth_k=True)
+    top, bottom = block_topk(q_bar, k_bar, topk, bottomk=bottomk)
+    return BlockSelection(top, block_q, block_k, q.shape[2], k.shape[2], excluded=bottom)
+
+
+def _run(fn, q, k, v, selection, feature_map, eps=1e-5):
+    """Output and gradients of q, k, v of a fixed random loss."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, selection, feature_map=feature_map, eps=eps)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+    (out.float() * weight.float()).sum().backward()
+    return [out] + [x.grad for x in leaves]
+
+
+# (B, H, Hk, Nq, Nk, D, block_q, block_k, topk_ratio, negligible_ratio, feature map)
+CASES = [
+    (1, 2, 1, 37, 37, 8, 8, 4, 0.3, 0.2, "softmax"),       # GQA, odd N, block_q != block_k, excluded blocks
+    (2, 2, 2, 50, 50, 16, 16, 16, 0.25, 0.0, "elu"),       # no excluded blocks
+    (1, 4, 2, 29, 45, 8, 8, 16, 0.34, 0.0, "relu"),        # Nq != Nk, GQA, block_k > block_q
+    (1, 2, 1, 70, 70, 8, 4, 8, 0.2, 0.3, "elu"),           # several skipped per row, long CSC lists
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,bq,bk,ratio,negligible,fmap", CASES)
+def test_matches_torch_backend(b, h, hk, nq, nk, d, bq, bk, ratio, negligible, fmap):
+    q, k, v = _inputs(b, h, hk, nq, nk, d)
+    selection = _selection(q, k, bq, bk, ratio, negligible)
+    assert (selection.excluded is not None) == (negligible > 0)
+    got = _run(triton_linear.masked_linear_attention, q, k, v, selection, fmap)
+    want = _run(torch_linear.masked_linear_attention, q, k, v, selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("fmap", ["softmax", "relu"])
+def test_matches_dense_reference(fmap):
+    """Token-level dense spec (fp64 autograd): linear attention weighted by 1 off the skipped blocks."""
+    b, h, hk, n, d, bq, bk = 1, 2, 1, 45, 8, 8, 4
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    selection = _selection(q, k, bq, bk, 0.25, 0.25)
+    got = _run(triton_linear.masked_linear_attention, q, k, v, selection, fmap)
+    skipped = block_mask_dense(skipped_blocks(selection), n, n, bq, bk)
+
+    def dense(q, k, v, selection, feature_map, eps):
+        zeros = torch.zeros(skipped.shape, dtype=q.dtype)
+        return sparse_linear_dense(q, k, v, zeros, (~skipped).to(q.dtype), 1.0, feature_map, eps)[2]
+
+    want = _run(dense, q.double(), k.double(), v.double(), selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("ratio,negligible", [(1.0, 0.0), (0.34, 0.67)])   # all selected; 1 selected + 2 excluded
+def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
+    q, k, v = _inputs(1, 2, 1, 40, 40, 8)
+    selection = _selection(q, k, 16, 16, ratio, negligible)
+    assert skipped_blocks(selection).shape[-1] == 3                       # Tk = 3
+    out = triton_linear.masked_linear_attention(q, k, v, selection, feature_map="softmax", eps=1e-5)
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+@cpu_parent
+def test_triton_backend_gets_the_triton_branch():
+    assert torch_linear.masked_linear_for("triton") is triton_linear.masked_linear_attention
+    assert torch_linear.masked_linear_for("torch") is torch_linear.masked_linear_attention
+
+
+@cpu_parent
+def test_cpu_fallback_without_interpreter():
+    """Without the interpreter the op bodies gather in PyTorch; same results as the torch backend."""
+    q, k, v = _inputs(2, 4, 2, 41, 41, 8)
+    selection = _selection(q, k, 8, 4, 0.2, 0.2)
+    with ts.interpreter_env(False):
+        got = _run(triton_linear.masked_linear_attention, q, k, v, selection, "elu")
+    want = _run(torch_linear.masked_linear_attention, q, k, v, selection, "elu")
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_parent
+def test_opcheck_cpu_fallback():
+    q, k, v = _inputs(1, 2, 1, 37, 37, 8)
+    selection = _selection(q, k, 8, 4, 0.3, 0.2)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 8, 4, "softmax",
+            1e-5)
+    with ts.interpreter_env(False):  # aot_dispatch_dynamic takes ~10 s on 2 cores: the GPU opcheck runs it
+        torch.library.opcheck(sla_ops.masked_linear, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("h,hk,n,d,bq,bk,negligible,fmap", [
+    (4, 4, 16384, 64, 64, 64, 0.1, "softmax"), (4, 2, 16000, 128, 128, 64, 0.0, "elu"),
+    (2, 1, 16384, 64, 64, 64, 0.0, "relu")])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, compiled):
+    torch.manual_seed(0)
+    q, k, v = _inputs(1, h, hk, n, n, d, torch.bfloat16, "cuda")
+    selection = _selection(q, k, bq, bk, 0.05, negligible)
+
+    def branch(q, k, v):
+        return triton_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+
+    fn = torch.compile(branch, fullgraph=True) if compiled else branch
+    got = _run(lambda q, k, v, s, feature_map, eps: fn(q, k, v), q, k, v, selection, fmap)
+    want = _run(torch_linear.masked_linear_attention, q.float(), k.float(), v.float(), selection, fmap)
+    assert got[0].dtype == torch.bfloat16
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
+        assert ts.rel_err(a, w) < 1e-2, name
+
+
+@gpu
+def test_gpu_opcheck():
+    q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda")
+    selection = _selection(q, k, 64, 32, 0.1, 0.1)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
+            1e-5)
+    torch.library.opcheck(sla_ops.masked_linear, args)
