@@ -25,9 +25,9 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-import flexsparse
 from flexsparse.training import QKVRecorder, calibrate_sla2, prepare_stage2
 
 from .dit.data import photos_and_split, random_crops
@@ -77,12 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; --tiny: 1, faster for tiny "
                    "models and steady on a busy machine)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model and data, a few steps")
+    if p.parse_args(argv).tiny:                   # the tiny settings become defaults; given options win
+        p.set_defaults(**TINY)
     args = p.parse_args(argv)
-    if args.tiny:
-        for key, value in TINY.items():
-            setattr(args, key, value)
     args.backend = args.backend or ("torch" if args.device == "cpu" else "auto")
     args.deploy_ratio = args.topk_ratios[0] if args.deploy_ratio is None else args.deploy_ratio
     if args.deploy_ratio not in args.topk_ratios:
@@ -113,8 +112,7 @@ class Batches:
         return x0, eps, sample_sigmas(self.batch, self.noise)
 
 
-def train_steps(model, optimizer, batches: Batches, steps: int, amp, log_every: int, label: str,
-                quiet: bool) -> list[float]:
+def train_steps(model, optimizer, batches: Batches, steps: int, amp, log_every: int, label: str) -> list[float]:
     """``steps`` optimizer steps on the flow-matching loss; the loss of each, printed every ``log_every``."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     losses = []
@@ -123,7 +121,7 @@ def train_steps(model, optimizer, batches: Batches, steps: int, amp, log_every: 
         if not math.isfinite(loss):
             raise FloatingPointError(f"{label}: loss became {loss} at step {step}")
         losses.append(loss)
-        if not quiet and (step % log_every == 0 or step == steps):
+        if step % log_every == 0 or step == steps:
             window = losses[-log_every:]
             mean = sum(window) / len(window)
             print(f"  {label} step {step:5d}  loss {loss:.4f}  (mean of the last {len(window)}: {mean:.4f})")
@@ -152,8 +150,13 @@ def plot(history: dict, val: dict, path: Path) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    steps = list(range(1, len(history["stage2_loss"]) + 1))
-    ax.plot(steps, history["stage2_loss"], color="C0", lw=1, label="stage 2 training loss")
+    losses = history["stage2_loss"]
+    steps = list(range(1, len(losses) + 1))
+    ax.plot(steps, losses, color="0.75", lw=0.8, label="stage 2 training loss")
+    window = max(1, len(losses) // 20)
+    if window > 1:
+        ax.plot(steps[window - 1:], np.convolve(losses, np.ones(window) / window, mode="valid"), color="C0",
+                label=f"mean of {window}")
     for (name, value), color in zip(val.items(), ("k", "C3", "C2", "C1")):
         ax.axhline(value, color=color, ls="--", lw=1, label=f"val: {name} ({value:.4f})")
     ax.set_xlabel("stage-2 step")
@@ -188,7 +191,7 @@ def main(argv=None) -> dict:
     else:
         print(f"pre-training the dense model for {args.pretrain_steps} steps")
         optimizer = torch.optim.AdamW(dense.parameters(), lr=args.pretrain_lr, weight_decay=0.01)
-        train_steps(dense, optimizer, batches, args.pretrain_steps, amp, args.log_every * 4, "dense", args.quiet)
+        train_steps(dense, optimizer, batches, args.pretrain_steps, amp, args.log_every * 4, "dense")
     val_loss["dense"] = validation_loss(dense, val, batches.scale, args.batch_size, amp)
 
     # 1. stage 1: SLA2 with the dense weights, calibrated on recorded Q, K, V
@@ -218,16 +221,16 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     print(f"stage 2: {args.steps} steps at topk_ratio={args.deploy_ratio}, trained: "
           + ", ".join(f"{g['name']} ({sum(p.numel() for p in g['params'])} values)" for g in groups))
-    losses = train_steps(model, optimizer, batches, args.steps, amp, args.log_every, "stage 2", args.quiet)
+    losses = train_steps(model, optimizer, batches, args.steps, amp, args.log_every, "stage 2")
     val_loss["sla2 after stage 2"] = validation_loss(model, val, batches.scale, args.batch_size, amp)
 
     print("\nvalidation loss: " + ", ".join(f"{name} {value:.4f}" for name, value in val_loss.items()))
     history = {"stage2_loss": losses}
     write_json(history, out / "history.json")
-    torch.save({"model": model.state_dict(), "attn": sla2 | {"topk_ratio": args.deploy_ratio},
-                "config": model_config(args, sla2, checkpoint)}, out / "sla2_model.pt")
+    torch.save({"model": model.state_dict(), "config": model_config(args, sla2, checkpoint)}, out / "sla2_model.pt")
     summary = {"val_loss": val_loss, "deploy_ratio": args.deploy_ratio, "calibration_seconds": calib_seconds,
-               "calibration": [dataclasses.asdict(row) for row in result.rows], "stage2_final_loss": losses[-1] if losses else None,
+               "calibration": [dataclasses.asdict(row) for row in result.rows],
+               "stage2_final_loss": losses[-1] if losses else None,
                "loss_curve": plot(history, val_loss, out / "loss.png")}
     write_json(summary, out / "summary.json")
     return summary

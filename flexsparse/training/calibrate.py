@@ -16,8 +16,9 @@ projections down moves the mask towards that uniform point, and with the default
 scores (``~1/Tk`` each, so ``P_c / tau`` spans little) the mask starts close to it: fitting that
 objective lowered the soft MSE ~10x and *raised* the hard MSE by 10-50% on the layers of a small
 DiT from ``examples/dit`` (16x16 pixels, 8x4-token blocks, k% = 10 and 5). Standardizing each row
-of raw scores before SoftTop-k leaves the hard selection unchanged (same order) but fixes the mask's sharpness to ``tau`` row standard deviations whatever the
-projections' scale, so the fit must improve the ranking; it lowered the hard MSE 2-3x there.
+of raw scores before SoftTop-k leaves the hard selection unchanged (same order) but fixes the mask's
+sharpness to ``tau`` row standard deviations whatever the projections' scale, so the fit must
+improve the ranking; it lowered the hard MSE 2-3x there.
 """
 from __future__ import annotations
 
