@@ -43,7 +43,8 @@ class QKVRecorder:
     dense: while recording, the chosen layers return full attention of their inputs instead of their
         sparse output, so every layer sees the activations of the dense (pre-trained) model, as in
         SLA2's stage 1 where Q, K, V are sampled from the original model.
-    The hooks are removed on leaving the ``with`` block (or by ``remove()``); records stay.
+    The hooks are removed on leaving the ``with`` block (or by ``remove()``); records stay. Record
+    with the eager model (a ``torch.compile``d one would recompile around the hooks).
     """
 
     def __init__(self, model: nn.Module, layers: LayerSpec = None, *, max_batches: int = 4,
