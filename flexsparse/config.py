@@ -286,6 +286,7 @@ class SLA2Config(_BlockAliases, Config):
     router_softmax: bool = True
     tau: float = 0.1
     softtopk_iters: int = 30
+    softtopk_standardize: bool = False
     quant: QuantConfig | None = None
     deterministic: bool = False
 
@@ -304,6 +305,7 @@ class SLA2Config(_BlockAliases, Config):
         _check_bool("router_softmax", self.router_softmax)
         _check_float("tau", self.tau, 0.0, 1e6, low_open=True)
         _check_int("softtopk_iters", self.softtopk_iters)
+        _check_bool("softtopk_standardize", self.softtopk_standardize)
         object.__setattr__(self, "quant", QuantConfig.from_value(self.quant))
         _check_bool("deterministic", self.deterministic)
 

@@ -46,3 +46,15 @@ def router_scores(q_bar: torch.Tensor, k_bar: torch.Tensor, *, softmax: bool) ->
     """
     scores = grouped_scores(q_bar, k_bar) / math.sqrt(q_bar.shape[-1])
     return scores.softmax(-1) if softmax else scores
+
+
+def standardize_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``(s - mean) / std`` over the last dim (population std; a constant row gives zeros).
+
+    A positive affine map per row: the row's order, so its top-k, is unchanged; what changes is the
+    scale SoftTop-k's temperature sees (one std of the row instead of the router's own scale).
+    """
+    centred = scores - scores.mean(-1, keepdim=True)
+    std = centred.square().mean(-1, keepdim=True).sqrt()
+    return centred / std.clamp_min(torch.finfo(scores.dtype).tiny)
+

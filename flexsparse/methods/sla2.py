@@ -5,7 +5,8 @@ the linear branch; with ``"router"`` only the router sees the smoothed K (as SLA
 select: pooled Q and K, shared ``proj_q``, ``proj_k`` (D x D, no bias, identity at init so an untrained
 router equals SLA's), scores ``proj_q(Qbar) proj_k(Kbar)^T / sqrt(D)`` (softmax over the row with
 ``router_softmax``); ``router="hard"``: the top ``max(1, floor(topk_ratio * Tk))`` blocks (no gradient to
-the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 calibration).
+the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 calibration), with
+``softtopk_standardize`` on the raw scores standardized per row (see ``flexsparse.training.calibrate``).
 attend: softmax attention over the selected blocks and linear attention over the others (hard), or
 ``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft).
 combine: ``O = alpha * O_s + (1 - alpha) * O_l``, ``alpha = sigmoid(alpha_logit)`` per query block
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..backends import sparse_primitives, torch_linear, torch_soft
 from ..masks import (BlockSelection, SoftBlockMask, block_topk, num_blocks, pooled_qk, ratio_count, router_scores,
-                     soft_topk_logits)
+                     soft_topk_logits, standardize_rows)
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla2_dense
 from ._params import require_params
@@ -54,7 +55,10 @@ def route(q: torch.Tensor, k: torch.Tensor, cfg, proj_q: torch.Tensor,
         if not soft:
             top, _ = block_topk(q_bar, k_bar, count)
             return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
-        scores = router_scores(q_bar, k_bar, softmax=cfg.router_softmax)
+        if cfg.softtopk_standardize:           # raw logits, one std per row (scale-free SoftTop-k)
+            scores = standardize_rows(router_scores(q_bar, k_bar, softmax=False))
+        else:
+            scores = router_scores(q_bar, k_bar, softmax=cfg.router_softmax)
         logits = soft_topk_logits(scores, count, cfg.tau, cfg.softtopk_iters)
     return SoftBlockMask(logits, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
 
