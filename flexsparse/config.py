@@ -75,7 +75,7 @@ class QuantConfig:
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"config key 'quant' must be a dict or None, got {type(value).__name__}")
-        valid = [f.name for f in fields(cls)]
+        valid = list(cls.__dataclass_fields__)     # not dataclasses.fields(cls): torch.compile traces this
         unknown = sorted(set(value) - set(valid))
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in config 'quant'; valid keys: {valid}")

@@ -60,12 +60,9 @@ def quantized_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def straight_through(exact: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    """The value of ``quantized`` with the gradient of ``exact`` (identity), in ``exact``'s dtype.
-
-    Summed in a wider dtype, so the value is ``quantized`` rounded once to ``exact``'s dtype.
-    """
-    wide = torch.float64 if exact.dtype in (torch.float32, torch.float64) else torch.float32
-    return (exact.to(wide) + (quantized.to(wide) - exact.to(wide)).detach()).to(exact.dtype)
+    """The value of ``quantized`` (in ``exact``'s dtype) with the gradient of ``exact`` (identity):
+    ``quantized + (exact - exact.detach())``, whose second term is exactly 0 for finite ``exact``."""
+    return quantized.detach().to(exact.dtype) + (exact - exact.detach())
 
 
 def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig | None, *,
