@@ -63,6 +63,19 @@ def test_train_full_and_llsa_then_resume_larger_and_continue(tmp_path, image_dir
     assert summary["steps"] == 3 and history["train_step"] == [1, 2, 3], "same size and attention continue the run"
 
 
+def test_fp8_linear_layers_and_fp8_attention_train_on_cpu(tmp_path, image_dir, monkeypatch):
+    pytest.importorskip("torchao")
+    sla = '{"method": "sla", "block_size": 4, "topk_ratio": 0.25, "quant": {"qk_dtype": "int8"}}'
+    out, _, _ = run(tmp_path, "fp8", image_dir, "--image-size", "16", "--steps", "2", "--attn", sla, "--fp8-linear")
+    config = json.loads((out / "config.json").read_text())
+    assert config["fp8_linear"] and config["attn"]["quant"]["qk_dtype"] == "int8"
+    kinds = [type(m).__name__ for m in train.build_model(config, "cpu").modules() if isinstance(m, torch.nn.Linear)]
+    assert kinds.count("Linear") == 2 and kinds.count("Float8Linear") == len(kinds) - 2, kinds   # 3-channel in/out stay
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"--fp8-linear needs torchao"):
+        train.float8_linear_layers(DiT(16, {"method": "full"}, hidden=32, heads=2, depth=1), "cpu")
+
+
 def test_resume_checks_the_architecture(tmp_path, image_dir):
     out, _, _ = run(tmp_path, "full", image_dir, "--image-size", "16", "--steps", "1", "--attn", "full")
     with pytest.raises(ValueError, match="--hidden=64 differs from the checkpoint's 32"):
