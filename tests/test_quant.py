@@ -167,8 +167,8 @@ def _run(qkv, params, cfg, backend, quant=None):
     config = cfg if quant is None else {**cfg, "quant": quant}
     out, lse = flexsparse.attention(*qkv, config, backend=backend, return_lse=True, params=params)
     leaves = [*qkv, *params.values()]
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(out.dtype)
-    lse_weight = torch.linspace(-1, 1, lse.numel(), dtype=lse.dtype).view(lse.shape)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(out)
+    lse_weight = torch.linspace(-1, 1, lse.numel(), dtype=lse.dtype, device=lse.device).view(lse.shape)
     grads = torch.autograd.grad((out * weight).sum() + (lse * lse_weight).sum(), leaves, allow_unused=True)
     return out, lse, grads
 
@@ -176,14 +176,17 @@ def _run(qkv, params, cfg, backend, quant=None):
 @pytest.mark.parametrize("quant", QUANTS, ids=["fp8", "int8qk", "per_tensor-p_none"])
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
+    """Both in fp32, so that both quantize the same products x * s onto the same grid (fp64 products can
+    round to the other side of a rounding boundary); what is left is matmul order, and the rare P
+    element that it moves across a boundary (one e4m3 step, 2^-3 relative, in one row)."""
     qkv, params, cfg = _method_inputs(name, torch.float32, requires_grad=False)
-    out, lse = flexsparse.attention(*qkv, {**cfg, "quant": quant}, backend="torch", return_lse=True, params=params)
-    ref, ref_lse = flexsparse.attention(*[x.double() for x in qkv], {**cfg, "quant": quant}, backend="reference",
-                                        return_lse=True, params={k: p.double() for k, p in params.items()})
+    config = {**cfg, "quant": quant}
+    out, lse = flexsparse.attention(*qkv, config, backend="torch", return_lse=True, params=params)
+    ref, ref_lse = flexsparse.attention(*qkv, config, backend="reference", return_lse=True, params=params)
     assert out.dtype == torch.float32
-    assert rel_err(out, ref) < 2e-5 and rel_err(lse, ref_lse) < 2e-6
+    assert rel_err(out, ref) < 1e-3 and rel_err(lse, ref_lse) < 1e-5
     plain = flexsparse.attention(*qkv, cfg, backend="torch", params=params)
-    assert rel_err(out, plain) > 1e-3, "quantization changed nothing"
+    assert rel_err(out, plain) > 1e-2, "quantization changed nothing"
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
@@ -339,6 +342,26 @@ def test_importing_flexsparse_needs_no_torchao_and_quant_says_how_to_get_it():
     assert "torch.Size([1, 1, 32, 8])" in out and "pip install 'flexsparse[quant]'" in out
 
 
+def test_fp8_benchmark_script_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_fp8.py at a tiny size: errors and speedups for the torch backend; a backend that
+    cannot run a variant (triton today) is recorded with the reason, not a crash."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_fp8.py"
+    spec = importlib.util.spec_from_file_location("gpu_fp8", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = ["--device", "cpu", "--n", "256", "--batch", "1", "--heads", "2", "--topk-ratio", "0.25"]
+    report = bench.main([*common, "--backend", "torch", "--variants", "fp8", "--out",
+                         str(tmp_path / "fp8.json")])
+    fp8 = report["results"]["fp8"]
+    assert 0.01 < fp8["rel_l2_branch"] < 0.08 and fp8["rel_l2_method"] == fp8["rel_l2_branch"]   # zero-init proj
+    assert fp8["speedup_branch_fwd"] > 0 and isinstance(fp8["method_fwd_bwd"], dict)
+    assert (tmp_path / "fp8.json").is_file()
+    report = bench.main([*common, "--backend", "triton", "--variants", "fp8", "--no-backward"])
+    assert "phase 2" in report["results"]["fp8"]["skipped"]
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 @gpu
@@ -376,7 +399,12 @@ def test_gpu_flex_qkv_quant_forward_and_exact_gradients(name):
     quant = {"p": "none"}
     out, lse, grads = _run(qkv, params, cfg, "flex", quant=quant)
     _, _, plain = _run(qkv, params, cfg, "flex")
+    _, _, again = _run(qkv, params, cfg, "flex")
     want = flexsparse.attention(*qkv, {**cfg, "quant": quant}, backend="torch", params=params)
     assert rel_err(out, want) < 2e-2                           # flex rounds the fake-quantized values to bf16
+    deterministic = all(torch.equal(a, b) for a, b in zip(plain[:3], again[:3]))
     for i, (g, p) in enumerate(zip(grads[:3], plain[:3])):
-        assert torch.equal(g, p), f"grad {i}"
+        if deterministic:
+            assert torch.equal(g, p), f"grad {i}"
+        else:                                                  # flex's backward is not bitwise reproducible here
+            assert rel_err(g, p) < 1e-3, f"grad {i}"
