@@ -124,7 +124,8 @@ def test_a_large_value_changes_only_its_own_block_or_channel():
     assert changed[1, 0, 16:24].any()
     changed[1, 0, 16:24] = False
     assert not changed.any(), "another block's quantization moved"
-    assert torch.equal(block_scales(x, 8)[1, 0, torch.arange(5) != 2], block_scales(spiked, 8)[1, 0, torch.arange(5) != 2])
+    others = torch.arange(5) != 2
+    assert torch.equal(block_scales(x, 8)[1, 0, others], block_scales(spiked, 8)[1, 0, others])
     v_before, v_after = fake_quant(x, channel_scales(x)), fake_quant(spiked, channel_scales(spiked))
     moved = (v_before != v_after)
     assert moved[1, 0, :, 5].any() and moved.sum() == moved[1, 0, :, 5].sum(), "another channel's quantization moved"
@@ -153,8 +154,8 @@ def _method_inputs(name, dtype=torch.float64, requires_grad=True, seed=None):
     gen = torch.Generator().manual_seed(torch.randint(0, 2**31 - 1, ()).item() if seed is None else seed)
     d = 16
     q = torch.randn(2, heads, n, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(2, kv_heads, n, d, generator=gen, dtype=torch.float64) + torch.randn(1, kv_heads, 1, d, generator=gen,
-                                                                                        dtype=torch.float64)
+    k = torch.randn(2, kv_heads, n, d, generator=gen, dtype=torch.float64)
+    k = k + torch.randn(1, kv_heads, 1, d, generator=gen, dtype=torch.float64)
     v = torch.randn(2, kv_heads, n, d, generator=gen, dtype=torch.float64)
     config = Config.from_dict(cfg)
     params = method_module(name).init_params(config, d, heads, n)
@@ -335,7 +336,8 @@ def test_importing_flexsparse_needs_no_torchao_and_quant_says_how_to_get_it():
         "q = torch.randn(1, 1, 32, 8)\n"
         "print(flexsparse.attention(q, q, q, {'method': 'topk', 'block_size': 8, 'topk': 2}, backend='torch').shape)\n"
         "try:\n"
-        "    flexsparse.attention(q, q, q, {'method': 'topk', 'block_size': 8, 'topk': 2, 'quant': {}}, backend='torch')\n"
+        "    cfg = {'method': 'topk', 'block_size': 8, 'topk': 2, 'quant': {}}\n"
+        "    flexsparse.attention(q, q, q, cfg, backend='torch')\n"
         "except ImportError as err:\n"
         "    print(err)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

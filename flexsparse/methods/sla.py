@@ -3,9 +3,9 @@
 select: mean-pooled Q and smoothed K (``k - mean_N k``) per block, raw-dot scores in fp32, the top
 ``max(1, floor(topk_ratio * Tk))`` key blocks per query block ("critical") and, with
 ``negligible_ratio``, the bottom ``floor(negligible_ratio * Tk)`` ("negligible", skipped by both branches).
-attend: softmax attention over the critical blocks (FP8 fake-quantized with ``quant``); linear attention (feature map phi over the head dim)
-over the remaining ("marginal") blocks with ``linear="masked"`` (paper, SLA-1) or over every key with
-``linear="full"`` (the official main branch).
+attend: softmax attention over the critical blocks (FP8 fake-quantized with ``quant``); linear attention
+(feature map phi over the head dim) over the remaining ("marginal") blocks with ``linear="masked"`` (paper,
+SLA-1) or over every key with ``linear="full"`` (the official main branch).
 combine: ``O = O_s + O_l W^T + b`` in fp32 (fp64 for fp64 inputs), W and b zero-initialised, so a fresh
 module returns the sparse branch. The returned LSE is the sparse branch's.
 """

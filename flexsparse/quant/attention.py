@@ -1,9 +1,10 @@
 """FP8 quantization-aware training of a sparse softmax branch (SLA2 Sec. 5, SageAttention2 granularity).
 
 Forward (the fake-quant spec; docs/methods.md "FP8 QAT"): K smoothed (``k - mean_N k``), Q and K
-fake-quantized (e4m3, or int8 with ``qk_dtype="int8"``) per block of the method's query / key blocks (or per (b, h) with ``qk="per_tensor"``),
-V per channel (or per (b, h)), and with ``p="static"`` the softmax numerator ``P~ = exp(S - m)`` (m the
-row max over the attended keys) fake-quantized with the static scale 448:
+fake-quantized (e4m3, or int8 with ``qk_dtype="int8"``) per block of the method's query / key blocks
+(or per (b, h) with ``qk="per_tensor"``), V per channel (or per (b, h)), and with ``p="static"`` the
+softmax numerator ``P~ = exp(S - m)`` (m the row max over the attended keys) fake-quantized with the
+static scale 448:
 ``O = q(P~) V^ / rowsum(P~)``, ``lse = m + log rowsum(P~) + scale * q^ . mean_N(k)``.
 Backward: straight through. The returned tensors carry the values of the quantized forward and the
 gradients of the same branch evaluated on the unquantized q, k, v, exactly.
@@ -36,7 +37,8 @@ def quantize_v(v: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
     return fake_quant(v, channel_scales(v) if quant.v == "per_channel" else head_scales(v))
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, quant: QuantConfig, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, quant: QuantConfig,
+                block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantized (smoothed) K per block of ``block_k`` tokens (or per (b, h)) and V (``quantize_v``)."""
     return quantize_qk(k, quant, block_k), quantize_v(v, quant)
 
