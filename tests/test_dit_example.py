@@ -147,3 +147,14 @@ def test_full_size_dit_on_gpu_with_compile_and_progressive_resume(tmp_path):
     big = train.main(["--image-size", "128", "--steps", "3", "--attn", llsa, "--resume", small["checkpoint"],
                       "--out", str(tmp_path / "s128"), *common])
     assert math.isfinite(big["final_val_loss"]) and big["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+def test_fp8_linear_and_fp8_attention_train_compiled_on_gpu(tmp_path):
+    """DiT-S width, 2 blocks, 64x64: FP8 nn.Linear layers (torchao) and FP8 QAT of SLA's sparse branch."""
+    pytest.importorskip("torchao")
+    sla = '{"method": "sla", "block_size": 64, "topk_ratio": 0.25, "quant": {"qk_dtype": "int8"}}'
+    summary = train.main(["--image-size", "64", "--steps", "3", "--depth", "2", "--attn", sla, "--fp8-linear",
+                          "--compile", "--batch-size", "4", "--val-crops", "4", "--samples", "4", "--sample-steps", "2",
+                          "--quiet", "--out", str(tmp_path / "fp8")])
+    assert math.isfinite(summary["final_val_loss"]) and summary["tokens_per_s"] > 0
