@@ -47,18 +47,25 @@ def _check_bool(name: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """FP8 fake/real quantization of the sparse branch's forward (SageAttention2-style)."""
+    """FP8 e4m3 quantization of the sparse softmax branch's forward, straight-through backward
+    (docs/methods.md "FP8 QAT"). ``dtype``: format of P and V; ``qk_dtype``: format of Q and K
+    (``"fp8_e4m3"``, or ``"int8"`` as SageAttention2); ``qk``: Q and K scales per block of the method's
+    query / key blocks or per (batch, head); ``v``: per channel or per (batch, head); ``p``: ``"static"``
+    quantizes the softmax numerator with the static scale 448, ``"none"`` keeps P in the compute
+    precision (the only choice FlexAttention can run)."""
 
     dtype: str = "fp8_e4m3"
+    qk_dtype: str = "fp8_e4m3"
     qk: str = "per_block"
     v: str = "per_channel"
     p: str = "static"
 
     def __post_init__(self):
         _check_choice("quant.dtype", self.dtype, ("fp8_e4m3",))
+        _check_choice("quant.qk_dtype", self.qk_dtype, ("fp8_e4m3", "int8"))
         _check_choice("quant.qk", self.qk, ("per_block", "per_tensor"))
         _check_choice("quant.v", self.v, ("per_channel", "per_tensor"))
-        _check_choice("quant.p", self.p, ("static",))
+        _check_choice("quant.p", self.p, ("static", "none"))
 
     @classmethod
     def from_value(cls, value: Any) -> "QuantConfig | None":
@@ -68,7 +75,7 @@ class QuantConfig:
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"config key 'quant' must be a dict or None, got {type(value).__name__}")
-        valid = [f.name for f in fields(cls)]
+        valid = list(cls.__dataclass_fields__)     # not dataclasses.fields(cls): torch.compile traces this
         unknown = sorted(set(value) - set(valid))
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in config 'quant'; valid keys: {valid}")
@@ -104,6 +111,10 @@ class Config:
         kwargs = cls._normalise_aliases(kwargs)
         valid = cls._field_names()
         unknown = sorted(set(kwargs) - set(valid))
+        if "quant" in unknown:
+            quantized = sorted(name for name, c in Config.registry.items() if "quant" in c._field_names())
+            raise ValueError(f"config key 'quant' (FP8 quantization of the sparse branch) is not supported by method "
+                             f"{method!r}; methods with it: {quantized}")
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown} for method {method!r}; valid keys: {valid}")
         return cls(**kwargs)
@@ -307,6 +318,9 @@ class SLA2Config(_BlockAliases, Config):
         _check_int("softtopk_iters", self.softtopk_iters)
         _check_bool("softtopk_standardize", self.softtopk_standardize)
         object.__setattr__(self, "quant", QuantConfig.from_value(self.quant))
+        if self.quant is not None and self.router == "soft":
+            raise ValueError("config key 'quant' needs router='hard': FP8 QAT applies to the block-sparse branch of "
+                             "stage 2 and inference, not to the soft (stage-1 calibration) branch over every key")
         _check_bool("deterministic", self.deterministic)
 
 

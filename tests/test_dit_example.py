@@ -63,6 +63,19 @@ def test_train_full_and_llsa_then_resume_larger_and_continue(tmp_path, image_dir
     assert summary["steps"] == 3 and history["train_step"] == [1, 2, 3], "same size and attention continue the run"
 
 
+def test_fp8_linear_layers_and_fp8_attention_train_on_cpu(tmp_path, image_dir, monkeypatch):
+    pytest.importorskip("torchao")
+    sla = '{"method": "sla", "block_size": 4, "topk_ratio": 0.25, "quant": {"qk_dtype": "int8"}}'
+    out, _, _ = run(tmp_path, "fp8", image_dir, "--image-size", "16", "--steps", "2", "--attn", sla, "--fp8-linear")
+    config = json.loads((out / "config.json").read_text())
+    assert config["fp8_linear"] and config["attn"]["quant"]["qk_dtype"] == "int8"
+    kinds = [type(m).__name__ for m in train.build_model(config, "cpu").modules() if isinstance(m, torch.nn.Linear)]
+    assert kinds.count("Linear") == 2 and kinds.count("Float8Linear") == len(kinds) - 2, kinds   # 3-channel in/out stay
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"--fp8-linear needs torchao"):
+        train.float8_linear_layers(DiT(16, {"method": "full"}, hidden=32, heads=2, depth=1), "cpu")
+
+
 def test_resume_checks_the_architecture(tmp_path, image_dir):
     out, _, _ = run(tmp_path, "full", image_dir, "--image-size", "16", "--steps", "1", "--attn", "full")
     with pytest.raises(ValueError, match="--hidden=64 differs from the checkpoint's 32"):
@@ -134,3 +147,14 @@ def test_full_size_dit_on_gpu_with_compile_and_progressive_resume(tmp_path):
     big = train.main(["--image-size", "128", "--steps", "3", "--attn", llsa, "--resume", small["checkpoint"],
                       "--out", str(tmp_path / "s128"), *common])
     assert math.isfinite(big["final_val_loss"]) and big["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+def test_fp8_linear_and_fp8_attention_train_compiled_on_gpu(tmp_path):
+    """DiT-S width, 2 blocks, 64x64: FP8 nn.Linear layers (torchao) and FP8 QAT of SLA's sparse branch."""
+    pytest.importorskip("torchao")
+    sla = '{"method": "sla", "block_size": 64, "topk_ratio": 0.25, "quant": {"qk_dtype": "int8"}}'
+    summary = train.main(["--image-size", "64", "--steps", "3", "--depth", "2", "--attn", sla, "--fp8-linear",
+                          "--compile", "--batch-size", "4", "--val-crops", "4", "--samples", "4", "--sample-steps", "2",
+                          "--quiet", "--out", str(tmp_path / "fp8")])
+    assert math.isfinite(summary["final_val_loss"]) and summary["tokens_per_s"] > 0

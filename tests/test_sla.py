@@ -232,11 +232,9 @@ def test_bad_config_raises(cfg, match):
         Config.from_dict(cfg)
 
 
-def test_quant_and_cross_attention_are_rejected():
+def test_cross_attention_is_rejected():
     q, k, v = leaf_qkv(1, 1, 1, 16, 8)
     params = params_for(sla_config(), 8)
-    with pytest.raises(ValueError, match="quant"):
-        flexsparse.attention(q, k, v, sla_config(block_size=4, quant={}), backend="torch", params=params)
     with pytest.raises(ValueError, match="same length"):
         flexsparse.attention(q, k[:, :, :8], v[:, :, :8], sla_config(block_size=4), backend="torch", params=params)
 

@@ -82,11 +82,7 @@ def test_module_checks_heads_and_dim():
         attn(q, k, v)
 
 
-@pytest.mark.parametrize("method", ["topk", "llsa", "sla"])
-def test_quant_is_not_silently_ignored(method):
-    q, k, v = qkv(n=64, d=8)
-    cfg = {"method": method, "quant": {"dtype": "fp8_e4m3"}}
-    cfg.update({"topk": 2, "block_size": 8} if method != "sla" else {"block_size": 8, "topk_ratio": 0.25})
-    params = {"proj_weight": torch.zeros(8, 8, dtype=q.dtype), "proj_bias": torch.zeros(8, dtype=q.dtype)}
-    with pytest.raises(ValueError, match="'quant'"):
-        fs.attention(q, k, v, cfg, backend="torch", params=params if method == "sla" else None)
+@pytest.mark.parametrize("method", ["full", "vsa"])
+def test_quant_is_refused_by_methods_without_it(method):
+    with pytest.raises(ValueError, match=f"'quant'.*not supported by method '{method}'"):
+        fs.attention(*qkv(n=64, d=8), {"method": method, "quant": {"dtype": "fp8_e4m3"}}, backend="torch")

@@ -5,6 +5,7 @@ pixel tokens/s at several resolutions.
     python -m examples.dit.study --out study_out --steps 2000          # GPU: 128x128, DiT-S
     python -m examples.dit.study --out study_out --budget 600          # 10 minutes of training per method
     python -m examples.dit.study --tiny --out /tmp/study               # CPU smoke test
+    python -m examples.dit.study --attn-quant '{}' --fp8-linear        # FP8 QAT attention + FP8 linears
 
 Writes ``study.json``, ``val_loss.png``, ``throughput.png``, ``samples_<method>.png`` and each
 method's run folder ``runs/<method>/`` (see ``examples.dit.train``).
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from flexsparse import Config
 from flexsparse.methods import MODULES
 
 from . import train
@@ -73,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep all activations (DiT-S at 128x128, batch 16, needs about 90 GB without checkpointing)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--attn-quant", type=json.loads, metavar="JSON",
+                   help="FP8 QAT of the sparse branch ('quant' config, e.g. '{}' or '{\"qk_dtype\": \"int8\"}') "
+                        "for every method that has it (topk, llsa, sla, sla2); the others run unquantized")
+    p.add_argument("--fp8-linear", action="store_true", help="train the nn.Linear layers in FP8 (torchao)")
     p.add_argument("--backend", default="auto", help="flexsparse backend of every method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -82,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         for key in ("image_size", "throughput_sizes", "throughput_tokens", "throughput_steps", "steps", "batch_size"):
             setattr(args, key, TINY[key])
     return args
+
+
+def with_quant(attn: dict, quant) -> dict:
+    """``attn`` with the ``quant`` key when given and the method has one (checked by ``Config``)."""
+    if quant is None or "quant" not in Config.registry[attn["method"]]._field_names():
+        return attn
+    return Config.from_dict({**attn, "quant": quant}).to_dict()
 
 
 def model_size(args) -> dict:
@@ -104,6 +117,7 @@ def train_method(name: str, attn: dict, args, arch: dict, out: Path) -> dict:
     argv += ["--data-dir", args.data_dir] if args.data_dir else []
     argv += ["--compile"] if args.compile else []
     argv += ["--checkpointing"] if args.checkpointing else []
+    argv += ["--fp8-linear"] if args.fp8_linear else []
     argv += [item for key, value in arch.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     argv += TINY_RUN if args.tiny else []
     summary = train.main(argv)
@@ -117,6 +131,8 @@ def measure_throughput(attn: dict, size: int, args, arch: dict) -> float:
     device = torch.device(args.device)
     batch = max(1, args.throughput_tokens // (size * size))
     model = DiT(size, attn, **arch, backend=args.backend, checkpointing=args.checkpointing).to(device)
+    if args.fp8_linear:
+        train.float8_linear_layers(model, device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     step_model = torch.compile(model) if args.compile else model
@@ -188,7 +204,8 @@ def main(argv=None) -> dict:
     arch = model_size(args)
     results = {}
     for name in args.methods:
-        attn, result = table[name], {"attn": table[name]}
+        attn = with_quant(table[name], args.attn_quant)
+        result = {"attn": attn}
         results[name] = result
         if attn["method"] not in MODULES:
             result["error"] = f"method {attn['method']!r} is not in this flexsparse build"

@@ -4,6 +4,10 @@
     python -m examples.dit.train --image-size 128 --resume runs/s32/checkpoints/last.pt \\
         --attn '{"method": "llsa", "block_size": 16, "topk": 8}' --out runs/s128_llsa
 
+``--fp8-linear`` trains the model's ``nn.Linear`` layers in FP8 (torchao ``convert_to_float8_training``);
+FP8 QAT of the sparse attention branch is the attention config's ``quant`` key, e.g.
+``--attn '{"method": "sla", "quant": {"qk_dtype": "int8"}}'``.
+
 A resume at the same image size and attention continues the run (optimizer, step, history); at a
 different size or attention it starts a new stage from the weights (progressive resolution: RoPE
 positions stay rescaled to the pretraining size, parameters new to the sparse method start fresh).
@@ -43,6 +47,27 @@ def attn_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"--attn {text!r}: {err}") from err
 
 
+def float8_linear_layers(model: torch.nn.Module, device: torch.device) -> int:
+    """Swap the model's ``nn.Linear`` layers whose sizes are multiples of 16 (torchao's requirement; the
+    3-channel pixel embedding and output stay) for torchao ``Float8Linear`` (dynamic tensorwise e4m3
+    forward, e5m2 gradients); return how many. Clear errors without torchao, or where FP8 matmuls
+    cannot run (checked with one small layer on ``device``)."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise ImportError("--fp8-linear needs torchao: pip install 'flexsparse[quant]' (torchao>=0.17,<0.19)") from err
+    fits = lambda module, name: module.in_features % 16 == 0 and module.out_features % 16 == 0  # noqa: E731
+    probe = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(16, 16))).to(device)
+    try:
+        probe(torch.randn(16, 16, device=device, requires_grad=True)).sum().backward()
+    except Exception as err:
+        raise RuntimeError(f"--fp8-linear: torchao Float8Linear cannot run on {device} with torch {torch.__version__} "
+                           f"({type(err).__name__}: {err})") from err
+    before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, module_filter_fn=fits)
+    return before - sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.dit.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -75,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the training model")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block (less memory)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA")
+    p.add_argument("--fp8-linear", action="store_true",
+                   help="train the nn.Linear layers in FP8 (torchao convert_to_float8_training; needs torchao)")
     p.add_argument("--backend", default="auto", help="flexsparse backend")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -101,13 +128,16 @@ def run_config(args, checkpoint: dict | None) -> dict:
             "noise_scale": args.noise_scale or noise_scale(args.image_size), "batch_size": args.batch_size,
             "lr": args.lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
             "ema_decay": args.ema_decay, "data_dir": args.data_dir, "seed": args.seed, "backend": args.backend,
-            "checkpointing": args.checkpointing, "init_from": args.resume}
+            "checkpointing": args.checkpointing, "fp8_linear": args.fp8_linear, "init_from": args.resume}
 
 
 def build_model(config: dict, device) -> DiT:
-    return DiT(config["image_size"], config["attn"], hidden=config["hidden"], heads=config["heads"],
-               depth=config["depth"], mlp_ratio=config["mlp_ratio"], rope_size=config["rope_size"],
-               backend=config["backend"], checkpointing=config["checkpointing"]).to(device)
+    model = DiT(config["image_size"], config["attn"], hidden=config["hidden"], heads=config["heads"],
+                depth=config["depth"], mlp_ratio=config["mlp_ratio"], rope_size=config["rope_size"],
+                backend=config["backend"], checkpointing=config["checkpointing"]).to(device)
+    if config.get("fp8_linear"):
+        print(f"--fp8-linear: {float8_linear_layers(model, device)} nn.Linear layers train in FP8")
+    return model
 
 
 def load_weights(model: DiT, state: dict) -> list[str]:

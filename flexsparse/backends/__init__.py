@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ..quant.attention import unsupported_reason as quant_unsupported_reason
 from . import flex, torch_sparse
 
 BACKENDS = ("reference", "torch", "flex", "triton", "auto")
@@ -18,20 +19,26 @@ _PRIMITIVES = {"torch": torch_sparse, "flex": flex}
 
 
 def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch.device, needs_grad: bool, *,
-            needs_lse: bool = False, dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = ()) -> str:
+            needs_lse: bool = False, dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (),
+            quant=None) -> str:
     """Concrete backend for ``method``: the preference order for ``"auto"`` is triton, flex, torch
-    (each where it is supported and can run this call). ``blocks``: the config's block sizes."""
+    (each where it is supported and can run this call). ``blocks``: the config's block sizes;
+    ``quant``: the config's ``QuantConfig`` (FP8 QAT), which not every backend runs."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {list(BACKENDS)}")
     call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks)
     if backend == "auto":
         for candidate in ("triton", "flex", "torch"):
-            if candidate in supported and runs_on(candidate, device, needs_grad, **call):
+            if (candidate in supported and quant_unsupported_reason(candidate, quant) is None
+                    and runs_on(candidate, device, needs_grad, **call)):
                 return candidate
         return "reference"
     if backend not in supported:
         raise ValueError(f"backend {backend!r} is not available for method {method!r}; "
                          f"available: {list(supported) + ['auto']}")
+    reason = quant_unsupported_reason(backend, quant)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} cannot run method {method!r} with config key 'quant': {reason}")
     if backend == "flex":
         reason = flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks)
         if reason is not None:

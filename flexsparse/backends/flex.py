@@ -100,13 +100,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     return out, aux.lse
 
 
+def _check_no_p_quant(quantize_p: bool) -> None:
+    if quantize_p:
+        raise ValueError("backend 'flex' cannot quantize P (score_mod acts before the softmax); "
+                         "use quant p='none' or backend='torch'")
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           scale: float, *, quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of each query block over its selected key blocks.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; selection.indices ``(B, H, Tq, K)``.
+    ``quantize_p=True`` is an error (flex cannot quantize P).
     Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32 (``None`` on CPU).
     """
+    _check_no_p_quant(quantize_p)
     _check(q, k, v, (selection.block_q, selection.block_k))
     return attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
 
@@ -138,14 +146,17 @@ def extended_kv(levels: list[torch.Tensor], segment_blocks: tuple[int, ...], blo
 
 
 def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
-                   selection: LLSASelection, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   selection: LLSASelection, scale: float, *,
+                   quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LLSA attention over the enriched multi-level KV, one softmax (semantics of
     ``torch_sparse.llsa_attention``): one flex call over the concatenated pyramid, the ``ln(count)``
     weights (``-inf`` on padding) added by a score_mod.
 
     q: ``(B, H, N, D)``; k_levels[l], v_levels[l]: ``(B, Hk, T_l, D)`` for l = 0..L (any float dtype,
-    cast to q's). Returns ``o (B, H, N, D)`` in q's dtype and ``lse (B, H, N)`` fp32 (``None`` on CPU).
+    cast to q's). ``quantize_p=True`` is an error (flex cannot quantize P).
+    Returns ``o (B, H, N, D)`` in q's dtype and ``lse (B, H, N)`` fp32 (``None`` on CPU).
     """
+    _check_no_p_quant(quantize_p)
     _check(q, k_levels[0], v_levels[0], (selection.block,))
     block_mask, layout = llsa_block_mask(selection)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)

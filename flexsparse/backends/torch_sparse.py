@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..masks import BlockSelection, LLSASelection, children, kv_head_index, log_token_weights
 from ..masks.pooling import accumulation_dtype
+from ..quant.attention import quantized_softmax
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -38,11 +39,20 @@ def _query_groups(q: torch.Tensor, groups: int, size: int) -> torch.Tensor:
     return _pad_tokens(q, groups * size)[:, :, : groups * size].unflatten(2, (groups, size))
 
 
+def _softmax(logits: torch.Tensor, quantize_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax weights over the last dim and the LSE; ``quantize_p``: FP8 numerator (``quantized_softmax``)."""
+    if quantize_p:
+        return quantized_softmax(logits)
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.exp(logits - lse.unsqueeze(-1)), lse
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, *, quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query block over its selected key blocks.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; selection.indices ``(B, H, Tq, K)``.
+    ``quantize_p``: FP8 fake quantization of the softmax numerator (``flexsparse.quant``).
     Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)``.
     """
     acc = accumulation_dtype(q.dtype)
@@ -53,20 +63,22 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     values = _gather_blocks(_pad_tokens(v.to(acc), tk * bk), ids, bk)
     bias = _key_bias(ids, log_token_weights(selection.n_k, 1, tk * bk, q.device, acc), bk)
     logits = (_query_groups(q.to(acc), tq, bq) @ keys.transpose(-1, -2)) * scale + bias.unsqueeze(-2)
-    lse = torch.logsumexp(logits, dim=-1)
-    out = torch.exp(logits - lse.unsqueeze(-1)) @ values
+    probs, lse = _softmax(logits, quantize_p)
+    out = probs @ values
     n = q.shape[2]
     return out.flatten(2, 3)[:, :, :n].to(q.dtype), lse.flatten(2, 3)[:, :, :n]
 
 
 def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
-                   selection: LLSASelection, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   selection: LLSASelection, scale: float, *,
+                   quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA attention over the enriched multi-level KV, one softmax.
 
     q: ``(B, H, N, D)``; k_levels[l], v_levels[l]: ``(B, Hk, T_l, D)`` for l = 0..L (level 0 is the
     input). A fine query n attends, at each level l < L, the level-l children of
     ``S_{l+1}[n // b^{l+1}]``, and at level L every token; a level-l token adds ``ln(count)`` to
-    its logit (``count = b^l`` for full spans). Returns ``o (B, H, N, D)``, ``lse (B, H, N)``.
+    its logit (``count = b^l`` for full spans). ``quantize_p``: FP8 fake quantization of the softmax
+    numerator (``flexsparse.quant``). Returns ``o (B, H, N, D)``, ``lse (B, H, N)``.
     """
     acc = accumulation_dtype(q.dtype)
     n, b, levels = selection.n, selection.block, selection.levels
@@ -89,9 +101,8 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     top_k, top_v = top_k[:, kv_heads], v_levels[levels].to(acc)[:, kv_heads]
     logits.append((qa @ top_k.transpose(-1, -2)) * scale + top_bias)
     widths = [x.shape[-1] for x in logits]
-    all_logits = torch.cat(logits, dim=-1)
-    lse = torch.logsumexp(all_logits, dim=-1)
-    probs = torch.exp(all_logits - lse.unsqueeze(-1)).split(widths, dim=-1)
+    probs, lse = _softmax(torch.cat(logits, dim=-1), quantize_p)
+    probs = probs.split(widths, dim=-1)
     out = probs[-1] @ top_v
     for level in range(levels):
         groups, span = values[level].shape[2], b ** (level + 1)

@@ -1,10 +1,14 @@
-"""Block selection shared by the single-level block methods (``topk``, ``vsa``)."""
+"""Block selection and the block-sparse softmax branch shared by the single-level block methods."""
 from __future__ import annotations
 
 import torch
 
 from .._checks import check_topk_fits
+from ..backends import sparse_primitives
+from ..config import QuantConfig
 from ..masks import BlockSelection, block_topk, mean_pool, num_blocks
+from ..quant import qat_attention, quantize_kv, quantizes_p
+from ..reference import topk_dense
 
 
 def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
@@ -13,3 +17,26 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
     with torch.no_grad():
         top, _ = block_topk(mean_pool(q, cfg.block_q), mean_pool(k, cfg.block_k), cfg.topk)
     return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float, *,
+                    backend: str, quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of each query block over its selected key blocks on ``backend`` (``reference``:
+    the dense spec); with ``quant`` an FP8 fake-quantized forward and straight-through backward
+    (``flexsparse.quant.qat_attention``). Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``."""
+    if backend == "reference":
+        return topk_dense(q, k, v, selection, scale, quant=quant)
+    primitives = sparse_primitives(backend)
+    if quant is None:
+        return primitives.block_sparse_attention(q, k, v, selection, scale)
+    dtype = q.dtype
+
+    def attend(q, k, v, quant):
+        if quant is None:
+            return primitives.block_sparse_attention(q, k, v, selection, scale)
+        k, v = quantize_kv(k, v, quant, selection.block_k)
+        if backend == "flex":               # flex computes in the input dtype: fake-quantized values rounded to it
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        return primitives.block_sparse_attention(q, k, v, selection, scale, quantize_p=quantizes_p(quant))
+
+    return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale)

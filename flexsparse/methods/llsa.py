@@ -4,7 +4,9 @@ select: pooling pyramid of Q and K (block b, L levels), dense raw-dot top-K at l
 finer level top-K among the children of the parent's selection (``flexsparse.masks.hierarchical_topk``).
 attend: one softmax over the fine children of the level-1 selection, the whole candidate set at every
 level 1..L-1, and all level-L tokens; a level-l token adds ``ln(count)`` (``ln b^l`` for full spans)
-to its logit. combine: nothing, the output is that softmax's.
+to its logit; with ``quant`` an FP8 fake-quantized forward (Q per block of b tokens, every level's K per
+block of b tokens of that level, V per channel per level, P static) and straight-through backward.
+combine: nothing, the output is that softmax's.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from .._checks import check_topk_fits
 from ..backends import sparse_primitives
 from ..masks import LLSASelection, auto_levels, hierarchical_topk, num_blocks, pool_pyramid
+from ..quant import qat_attention, quantize_kv, quantizes_p
 from ..reference import llsa_dense
 
 BACKENDS = ("reference", "torch", "flex", "triton")
@@ -49,16 +52,24 @@ def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
-    if cfg.quant is not None:
-        raise ValueError("config key 'quant' (FP8 quantization of the sparse branch) is not implemented yet "
-                         "for method 'llsa'")
     levels, topk = plan(cfg, q.shape[2])
     if backend == "triton":
         from ..backends import triton_sparse
         return triton_sparse.llsa(q, k, v, cfg.block_size, topk, scale, deterministic=cfg.deterministic)
-    k_levels = pool_pyramid(k, cfg.block_size, levels)
+    b = cfg.block_size
+    k_levels = pool_pyramid(k, b, levels)
     selection = select(q, k_levels, cfg, levels, topk)
     if backend == "reference":
-        return llsa_dense(q, k, v, selection, scale)
-    v_levels = pool_pyramid(v, cfg.block_size, levels)
-    return sparse_primitives(backend).llsa_attention(q, [k, *k_levels], [v, *v_levels], selection, scale)
+        return llsa_dense(q, k, v, selection, scale, quant=cfg.quant)
+    primitives, dtype = sparse_primitives(backend), q.dtype
+
+    def attend(q, k, v, quant):
+        if quant is None:
+            return primitives.llsa_attention(q, [k, *k_levels], [v, *pool_pyramid(v, b, levels)], selection, scale)
+        keys, values = [k, *pool_pyramid(k, b, levels)], [v, *pool_pyramid(v, b, levels)]
+        keys, values = map(list, zip(*(quantize_kv(x, y, quant, b) for x, y in zip(keys, values))))
+        if backend == "flex":               # flex computes in the input dtype: fake-quantized values rounded to it
+            q = q.to(dtype)
+        return primitives.llsa_attention(q, keys, values, selection, scale, quantize_p=quantizes_p(quant))
+
+    return qat_attention(attend, q, k, v, cfg.quant, block_q=b, scale=scale)

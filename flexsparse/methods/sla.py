@@ -3,9 +3,9 @@
 select: mean-pooled Q and smoothed K (``k - mean_N k``) per block, raw-dot scores in fp32, the top
 ``max(1, floor(topk_ratio * Tk))`` key blocks per query block ("critical") and, with
 ``negligible_ratio``, the bottom ``floor(negligible_ratio * Tk)`` ("negligible", skipped by both branches).
-attend: softmax attention over the critical blocks; linear attention (feature map phi over the head dim)
-over the remaining ("marginal") blocks with ``linear="masked"`` (paper, SLA-1) or over every key with
-``linear="full"`` (the official main branch).
+attend: softmax attention over the critical blocks (FP8 fake-quantized with ``quant``); linear attention
+(feature map phi over the head dim) over the remaining ("marginal") blocks with ``linear="masked"`` (paper,
+SLA-1) or over every key with ``linear="full"`` (the official main branch).
 combine: ``O = O_s + O_l W^T + b`` in fp32 (fp64 for fp64 inputs), W and b zero-initialised, so a fresh
 module returns the sparse branch. The returned LSE is the sparse branch's.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends import sparse_primitives, torch_linear
+from ..backends import torch_linear
 from ..masks import BlockSelection, block_topk, num_blocks, pooled_qk, sla_block_counts
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla_dense
+from ._blocks import block_attention
 from ._params import require_params
 
 BACKENDS = ("reference", "torch", "flex")
@@ -39,15 +40,13 @@ def select(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
-    if cfg.quant is not None:
-        raise ValueError(f"config key 'quant' is not supported by the {backend!r} backend of method 'sla'")
     d = q.shape[-1]
     p = require_params("sla", params, {"proj_weight": (d, d), "proj_bias": (d,)})
     selection = select(q, k, cfg)
     if backend == "reference":
         return sla_dense(q, k, v, selection, scale, linear=cfg.linear, feature_map=cfg.feature_map, eps=cfg.eps,
-                         proj_weight=p["proj_weight"], proj_bias=p["proj_bias"])
-    o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
+                         proj_weight=p["proj_weight"], proj_bias=p["proj_bias"], quant=cfg.quant)
+    o_s, lse = block_attention(q, k, v, selection, scale, backend=backend, quant=cfg.quant)
     if cfg.linear == "masked":
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:

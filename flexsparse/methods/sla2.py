@@ -8,7 +8,8 @@ router equals SLA's), scores ``proj_q(Qbar) proj_k(Kbar)^T / sqrt(D)`` (softmax 
 the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 calibration), with
 ``softtopk_standardize`` on the raw scores standardized per row (see ``flexsparse.training.calibrate``).
 attend: softmax attention over the selected blocks and linear attention over the others (hard), or
-``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft).
+``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft); ``quant`` (hard
+router only) fake-quantizes the sparse branch's forward in FP8.
 combine: ``O = alpha * O_s + (1 - alpha) * O_l``, ``alpha = sigmoid(alpha_logit)`` per query block
 (and per head with ``alpha_per_head``). The returned LSE is the sparse branch's.
 """
@@ -19,11 +20,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..backends import sparse_primitives, torch_linear, torch_soft
+from ..backends import torch_linear, torch_soft
 from ..masks import (BlockSelection, SoftBlockMask, block_topk, num_blocks, pooled_qk, ratio_count, router_scores,
                      soft_topk_logits, standardize_rows)
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla2_dense
+from ._blocks import block_attention
 from ._params import require_params
 
 BACKENDS = ("reference", "torch", "flex")
@@ -71,8 +73,6 @@ def _check_alpha(params, rows: int, tq: int, n: int, block_q: int) -> None:
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
-    if cfg.quant is not None:
-        raise ValueError(f"config key 'quant' is not supported by the {backend!r} backend of method 'sla2'")
     heads, n, d = q.shape[1], q.shape[2], q.shape[3]
     rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)
     _check_alpha(params, rows, tq, n, cfg.block_q)
@@ -83,14 +83,14 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     mask = route(q, k, cfg, p["proj_q"], p["proj_k"])
     if backend == "reference":
         return sla2_dense(q, k.to(q.dtype), v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
-                          alpha_logit=p["alpha_logit"])
+                          alpha_logit=p["alpha_logit"], quant=cfg.quant)
     if isinstance(mask, SoftBlockMask):            # calibration: soft weights on every block (torch)
         o_s, lse = torch_soft.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q,
                                                    mask.block_k, scale)
         o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
-        o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k.to(q.dtype), v, mask, scale)
+        o_s, lse = block_attention(q, k.to(q.dtype), v, mask, scale, backend=backend, quant=cfg.quant)
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)

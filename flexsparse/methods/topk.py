@@ -1,13 +1,11 @@
 """``topk``: single-level block top-K (MoBA/VMoBA style).
 
 select: mean-pool Q and K blocks, raw-dot scores, top-K key blocks per query block.
-attend: softmax attention over the selected blocks (scale ``1/sqrt(D)``).
+attend: softmax attention over the selected blocks (scale ``1/sqrt(D)``), FP8 fake-quantized with ``quant``.
 """
 from __future__ import annotations
 
-from ..backends import sparse_primitives
-from ..reference import topk_dense
-from ._blocks import select_blocks
+from ._blocks import block_attention, select_blocks
 
 BACKENDS = ("reference", "torch", "flex")
 SELF_ATTENTION = False
@@ -18,10 +16,5 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
 
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
-    if cfg.quant is not None:
-        raise ValueError("config key 'quant' (FP8 quantization of the sparse branch) is not implemented yet "
-                         "for method 'topk'")
     selection = select_blocks(q, k, cfg)
-    if backend == "reference":
-        return topk_dense(q, k, v, selection, scale)
-    return sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
+    return block_attention(q, k, v, selection, scale, backend=backend, quant=cfg.quant)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import QuantConfig
 from ..masks.selection import BlockSelection
+from ..quant import qat_attention, quantize_kv, quantizes_p
 from .dense import block_mask_dense, expand_kv_heads, masked_softmax_attention, span_means
 
 
@@ -19,13 +21,20 @@ def block_select_bruteforce(q: torch.Tensor, k: torch.Tensor, topk: int, block_q
     return BlockSelection(order.sort(-1).values.to(torch.int32), block_q, block_k, q.shape[2], k.shape[2])
 
 
-def topk_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse softmax attention through an explicit token mask: ``o (B,H,N,D)``, ``lse (B,H,N)``."""
+def topk_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float,
+               quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse softmax attention through an explicit token mask: ``o (B,H,N,D)``, ``lse (B,H,N)``.
+    ``quant``: FP8 fake-quantized forward, straight-through backward (``flexsparse.quant.qat_attention``)."""
     heads = q.shape[1]
     mask = block_mask_dense(selection.indices, selection.n_q, selection.n_k, selection.block_q, selection.block_k)
-    return masked_softmax_attention(q, [expand_kv_heads(k, heads)], [expand_kv_heads(v, heads)], [mask], [None],
-                                    scale)
+
+    def attend(q, k, v, quant):
+        if quant is not None:
+            k, v = quantize_kv(k, v, quant, selection.block_k)
+        return masked_softmax_attention(q, [expand_kv_heads(k, heads)], [expand_kv_heads(v, heads)], [mask], [None],
+                                        scale, quantize_p=quantizes_p(quant))
+
+    return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale)
 
 
 def vsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.attention import quantized_softmax
+
 
 def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """GQA: repeat each KV head for its query heads, ``(B, Hk, N, D)`` -> ``(B, H, N, D)``."""
@@ -28,11 +30,13 @@ def block_mask_dense(indices: torch.Tensor, n_q: int, n_k: int, block_q: int, bl
 
 def masked_softmax_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                              masks: list[torch.Tensor | None], biases: list[torch.Tensor | None],
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale: float, quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over several key sets: for each set, logits ``scale * q k^T + bias`` where ``mask``.
 
     q: ``(B, H, N, D)``; keys[i], values[i]: ``(B, H, M_i, D)``; masks[i]: ``(B, H, N, M_i)`` bool
-    or None (all); biases[i]: ``(M_i,)`` or None. Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``.
+    or None (all); biases[i]: broadcastable to ``(B, H, N, M_i)`` (e.g. ``(M_i,)``) or None.
+    ``quantize_p``: FP8 numerator ``q(exp(S - m)) / rowsum(exp(S - m))`` (``flexsparse.quant``).
+    Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``.
     """
     logits = []
     for key, mask, bias in zip(keys, masks, biases):
@@ -43,6 +47,9 @@ def masked_softmax_attention(q: torch.Tensor, keys: list[torch.Tensor], values: 
             s = s.masked_fill(~mask, float("-inf"))
         logits.append(s)
     s = torch.cat(logits, dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    if quantize_p:
+        p, lse = quantized_softmax(s)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
     return p @ torch.cat(values, dim=2), lse

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import QuantConfig
 from ..masks.selection import LLSASelection
+from ..quant import qat_attention, quantize_kv, quantizes_p
 from .dense import expand_kv_heads, masked_softmax_attention, span_means
 
 
@@ -31,30 +33,27 @@ def llsa_select_bruteforce(q: torch.Tensor, k: torch.Tensor, topk: tuple[int, ..
 
 
 def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLSASelection, scale: float,
-               k_levels: list[torch.Tensor] | None = None,
-               v_levels: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               k_levels: list[torch.Tensor] | None = None, v_levels: list[torch.Tensor] | None = None,
+               quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA output and LSE by explicit masks over every level's tokens.
 
     Fine query n attends: at level l < L the level-l tokens t with ``t // b`` in
     ``S_{l+1}[n // b^{l+1}]``; at level L all tokens. A level-l token's logit gets
     ``+ ln(#real fine tokens under it)``. Levels 1..L are direct means of the real fine tokens,
     or the given ``k_levels``/``v_levels`` (``(B, Hk, T_l, D)``, l = 1..L) so that tests can make
-    them independent leaves.
+    them independent leaves. ``quant``: FP8 fake-quantized forward (Q per block of b fine tokens, every
+    level's K per block of b tokens of that level, V per channel per level), straight-through backward.
     """
+    if quant is not None and k_levels is not None:
+        raise ValueError("llsa_dense: quant needs levels pooled from k, v (smoothing K shifts every level), "
+                         "not given k_levels/v_levels")
     b, n, levels = selection.block, q.shape[2], selection.levels
     heads = q.shape[1]
-    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-    keys, values, masks, biases = [], [], [], []
     fine = torch.arange(n, device=q.device)
+    masks, biases = [], []
     for level in range(levels + 1):
         span = b**level
-        if level and k_levels is not None:
-            keys.append(expand_kv_heads(k_levels[level - 1], heads))
-            values.append(expand_kv_heads(v_levels[level - 1], heads))
-        else:
-            keys.append(span_means(k, span))
-            values.append(span_means(v, span))
-        t = keys[-1].shape[2]
+        t = -(-n // span)
         counts = torch.tensor([min(span, n - i * span) for i in range(t)], dtype=q.dtype, device=q.device)
         biases.append(counts.log())
         if level == levels:
@@ -66,4 +65,16 @@ def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLS
         rows = fine // (b ** (level + 1))
         cols = torch.arange(t, device=q.device) // b
         masks.append(chosen[:, :, rows][:, :, :, cols])
-    return masked_softmax_attention(q, keys, values, masks, biases, scale)
+
+    def attend(q, k, v, quant):
+        keys, values = [k], [v]
+        for level in range(1, levels + 1):
+            keys.append(k_levels[level - 1] if k_levels is not None else span_means(k, b**level))
+            values.append(v_levels[level - 1] if v_levels is not None else span_means(v, b**level))
+        if quant is not None:
+            keys, values = map(list, zip(*(quantize_kv(x, y, quant, b) for x, y in zip(keys, values))))
+        return masked_softmax_attention(q, [expand_kv_heads(x, heads) for x in keys],
+                                        [expand_kv_heads(x, heads) for x in values], masks, biases, scale,
+                                        quantize_p=quantizes_p(quant))
+
+    return qat_attention(attend, q, k, v, quant, block_q=b, scale=scale)

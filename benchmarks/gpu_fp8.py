@@ -1,0 +1,203 @@
+"""FP8 QAT benchmark: speed and error of the quantized sparse forward against the bf16 one, on one backend.
+
+    python benchmarks/gpu_fp8.py --backend torch --out fp8_torch.json       # B=2 H=8 D=64 N=65536, sla 95 %
+    python benchmarks/gpu_fp8.py --backend flex                             # only p="none" variants run
+    python benchmarks/gpu_fp8.py --backend triton                           # the FP8 kernel (issue 6 phase 2)
+    python benchmarks/gpu_fp8.py --backend torch --qkv dit_qkv.pt           # recorded q, k, v (B, H, N, D)
+    python benchmarks/gpu_fp8.py --device cpu --n 4096 --batch 1 --heads 2  # smoke run of the script on CPU
+
+For each variant (``bf16``: no quant; then the ``quant`` configs of ``VARIANTS``) on the chosen backend:
+``branch_fwd``  the sparse softmax branch alone, selection precomputed, under no_grad (the FP8 target:
+                >= 1.3x faster than ``bf16``);
+``method_fwd``  the whole method (selection, both branches) under no_grad;
+``method_fwd_bwd`` forward + backward of the whole method (QAT training: the quantized forward plus the
+                unquantized branch whose gradients the straight-through estimator returns);
+``rel_l2_branch`` / ``rel_l2_method``  ||o - o_bf16|| / ||o_bf16|| of the same backend's outputs;
+``speedup_*``   bf16 time / variant time.
+A variant the backend cannot run is recorded with the reason (``flexsparse.quant.unsupported_reason``);
+an out-of-memory or other failure of one measurement is recorded and the others go on. Times are
+``triton.testing.do_bench`` medians (20th/80th percentiles) in ms on CUDA, perf_counter medians on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+
+import torch
+
+import flexsparse
+from flexsparse.config import Config
+from flexsparse.methods import method_module
+from flexsparse.methods._blocks import block_attention, select_blocks
+from flexsparse.quant import unsupported_reason
+
+VARIANTS = {
+    "bf16": None,
+    "fp8": {},                                      # all e4m3: Q, K per block, V per channel, P static
+    "fp8_int8qk": {"qk_dtype": "int8"},             # SageAttention2: int8 Q, K; e4m3 P, V
+    "fp8_p_none": {"p": "none"},                    # Q, K, V quantized, P not (what flex can run)
+}
+METHODS = {
+    "sla": lambda ratio: {"method": "sla", "block_size": 64, "topk_ratio": ratio},
+    "sla2": lambda ratio: {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": ratio},
+    "topk": lambda ratio: {"method": "topk", "block_size": 64, "topk": None},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="torch", choices=["torch", "flex", "triton", "reference"])
+    p.add_argument("--method", default="sla", choices=sorted(METHODS))
+    p.add_argument("--topk-ratio", type=float, default=0.05, help="kept fraction of key blocks (0.05: 95 %% sparse)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--n", type=int, default=65536)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--qkv", help="torch.save'd dict with q, k, v (B, H, N, D) recorded from a model (e.g. the DiT)")
+    p.add_argument("--no-backward", dest="backward", action="store_false", help="skip forward+backward")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", help="write the results as JSON")
+    return p.parse_args(argv)
+
+
+def timed(fn, device: torch.device) -> dict[str, float]:
+    """Median and 20th/80th percentile ms of ``fn``."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return {"median_ms": median, "p20_ms": low, "p80_ms": high}
+    fn()
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        runs.append(1e3 * (time.perf_counter() - start))
+    runs.sort()
+    return {"median_ms": statistics.median(runs), "p20_ms": runs[1], "p80_ms": runs[3]}
+
+
+def attempt(work):
+    """``work()``, or its error as a string (one failing measurement must not lose the others)."""
+    try:
+        return work()
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        traceback.print_exc()
+        return f"error: {type(err).__name__}: {err}"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def inputs(args, device: torch.device) -> list[torch.Tensor]:
+    """bf16 q, k, v: recorded ones (``--qkv``) or random with a per-head key offset like real keys."""
+    if args.qkv:
+        saved = torch.load(args.qkv, map_location="cpu")
+        return [saved[name].to(device, torch.bfloat16) for name in ("q", "k", "v")]
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.batch, args.heads, args.n, args.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, args.heads, 1, args.head_dim, generator=gen, device=device)
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def method_config(args, n: int, quant) -> dict:
+    cfg = METHODS[args.method](args.topk_ratio)
+    if args.method == "topk":
+        cfg["topk"] = max(1, int(args.topk_ratio * -(-n // 64)))
+    return cfg if quant is None else {**cfg, "quant": quant}
+
+
+def branch_selection(args, q, k, module):
+    """The method's block selection (hard), computed once for the branch timings."""
+    cfg = module.config
+    with torch.no_grad():
+        if args.method == "sla":
+            return method_module("sla").select(q, k, cfg)
+        if args.method == "sla2":
+            params = module.params
+            keys = k.float() - k.float().mean(2, keepdim=True) if cfg.smooth_k == "all" else k
+            return method_module("sla2").route(q, keys, cfg, params["proj_q"], params["proj_k"])
+        return select_blocks(q, k, cfg)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict:
+    n, d, heads = q.shape[2], q.shape[3], q.shape[1]
+    cfg = method_config(args, n, quant)
+    result = {"config": cfg}
+    reason = unsupported_reason(args.backend, Config.from_dict(cfg).quant)
+    if reason is not None:
+        result["skipped"] = reason
+        return result
+    module = flexsparse.SparseAttention(cfg, head_dim=d, num_heads=heads, seq_len=n, backend=args.backend).to(device)
+    selection = branch_selection(args, q, k, module)
+    scale = d ** -0.5
+    branch_k = k.float() - k.float().mean(2, keepdim=True) if args.method == "sla2" else k
+
+    def branch():
+        with torch.no_grad():
+            return block_attention(q, branch_k.to(q.dtype), v, selection, scale, backend=args.backend,
+                                   quant=module.config.quant)[0]
+
+    def method():
+        with torch.no_grad():
+            return module(q, k, v)
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def train_step():
+        module(*leaves).float().square().mean().backward()
+
+    for key, fn in (("branch", branch), ("method", method)):
+        out = attempt(fn)
+        if isinstance(out, str):
+            result[f"{key}_fwd"] = out
+            continue
+        result[f"{key}_fwd"] = attempt(lambda: timed(fn, device))
+        if name == "bf16":
+            baseline[key] = out
+        elif key in baseline:
+            result[f"rel_l2_{key}"] = rel_l2(out, baseline[key])
+    if args.backward:
+        result["method_fwd_bwd"] = attempt(lambda: timed(train_step, device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        attempt(method)
+        result["method_fwd_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    q, k, v = inputs(args, device)
+    baseline: dict = {}
+    results = {}
+    for name in ["bf16", *[v for v in args.variants if v != "bf16"]]:
+        results[name] = run_variant(args, name, VARIANTS[name], q, k, v, device, baseline)
+        base = results["bf16"]
+        for key in ("branch_fwd", "method_fwd", "method_fwd_bwd"):
+            mine, ref = results[name].get(key), base.get(key)
+            if name != "bf16" and isinstance(mine, dict) and isinstance(ref, dict):
+                results[name][f"speedup_{key}"] = ref["median_ms"] / mine["median_ms"]
+        print(name, json.dumps(results[name], indent=1, default=str))
+    report = {"args": vars(args), "shape": list(q.shape), "torch": torch.__version__, "platform": platform.platform(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""FP8 quantization-aware training of a sparse softmax branch (SLA2 Sec. 5, SageAttention2 granularity).
+
+Forward (the fake-quant spec; docs/methods.md "FP8 QAT"): K smoothed (``k - mean_N k``), Q and K
+fake-quantized (e4m3, or int8 with ``qk_dtype="int8"``) per block of the method's query / key blocks
+(or per (b, h) with ``qk="per_tensor"``), V per channel (or per (b, h)), and with ``p="static"`` the
+softmax numerator ``P~ = exp(S - m)`` (m the row max over the attended keys) fake-quantized with the
+static scale 448:
+``O = q(P~) V^ / rowsum(P~)``, ``lse = m + log rowsum(P~) + scale * q^ . mean_N(k)``.
+Backward: straight through. The returned tensors carry the values of the quantized forward and the
+gradients of the same branch evaluated on the unquantized q, k, v, exactly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config import QuantConfig
+from ..masks import kv_head_index
+from ..masks.pooling import accumulation_dtype
+from .formats import P_SCALE, channel_scales, fake_quant, fake_quant_blocks, head_scales
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "QuantConfig | None"],
+                  "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def quantize_qk(x: torch.Tensor, quant: QuantConfig, block: int) -> torch.Tensor:
+    """Fake-quantized Q or (smoothed) K ``(B, H, N, D)`` in ``quant.qk_dtype``: per block of ``block``
+    tokens or per (b, h)."""
+    if quant.qk == "per_block":
+        return fake_quant_blocks(x, block, quant.qk_dtype)
+    return fake_quant(x, head_scales(x, quant.qk_dtype), quant.qk_dtype)
+
+
+def quantize_v(v: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
+    """Fake-quantized V ``(B, H, N, D)``: per channel over the tokens or per (b, h)."""
+    return fake_quant(v, channel_scales(v) if quant.v == "per_channel" else head_scales(v))
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, quant: QuantConfig,
+                block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake-quantized (smoothed) K per block of ``block_k`` tokens (or per (b, h)) and V (``quantize_v``)."""
+    return quantize_qk(k, quant, block_k), quantize_v(v, quant)
+
+
+def quantizes_p(quant: QuantConfig | None) -> bool:
+    """Whether the softmax numerator is fake-quantized (``p="static"``)."""
+    return quant is not None and quant.p == "static"
+
+
+def quantized_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax weights with an FP8 numerator: ``q(exp(S - m)) / rowsum(exp(S - m))`` over the last dim.
+
+    ``m`` is the row max (``-inf`` entries are keys that are not attended), q the e4m3 fake quantization
+    with the static scale 448 (the numerator is in [0, 1]); the denominator is not quantized.
+    Returns the weights (same shape) and the natural-log LSE ``m + log rowsum`` (last dim dropped).
+    """
+    m = logits.amax(dim=-1, keepdim=True)
+    p = torch.exp(logits - m)
+    total = p.sum(dim=-1, keepdim=True)
+    return fake_quant(p, P_SCALE) / total, (m + total.log()).squeeze(-1)
+
+
+def straight_through(exact: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """The value of ``quantized`` (in ``exact``'s dtype) with the gradient of ``exact`` (identity):
+    ``quantized + (exact - exact.detach())``, whose second term is exactly 0 for finite ``exact``."""
+    return quantized.detach().to(exact.dtype) + (exact - exact.detach())
+
+
+def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig | None, *,
+                  block_q: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A softmax branch with an FP8 fake-quantized forward and the unquantized gradient
+    (``quant=None``: just ``attend(q, k, v, None)``).
+
+    attend(q, k, v, quant) -> (o, lse): the branch on any backend; with a ``QuantConfig`` it
+    fake-quantizes its own K and V (``quantize_qk``/``quantize_v`` with its key-block layout) and,
+    with ``quant.p == "static"``, its P (``quantized_softmax``); with None it is the plain branch.
+    q: ``(B, H, N, D)`` (quantized here per block of ``block_q`` tokens); k, v: ``(B, Hk, N, D)``.
+    Returns o in q's dtype and the LSE (or None when ``attend`` gives none) of the quantized forward,
+    whose gradients (when q, k or v need them) are those of ``attend(q, k, v, None)``.
+    """
+    if quant is None:
+        return attend(q, k, v, None)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    with torch.no_grad():
+        acc = accumulation_dtype(q.dtype)
+        k_mean = k.to(acc).mean(dim=2, keepdim=True)
+        q_hat = quantize_qk(q, quant, block_q)
+        o_q, lse_q = attend(q_hat, k.to(acc) - k_mean, v, quant)
+        if lse_q is not None:                   # smoothing shifted each row's logits by scale * q^ . mean(k)
+            k_mean = k_mean[:, kv_head_index(q.shape[1], k.shape[1], q.device)]
+            lse_q = lse_q + scale * (q_hat @ k_mean.transpose(-1, -2)).squeeze(-1).to(lse_q.dtype)
+        o_q = o_q.to(q.dtype)
+    if not needs_grad:
+        return o_q, lse_q
+    o, lse = attend(q, k, v, None)
+    return straight_through(o, o_q), (None if lse is None or lse_q is None else straight_through(lse, lse_q))
+
+
+def unsupported_reason(backend: str, quant: QuantConfig | None) -> str | None:
+    """Why ``backend`` cannot run a branch quantized with ``quant``, or None when it can."""
+    if quant is None:
+        return None
+    if backend == "triton":
+        return ("the FP8 Triton forward kernel is not implemented yet (issue 6, phase 2); use backend='torch' "
+                "or 'reference', or 'flex' with quant p='none'")
+    if backend == "flex" and quant.p != "none":
+        return ("FlexAttention applies score_mod before its softmax, so it cannot quantize P; use quant "
+                "p='none' (Q, K, V quantized, P in the input precision) or backend='torch'")
+    return None
