@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends import sparse_primitives, torch_linear
+from ..backends import torch_linear
 from ..masks import BlockSelection, block_topk, num_blocks, pooled_qk, sla_block_counts
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla_dense
+from ._blocks import sparse_branch
 from ._params import require_params
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
 
 
@@ -47,7 +48,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if backend == "reference":
         return sla_dense(q, k, v, selection, scale, linear=cfg.linear, feature_map=cfg.feature_map, eps=cfg.eps,
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"])
-    o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
+    o_s, lse = sparse_branch(backend, q, k, v, selection, scale, cfg.deterministic)
     if cfg.linear == "masked":
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:

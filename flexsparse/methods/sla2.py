@@ -18,14 +18,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..backends import sparse_primitives, torch_linear, torch_soft
+from ..backends import torch_linear, torch_soft
 from ..masks import (BlockSelection, SoftBlockMask, block_topk, num_blocks, pooled_qk, ratio_count, router_scores,
                      soft_topk_logits)
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla2_dense
+from ._blocks import sparse_branch
 from ._params import require_params
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
 
 
@@ -86,7 +87,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
-        o_s, lse = sparse_primitives(backend).block_sparse_attention(q, k.to(q.dtype), v, mask, scale)
+        o_s, lse = sparse_branch(backend, q, k.to(q.dtype), v, mask, scale, cfg.deterministic)
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)

@@ -5,11 +5,10 @@ attend: softmax attention over the selected blocks (scale ``1/sqrt(D)``).
 """
 from __future__ import annotations
 
-from ..backends import sparse_primitives
 from ..reference import topk_dense
-from ._blocks import select_blocks
+from ._blocks import select_blocks, sparse_branch
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = False
 
 
@@ -24,4 +23,4 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     selection = select_blocks(q, k, cfg)
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale)
-    return sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
+    return sparse_branch(backend, q, k, v, selection, scale, cfg.deterministic)

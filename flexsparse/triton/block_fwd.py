@@ -1,0 +1,121 @@
+"""Block-sparse attention forward: each query block attends the key blocks of its row of the index table.
+
+One program per query tile of ``BM`` rows (``Q_SPLIT`` tiles per query block when ``block_q > BM``),
+for one (batch, query head); GQA reads KV head ``h // GROUP``. The key loop walks the row's ``K``
+selected blocks (``K_SPLIT`` chunks of ``BN`` keys per block), software-pipelined (``tl.range`` with
+``STAGES``), with an online softmax in log2 units (``SCALE2 = scale * log2(e)``). Ragged tails (keys
+past ``Nk``, rows past ``Nq``, blocks that are not a multiple of the tile, head dims that are not a
+power of two) are masked, never padded into the softmax; the even case compiles without masks.
+
+Outputs: O in q's dtype and the natural-log LSE fp32 ``(B, H, Nq)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, launcher, load_tile, mm, softmax_step, store_tile
+from .layout import cdiv, pow2
+from .tiles import overrides
+
+
+@triton.jit
+def chunk_rows(blk, chunk, BLOCK: tl.constexpr, BT: tl.constexpr, n):
+    """Token rows ``(BT,)`` of chunk ``chunk`` of block ``blk`` (``BLOCK`` tokens per block) and which of
+    them are real (inside the block and below ``n``)."""
+    local = chunk * BT + tl.arange(0, BT)
+    rows = blk * BLOCK + local
+    return rows, (local < BLOCK) & (rows < n)
+
+
+@triton.jit
+def table_step(row_ptr, e, SPLIT: tl.constexpr):
+    """Block id and chunk of step ``e`` along a list of block ids at ``row_ptr``, ``SPLIT`` chunks per block."""
+    if SPLIT == 1:
+        return tl.load(row_ptr + e), 0
+    else:
+        slot = e // SPLIT
+        return tl.load(row_ptr + slot), e - slot * SPLIT
+
+
+@triton.jit
+def _block_fwd_kernel(Q, K, V, IDX, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, H, GROUP, NQ, NK, TQ, TOPK,
+                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                      SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, Q_SPLIT: tl.constexpr,
+                      K_SPLIT: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr, STAGES: tl.constexpr,
+                      IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    q_head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    kv_head = b.to(tl.int64) * k_b + (h // GROUP).to(tl.int64) * k_h
+    qblk = pid // Q_SPLIT
+    rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, BM, NQ)
+    dim = tl.arange(0, BD)
+    q = load_tile(Q + q_head, rows, q_n, dim, row_ok, D, BD, MASK_Q)
+    table = IDX + (bh.to(tl.int64) * TQ + qblk) * TOPK
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for e in tl.range(0, TOPK * K_SPLIT, num_stages=STAGES):
+        blk, chunk = table_step(table, e, K_SPLIT)
+        keys, key_ok = chunk_rows(blk, chunk, BLOCK_K, BN, NK)
+        k = load_tile(K + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
+        v = load_tile(V + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
+        s = mm(q, tl.trans(k), IEEE) * SCALE2
+        if MASK_K:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+        m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
+    store_tile(O + q_head, acc / l[:, None], rows, q_n, dim, row_ok, D, BD, MASK_Q)
+    lse = LSE + bh.to(tl.int64) * NQ + rows
+    if MASK_Q:
+        tl.store(lse, (m + tl.log2(l)) * LN2, mask=row_ok)
+    else:
+        tl.store(lse, (m + tl.log2(l)) * LN2)
+
+
+def tile_split(block: int, cap: int) -> tuple[int, int]:
+    """Tile rows for blocks of ``block`` tokens (a power of two, 16 <= rows <= max(cap, 16)) and the
+    number of tiles per block."""
+    rows = max(16, min(pow2(block), pow2(cap)))
+    return rows, cdiv(block, rows)
+
+
+def geometry(block_q: int, block_k: int, nq: int, nk: int, bm: int, bn: int) -> dict:
+    """Kernel constants of a (query tile cap ``bm``, key tile cap ``bn``) choice: tile sizes, splits, masks."""
+    tile_q, q_split = tile_split(block_q, bm)
+    tile_k, k_split = tile_split(block_k, bn)
+    return dict(BLOCK_Q=block_q, BLOCK_K=block_k, BM=tile_q, BN=tile_k, Q_SPLIT=q_split, K_SPLIT=k_split,
+                MASK_Q=nq % block_q != 0 or block_q % tile_q != 0, MASK_K=nk % block_k != 0 or block_k % tile_k != 0)
+
+
+def forward_tiles(device: torch.device, d: int) -> dict:
+    """Tile caps, warps and pipeline stages of the forward, with ``tiles.overrides("block_fwd")``."""
+    if device.type == "cpu":
+        base = dict(BM=16, BN=16, warps=4, stages=1)
+    else:
+        base = dict(BM=128, BN=128 if d <= 64 else 64, warps=None, stages=3 if d <= 64 else 2)
+    return {**base, **overrides("block_fwd")}
+
+
+def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
+    """O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with the same strides, q's dtype; indices:
+    ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous.
+    """
+    bsz, heads, nq, d = q.shape
+    nk = k.shape[2]
+    tq, topk = indices.shape[2], indices.shape[3]
+    tiles = tiles or forward_tiles(q.device, d)
+    geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"])
+    warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
+    o = torch.empty_like(q)
+    lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
+    launcher(_block_fwd_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
+        q, k, v, indices, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        heads, heads // k.shape[1], nq, nk, tq, topk, D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value),
+        STAGES=tiles["stages"], IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=tiles["stages"], **geo)
+    return o, lse
