@@ -104,13 +104,22 @@ def test_matches_torch_backend_and_reference(bsz, nq, nk, block_q, block_k, head
         assert ts.rel_err(a, c) < 1e-5, name
 
 
+TILE_OVERRIDES = {
+    "unsplit 32-row tiles": ('{"block_fwd": {"BM": 32, "BN": 32, "stages": 2}, '
+                             '"block_bwd": {"DQ_BM": 32, "DQ_BN": 32, "DKV_BN": 32, "DKV_BM": 32}}', 32, 32, 2),
+    "blocks side by side": ('{"block_fwd": {"KB": 2}, "block_bwd": {"DQ_KB": 2, "DKV_QB": 4}}', 16, 8, 3),
+}
+
+
 @cpu_only
-def test_bigger_tiles_through_overrides(monkeypatch):
-    """Unsplit 32-row tiles and 2 pipeline stages through ``FLEXSPARSE_TRITON_TILES``."""
-    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", '{"block_fwd": {"BM": 32, "BN": 32, "stages": 2}, '
-                       '"block_bwd": {"DQ_BM": 32, "DQ_BN": 32, "DKV_BN": 32, "DKV_BM": 32}}')
+@pytest.mark.parametrize("name", list(TILE_OVERRIDES))
+def test_tile_overrides(name, monkeypatch):
+    """Other tile choices through ``FLEXSPARSE_TRITON_TILES``: unsplit 32-row tiles, and several small
+    blocks per step (an odd K, so the last step is half empty)."""
+    tiles, block_q, block_k, topk = TILE_OVERRIDES[name]
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", tiles)
     q, k, v = make_qkv(1, 2, 1, 90, 90, 16)
-    selection = random_selection(1, 2, 90, 90, 32, 32, 2)
+    selection = random_selection(1, 2, 90, 90, block_q, block_k, topk)
     got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.3)
     want = grad_run(torch_sparse.block_sparse_attention, q, k, v, selection, 0.3)
     for name, a, b in zip(NAMES, got, want):

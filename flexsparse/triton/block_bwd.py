@@ -6,7 +6,8 @@
   dK/dV kernel reads; the two kernels run in this order.
 * ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
-  query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles of ``BM`` queries.
+  query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
+  query blocks side by side per step.
   Work is O(entries), so the backward grows linearly in N at a fixed number of blocks per row; with a
   deterministic CSC (ascending lists) dK/dV are bitwise reproducible.
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_fwd import chunk_rows, geometry, table_step
+from .block_fwd import chunk_rows, geometry, list_rows, list_steps
 from .common import LOG2E, launcher, load_tile, mm, store_tile
 from .layout import pow2
 from .tiles import overrides
@@ -30,7 +31,8 @@ def _block_dq_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k
                      H, GROUP, NQ, NK, TQ, TOPK,
                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                      SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
+                     TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
+                     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
                      HAS_DLSE: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -39,7 +41,7 @@ def _block_dq_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k
     q_head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     kv_head = b.to(tl.int64) * k_b + (h // GROUP).to(tl.int64) * k_h
     qblk = pid // Q_SPLIT
-    rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, BM, NQ)
+    rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, TILE_Q, NQ)
     dim = tl.arange(0, BD)
     q = load_tile(Q + q_head, rows, q_n, dim, row_ok, D, BD, MASK_Q)
     do = load_tile(DO + q_head, rows, q_n, dim, row_ok, D, BD, MASK_Q)
@@ -58,9 +60,8 @@ def _block_dq_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k
         lse2 = tl.load(LSE + stats) * LOG2E
     table = IDX + (bh.to(tl.int64) * TQ + qblk) * TOPK
     dq = tl.zeros([BM, BD], tl.float32)
-    for e in tl.range(0, TOPK * K_SPLIT, num_stages=STAGES):
-        blk, chunk = table_step(table, e, K_SPLIT)
-        keys, key_ok = chunk_rows(blk, chunk, BLOCK_K, BN, NK)
+    for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
+        keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
         k = load_tile(K + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
         v = load_tile(V + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
         p = tl.exp2(mm(q, tl.trans(k), IEEE) * SCALE2 - lse2[:, None])
@@ -76,7 +77,8 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
                       H, HK, GROUP, NQ, NK, TQ, TK, TOPK,
                       BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
+                      TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
+                      Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
                       STAGES: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -84,7 +86,7 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
     hk = bhk - b * HK
     kv_head = b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
     kblk = pid // K_SPLIT
-    keys, key_ok = chunk_rows(kblk, pid - kblk * K_SPLIT, BLOCK_K, BN, NK)
+    keys, key_ok = chunk_rows(kblk, pid - kblk * K_SPLIT, BLOCK_K, TILE_K, NK)
     dim = tl.arange(0, BD)
     k = load_tile(K + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
     v = load_tile(V + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
@@ -97,13 +99,12 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
         lo = tl.load(OFFSETS + bh * (TK + 1) + kblk)
         hi = tl.load(OFFSETS + bh * (TK + 1) + kblk + 1)
         members = ROWS + bh * TQ * TOPK
-        for e in tl.range(lo * Q_SPLIT, hi * Q_SPLIT, num_stages=STAGES):
-            qblk, chunk = table_step(members, e, Q_SPLIT)
-            rows, row_ok = chunk_rows(qblk, chunk, BLOCK_Q, BM, NQ)
+        for e in tl.range(0, list_steps(lo, hi, Q_SPLIT, Q_GROUP), num_stages=STAGES):
+            rows, row_ok = list_rows(members, lo, hi, e, NQ, BLOCK_Q, TILE_Q, Q_SPLIT, Q_GROUP)
             q = load_tile(Q + q_head, rows, q_n, dim, row_ok, D, BD, MASK_Q)
             do = load_tile(DO + q_head, rows, q_n, dim, row_ok, D, BD, MASK_Q)
-            # padded query rows load q = dO = 0 and lse = delta = 0: their P^T = 1 meets dO = 0 and
-            # dS^T = 0 meets q = 0, so they add nothing
+            # padded query rows (and with Q_GROUP > 1 the slots past the list) load q = dO = 0 and
+            # lse = delta = 0: their P^T = 1 meets dO = 0 and dS^T = 0 meets q = 0, so they add nothing
             if MASK_Q:
                 lse2 = tl.load(LSE + bh * NQ + rows, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(DELTA + bh * NQ + rows, mask=row_ok, other=0.0)
@@ -120,13 +121,15 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
 
 def backward_tiles(device: torch.device, d: int) -> dict:
     """Tile caps, warps and stages of the two backward kernels, with ``tiles.overrides("block_bwd")``:
-    ``DQ_BM``/``DQ_BN`` (query/key tile of dQ), ``DKV_BN``/``DKV_BM`` (key/query tile of dK/dV)."""
+    ``DQ_BM``/``DQ_BN`` (query/key tile of dQ), ``DQ_KB`` (key blocks per step of dQ), ``DKV_BN``/``DKV_BM``
+    (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV)."""
     if device.type == "cpu":
-        base = dict(DQ_BM=16, DQ_BN=16, DKV_BN=16, DKV_BM=16, dq_warps=4, dq_stages=1, dkv_warps=4, dkv_stages=1)
+        base = dict(DQ_BM=16, DQ_BN=16, DQ_KB=1, DKV_BN=16, DKV_BM=16, DKV_QB=1, dq_warps=4, dq_stages=1,
+                    dkv_warps=4, dkv_stages=1)
     else:
         wide = d > 64
-        base = dict(DQ_BM=64, DQ_BN=64, DKV_BN=64, DKV_BM=64, dq_warps=4, dq_stages=2 if wide else 3,
-                    dkv_warps=8 if wide else 4, dkv_stages=2)
+        base = dict(DQ_BM=64, DQ_BN=64, DQ_KB=1, DKV_BN=64, DKV_BM=64, DKV_QB=1, dq_warps=4,
+                    dq_stages=2 if wide else 3, dkv_warps=8 if wide else 4, dkv_stages=2)
     return {**base, **overrides("block_bwd")}
 
 
@@ -147,14 +150,14 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
-    geo = geometry(block_q, block_k, nq, nk, tiles["DQ_BM"], tiles["DQ_BN"])
+    geo = geometry(block_q, block_k, nq, nk, tiles["DQ_BM"], tiles["DQ_BN"], topk, k_group=tiles["DQ_KB"])
     launcher(_block_dq_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
         q, k, v, indices, o, do, lse, dlse if dlse is not None else lse, delta, dq, *strides,
         heads, heads // kv_heads, nq, nk, tq, topk, HAS_DLSE=dlse is not None, STAGES=tiles["dq_stages"],
         num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    geo = geometry(block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"])
+    geo = geometry(block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"], topk, q_group=tiles["DKV_QB"])
     launcher(_block_dkv_kernel)[(tk * geo["K_SPLIT"], bsz * kv_heads)](
         q, k, v, do, lse, delta, offsets, rows, dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, nq, nk, tq, tk, topk, STAGES=tiles["dkv_stages"],
