@@ -99,8 +99,9 @@ def main():
                       PART_V="*fp32"),
                  dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
     block_q, block_k = (int(x) for x in args.blocks.split("x"))
-    bf, bb = block_fwd.forward_tiles(dev, d), block_bwd.backward_tiles(dev, d)
-    even = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=False)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    bf, bb = block_fwd.forward_tiles(dev, d, torch_dtype), block_bwd.backward_tiles(dev, d, torch_dtype)
+    even = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=dt == "fp32")
     geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bf["BM"], bf["BN"], 50, k_group=bf["KB"])
     jobs.append(("block fwd", block_fwd._block_fwd_kernel, dict(Q=q, K=q, V=q, IDX="*i32", O=q, LSE="*fp32"),
                  dict(STAGES=bf["stages"], **geo, **even), bf["warps"] or (4 if geo["BM"] <= 64 else 8), bf["stages"]))

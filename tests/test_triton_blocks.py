@@ -261,18 +261,21 @@ def _gpu_case(n, heads, kv_heads, d, block_q, block_k, topk, dtype=torch.bfloat1
 
 
 @gpu
-@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,block_k,topk", [
-    (4096, 4, 2, 64, 64, 64, 8), (4096, 2, 2, 128, 128, 64, 5), (4000, 4, 1, 64, 64, 32, 12),
-    (16384, 4, 2, 64, 64, 64, 13), (16000, 2, 2, 128, 64, 64, 13), (4133, 2, 1, 96, 32, 128, 4)])
-def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, block_k, topk):
-    """bf16 kernels against the torch backend in fp32 on the same bf16 values, flex in bf16, and (N <= 4096)
-    the dense fp64 reference."""
-    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, block_k, topk)
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,block_k,topk,dtype", [
+    (4096, 4, 2, 64, 64, 64, 8, torch.bfloat16), (4096, 2, 2, 128, 128, 64, 5, torch.bfloat16),
+    (4000, 4, 1, 64, 64, 32, 12, torch.bfloat16), (16384, 4, 2, 64, 64, 64, 13, torch.bfloat16),
+    (16000, 2, 2, 128, 64, 64, 13, torch.bfloat16), (4133, 2, 1, 96, 32, 128, 4, torch.bfloat16),
+    (3000, 2, 1, 128, 64, 64, 6, torch.float32), (3000, 4, 2, 64, 64, 64, 6, torch.float16)])
+def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, block_k, topk, dtype):
+    """bf16/fp16/fp32 kernels against the torch backend in fp32 on the same values, flex in the same dtype,
+    and (N <= 4096) the dense fp64 reference."""
+    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, block_k, topk, dtype)
     scale = d**-0.5
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, scale)
     want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, scale)
     for name, a, b in zip(NAMES, got, want):
-        assert ts.rel_err(a, b) < 2e-2, f"torch {name}"
+        assert ts.rel_err(a, b) < tol, f"torch {name}"
     if d & (d - 1) == 0:  # flex wants power-of-two head dims
         other = grad_run(flex.block_sparse_attention, q, k, v, selection, scale)
         for name, a, b in zip(NAMES, got, other):
@@ -280,7 +283,7 @@ def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, bl
     if n <= 4096:
         ref = grad_run(topk_dense, q.double(), k.double(), v.double(), selection, scale)
         for name, a, b in zip(NAMES, got, ref):
-            assert ts.rel_err(a, b) < 2e-2, f"reference {name}"
+            assert ts.rel_err(a, b) < tol, f"reference {name}"
 
 
 GPU_METHODS = [

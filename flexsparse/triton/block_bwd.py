@@ -119,13 +119,16 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
     store_tile(DV + kv_head, dv, keys, k_n, dim, key_ok, D, BD, MASK_K)
 
 
-def backward_tiles(device: torch.device, d: int) -> dict:
+def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile caps, warps and stages of the two backward kernels, with ``tiles.overrides("block_bwd")``:
     ``DQ_BM``/``DQ_BN`` (query/key tile of dQ), ``DQ_KB`` (key blocks per step of dQ), ``DKV_BN``/``DKV_BM``
-    (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV)."""
+    (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV). fp32: narrow tiles, 8 warps."""
     if device.type == "cpu":
         base = dict(DQ_BM=16, DQ_BN=16, DQ_KB=1, DKV_BN=16, DKV_BM=16, DKV_QB=1, dq_warps=4, dq_stages=1,
                     dkv_warps=4, dkv_stages=1)
+    elif dtype == torch.float32:
+        base = dict(DQ_BM=64, DQ_BN=32, DQ_KB=1, DKV_BN=64, DKV_BM=32, DKV_QB=1, dq_warps=8, dq_stages=2,
+                    dkv_warps=8, dkv_stages=2)
     else:
         wide = d > 64
         base = dict(DQ_BM=64, DQ_BN=64, DQ_KB=1, DKV_BN=64, DKV_BM=64, DKV_QB=1, dq_warps=4,
@@ -144,7 +147,7 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
     tk = offsets.shape[2] - 1
-    tiles = tiles or backward_tiles(q.device, d)
+    tiles = tiles or backward_tiles(q.device, d, q.dtype)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))

@@ -121,11 +121,14 @@ def geometry(block_q: int, block_k: int, nq: int, nk: int, bm: int, bn: int, top
                 MASK_K=nk % block_k != 0 or block_k % tile_k != 0 or topk % k_group != 0)
 
 
-def forward_tiles(device: torch.device, d: int) -> dict:
+def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the forward, with
-    ``tiles.overrides("block_fwd")``."""
+    ``tiles.overrides("block_fwd")``. fp32 (exact products, no tensor cores) gets narrow key tiles and
+    8 warps so that nothing spills."""
     if device.type == "cpu":
         base = dict(BM=16, BN=16, KB=1, warps=4, stages=1)
+    elif dtype == torch.float32:
+        base = dict(BM=64, BN=32, KB=1, warps=8, stages=2)
     else:
         base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2)
     return {**base, **overrides("block_fwd")}
@@ -140,7 +143,7 @@ def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, ti
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
-    tiles = tiles or forward_tiles(q.device, d)
+    tiles = tiles or forward_tiles(q.device, d, q.dtype)
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=tiles["KB"])
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
     o = torch.empty_like(q)
