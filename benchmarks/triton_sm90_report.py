@@ -113,7 +113,8 @@ def main():
     geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bb["DKV_BM"], bb["DKV_BN"], 50,
                              q_group=bb["DKV_QB"])
     jobs.append(("block dkv", block_bwd._block_dkv_kernel,
-                 dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", DK=q, DV=q),
+                 dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", ORDER="*i32",
+                      DK=q, DV=q),
                  dict(SCALE=0.125, STAGES=bb["dkv_stages"], **geo, **even), bb["dkv_warps"], bb["dkv_stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:

@@ -4,7 +4,8 @@
   recomputes ``P = exp2(S - LSE2)`` from the saved LSE and adds ``dS K``. It also computes and stores
   ``Delta = rowsum(O * dO) - dLSE`` (so a gradient that reaches the LSE output is right), which the
   dK/dV kernel reads; the two kernels run in this order.
-* ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head).
+* ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head), launched
+  longest CSC lists first (``longest_first``: a popular key block does not trail the grid).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
   query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
   query blocks side by side per step.
@@ -73,7 +74,7 @@ def _block_dq_kernel(Q, K, V, IDX, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k
 
 
 @triton.jit
-def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, q_n, k_b, k_h, k_n,
+def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, ORDER, DK, DV, q_b, q_h, q_n, k_b, k_h, k_n,
                       H, HK, GROUP, NQ, NK, TQ, TK, TOPK,
                       BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -81,12 +82,14 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, DK, DV, q_b, q_h, 
                       Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
                       STAGES: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    bhk = tl.program_id(1)
+    slot = pid // K_SPLIT
+    item = tl.load(ORDER + slot)  # (batch, KV head, key block), longest lists first
+    bhk = item // TK
+    kblk = item - bhk * TK
     b = bhk // HK
     hk = bhk - b * HK
     kv_head = b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    kblk = pid // K_SPLIT
-    keys, key_ok = chunk_rows(kblk, pid - kblk * K_SPLIT, BLOCK_K, TILE_K, NK)
+    keys, key_ok = chunk_rows(kblk, pid - slot * K_SPLIT, BLOCK_K, TILE_K, NK)
     dim = tl.arange(0, BD)
     k = load_tile(K + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
     v = load_tile(V + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
@@ -136,6 +139,15 @@ def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     return {**base, **overrides("block_bwd")}
 
 
+def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Order of the dK/dV programs: ``(B * Hk * Tk,)`` int32 ids ``(b * Hk + hk) * Tk + key block``, by
+    descending work (the CSC list lengths summed over the query heads of the KV head), so that the
+    programs of popular key blocks (long lists) start first and do not trail the grid."""
+    bsz, heads, width = offsets.shape
+    counts = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(bsz, kv_heads, heads // kv_heads, width - 1).sum(2)
+    return torch.argsort(counts.flatten(), descending=True, stable=True).to(torch.int32)
+
+
 def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: int, block_k: int, scale: float,
                    tiles: dict | None = None):
     """Gradients ``(dq, dk, dv)`` of ``block_fwd.block_forward`` in the input dtypes.
@@ -161,8 +173,8 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     geo = geometry(block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"], topk, q_group=tiles["DKV_QB"])
-    launcher(_block_dkv_kernel)[(tk * geo["K_SPLIT"], bsz * kv_heads)](
-        q, k, v, do, lse, delta, offsets, rows, dk, dv, *strides,
+    launcher(_block_dkv_kernel)[(bsz * kv_heads * tk * geo["K_SPLIT"],)](
+        q, k, v, do, lse, delta, offsets, rows, longest_first(offsets, kv_heads), dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, nq, nk, tq, tk, topk, STAGES=tiles["dkv_stages"],
         num_warps=tiles["dkv_warps"], num_stages=tiles["dkv_stages"], **geo, **common)
     return dq, dk, dv
