@@ -194,6 +194,21 @@ def test_methods_match_reference(cfg):
 
 
 @cpu_parent
+def test_dkv_program_order_is_head_major_longest_first():
+    from flexsparse.triton.block_bwd import longest_first
+    selection = random_selection(2, 4, 300, 300, 16, 16, 5)
+    selection.indices[:, :, :, 0] = 3                                   # key block 3: picked by every row
+    offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets
+    order = longest_first(offsets, 2).long()
+    assert torch.equal(order.sort().values, torch.arange(2 * 2 * 19))
+    work = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(2, 2, 2, 19).sum(2).flatten()
+    heads = order // 19
+    assert torch.equal(heads, torch.arange(4).repeat_interleave(19))
+    assert (order % 19).view(4, 19)[:, 0].eq(3).all()
+    assert (work[order].view(4, 19).diff(dim=1) <= 0).all()
+
+
+@cpu_parent
 def test_cpu_fallback_without_interpreter():
     """Without the interpreter the op bodies run the torch backend and its written-out backward."""
     q, k, v = make_qkv(1, 4, 2, 70, 61, 16)

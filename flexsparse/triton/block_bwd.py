@@ -5,7 +5,7 @@
   ``Delta = rowsum(O * dO) - dLSE`` (so a gradient that reaches the LSE output is right), which the
   dK/dV kernel reads; the two kernels run in this order.
 * ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head), launched
-  longest CSC lists first (``longest_first``: a popular key block does not trail the grid).
+  head by head, longest CSC lists first (``longest_first``: a popular key block does not trail the grid).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
   query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
   query blocks side by side per step.
@@ -83,7 +83,7 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, ORDER, DK, DV, q_b
                       STAGES: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     slot = pid // K_SPLIT
-    item = tl.load(ORDER + slot)  # (batch, KV head, key block), longest lists first
+    item = tl.load(ORDER + slot)  # (batch, KV head, key block): head by head, longest lists first
     bhk = item // TK
     kblk = item - bhk * TK
     b = bhk // HK
@@ -140,12 +140,14 @@ def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
 
 
 def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Order of the dK/dV programs: ``(B * Hk * Tk,)`` int32 ids ``(b * Hk + hk) * Tk + key block``, by
-    descending work (the CSC list lengths summed over the query heads of the KV head), so that the
-    programs of popular key blocks (long lists) start first and do not trail the grid."""
+    """Order of the dK/dV programs: ``(B * Hk * Tk,)`` int32 ids ``(b * Hk + hk) * Tk + key block``, head by
+    head (programs in flight share one head's Q and dO in L2), within a head by descending work (the CSC
+    list lengths summed over its query heads), so that popular key blocks (long lists) start first."""
     bsz, heads, width = offsets.shape
     counts = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(bsz, kv_heads, heads // kv_heads, width - 1).sum(2)
-    return torch.argsort(counts.flatten(), descending=True, stable=True).to(torch.int32)
+    order = torch.argsort(counts, dim=-1, descending=True, stable=True)
+    first = torch.arange(bsz * kv_heads, device=offsets.device).view(bsz, kv_heads, 1) * (width - 1)
+    return (order + first).flatten().to(torch.int32)
 
 
 def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: int, block_k: int, scale: float,
