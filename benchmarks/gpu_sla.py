@@ -92,7 +92,8 @@ def method_rows(shape: str, cases: dict, backends: list[str], q, k, v, grad) -> 
     rows = []
     for name, config in cases.items():
         for backend in backends:
-            module = flexsparse.SparseAttention(config, head_dim=d, num_heads=heads, seq_len=n, backend=backend).to(q.device)
+            module = flexsparse.SparseAttention(config, head_dim=d, num_heads=heads, seq_len=n, backend=backend)
+            module = module.to(q.device)
             row = {"part": shape, "case": name, "backend": backend, "config": config,
                    **time_pair(module, q, k, v, grad, [p for p in module.parameters() if p.requires_grad])}
             rows.append(row)

@@ -1,11 +1,12 @@
 """Block-sparse attention forward: each query block attends the key blocks of its row of the index table.
 
-One program per query tile of ``BM`` rows (``Q_SPLIT`` tiles per query block when ``block_q > BM``),
-for one (batch, query head); GQA reads KV head ``h // GROUP``. The key loop walks the row's ``K``
-selected blocks (``K_SPLIT`` chunks per block, or ``K_GROUP`` small blocks side by side per step),
-software-pipelined (``tl.range`` with ``STAGES``), with an online softmax in log2 units (``SCALE2 = scale * log2(e)``). Ragged tails (keys
-past ``Nk``, rows past ``Nq``, blocks that are not a multiple of the tile, head dims that are not a
-power of two) are masked, never padded into the softmax; the even case compiles without masks.
+One program per query tile of ``TILE_Q`` rows (``Q_SPLIT`` tiles per query block when the block is larger
+than the tile cap), for one (batch, query head); GQA reads KV head ``h // GROUP``. The key loop walks the
+row's ``K`` selected blocks (``K_SPLIT`` chunks per block, or ``K_GROUP`` small blocks side by side per
+step), software-pipelined (``tl.range`` with ``STAGES``), with an online softmax in log2 units
+(``SCALE2 = scale * log2(e)``). Ragged tails (keys past ``Nk``, rows past ``Nq``, blocks that are not a
+multiple of the tile, head dims that are not a power of two) are masked, never padded into the softmax;
+the even case compiles without masks.
 
 Outputs: O in q's dtype and the natural-log LSE fp32 ``(B, H, Nq)``.
 """
