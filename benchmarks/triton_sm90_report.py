@@ -1,4 +1,4 @@
-"""Compile the LLSA kernels for sm_90 without a GPU and report registers, spills, shared memory and
+"""Compile the LLSA and block-sparse kernels for sm_90 without a GPU and report registers, spills, shared memory and
 the matrix instructions in the SASS (HGMMA = Hopper wgmma; HMMA = the older mma.sync path).
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import csc, llsa_bwd, llsa_fwd, pool, select
+from flexsparse.triton import block_bwd, block_fwd, csc, llsa_bwd, llsa_fwd, pool, select
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -54,6 +54,8 @@ def main():
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--sass", default="")
+    parser.add_argument("--blocks", default="64x64", help="block_q x block_k of the block-sparse kernels "
+                        "(tiles from FLEXSPARSE_TRITON_TILES as at run time)")
     args = parser.parse_args()
     import torch
     dev = torch.device("cuda")
@@ -96,6 +98,24 @@ def main():
                  dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
                       PART_V="*fp32"),
                  dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
+    block_q, block_k = (int(x) for x in args.blocks.split("x"))
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    bf, bb = block_fwd.forward_tiles(dev, d, torch_dtype), block_bwd.backward_tiles(dev, d, torch_dtype)
+    even = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=dt == "fp32")
+    geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bf["BM"], bf["BN"], 50, k_group=bf["KB"])
+    jobs.append(("block fwd", block_fwd._block_fwd_kernel, dict(Q=q, K=q, V=q, IDX="*i32", O=q, LSE="*fp32"),
+                 dict(STAGES=bf["stages"], **geo, **even), bf["warps"] or (4 if geo["BM"] <= 64 else 8), bf["stages"]))
+    geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bb["DQ_BM"], bb["DQ_BN"], 50, k_group=bb["DQ_KB"])
+    jobs.append(("block dq", block_bwd._block_dq_kernel,
+                 dict(Q=q, K=q, V=q, IDX="*i32", O=q, DO=q, LSE="*fp32", DLSE="*fp32", DELTA="*fp32", DQ=q),
+                 dict(SCALE=0.125, HAS_DLSE=True, STAGES=bb["dq_stages"], **geo, **even), bb["dq_warps"],
+                 bb["dq_stages"]))
+    geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bb["DKV_BM"], bb["DKV_BN"], 50,
+                             q_group=bb["DKV_QB"])
+    jobs.append(("block dkv", block_bwd._block_dkv_kernel,
+                 dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", ORDER="*i32",
+                      DK=q, DV=q),
+                 dict(SCALE=0.125, STAGES=bb["dkv_stages"], **geo, **even), bb["dkv_warps"], bb["dkv_stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)

@@ -61,5 +61,9 @@ def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: 
 
 
 def sparse_primitives(backend: str):
-    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``) of ``backend``."""
+    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``) of ``backend``
+    (``triton``'s is imported on first use, so flexsparse imports without triton installed)."""
+    if backend == "triton":
+        from . import triton_sparse
+        return triton_sparse
     return _PRIMITIVES[backend]

@@ -1,5 +1,7 @@
-"""The ``triton`` backend of LLSA: pooling, selection and attention through the ``flexsparse::`` ops.
+"""The ``triton`` backend: LLSA and block-sparse attention through the ``flexsparse::`` ops.
 
+``block_sparse_attention`` has the contract of ``torch_sparse.block_sparse_attention`` (the sparse
+branch of ``topk``, ``vsa``, ``sla`` and ``sla2``).
 ``llsa`` is the whole method (pool, select, attend; gradients of k and v include the pooling).
 ``llsa_attention`` has the signature of ``torch_sparse.llsa_attention`` (pooled levels as their own
 inputs, with their own gradients), for comparisons on identical selections.
@@ -8,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import LLSASelection
+from ..masks import BlockSelection, LLSASelection
 from ..masks.pooling import accumulation_dtype
-from ..triton import ops
+from ..triton import block_ops, ops
 from ..triton.layout import level_table, pack
 
 
@@ -50,3 +52,22 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     topk = [s.shape[-1] for s in selection.indices]
     return ops.llsa_attn(q, k_levels[0], v_levels[0], k_pyr, v_pyr, pack(selection), selection.block, topk, scale,
                          False, deterministic)
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float,
+                           deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query block over its selected key blocks (``torch_sparse``'s contract).
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` (cast to q's dtype); selection.indices ``(B, H, Tq, K)``
+    int32, ascending, distinct. Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32
+    (fp64 for fp64 inputs). ``deterministic``: bitwise-reproducible dK/dV.
+    """
+    bsz, heads, nq = q.shape[:3]
+    expected = (bsz, heads, selection.num_q_blocks)
+    if (selection.n_q, selection.n_k) != (nq, k.shape[2]) or tuple(selection.indices.shape[:3]) != expected:
+        raise ValueError(f"selection does not fit q {tuple(q.shape)} and k {tuple(k.shape)}: it covers "
+                         f"n_q={selection.n_q}, n_k={selection.n_k} with indices {tuple(selection.indices.shape)}; "
+                         f"expected n_q={nq}, n_k={k.shape[2]} and indices (B, H, Tq, K) with (B, H, Tq) = {expected}")
+    indices = selection.indices.to(torch.int32).contiguous()
+    return block_ops.block_attn(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k, scale,
+                                deterministic)

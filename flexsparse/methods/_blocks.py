@@ -1,4 +1,5 @@
-"""Block selection and the block-sparse softmax branch shared by the single-level block methods."""
+"""Block selection and the sparse branch shared by the single-level block methods (``topk``, ``vsa``, ``sla``,
+``sla2``)."""
 from __future__ import annotations
 
 import torch
@@ -20,20 +21,23 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float, *,
-                    backend: str, quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    backend: str, deterministic: bool = False,
+                    quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of each query block over its selected key blocks on ``backend`` (``reference``:
     the dense spec); with ``quant`` an FP8 fake-quantized forward and straight-through backward
-    (``flexsparse.quant.qat_attention``). Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``."""
+    (``flexsparse.quant.qat_attention``). ``deterministic`` (the config key) makes the ``triton`` backward
+    bitwise reproducible; the other backends ignore it. Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``."""
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale, quant=quant)
     primitives = sparse_primitives(backend)
+    options = {"deterministic": deterministic} if backend == "triton" else {}
     if quant is None:
-        return primitives.block_sparse_attention(q, k, v, selection, scale)
+        return primitives.block_sparse_attention(q, k, v, selection, scale, **options)
     dtype = q.dtype
 
     def attend(q, k, v, quant):
         if quant is None:
-            return primitives.block_sparse_attention(q, k, v, selection, scale)
+            return primitives.block_sparse_attention(q, k, v, selection, scale, **options)
         k, v = quantize_kv(k, v, quant, selection.block_k)
         if backend == "flex":               # flex computes in the input dtype: fake-quantized values rounded to it
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

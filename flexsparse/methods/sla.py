@@ -21,7 +21,7 @@ from ..reference import sla_dense
 from ._blocks import block_attention
 from ._params import require_params
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
 
 
@@ -46,7 +46,8 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if backend == "reference":
         return sla_dense(q, k, v, selection, scale, linear=cfg.linear, feature_map=cfg.feature_map, eps=cfg.eps,
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"], quant=cfg.quant)
-    o_s, lse = block_attention(q, k, v, selection, scale, backend=backend, quant=cfg.quant)
+    o_s, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic,
+                               quant=cfg.quant)
     if cfg.linear == "masked":
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:

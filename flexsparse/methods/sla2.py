@@ -28,7 +28,7 @@ from ..reference import sla2_dense
 from ._blocks import block_attention
 from ._params import require_params
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
 
 
@@ -90,7 +90,8 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
-        o_s, lse = block_attention(q, k.to(q.dtype), v, mask, scale, backend=backend, quant=cfg.quant)
+        o_s, lse = block_attention(q, k.to(q.dtype), v, mask, scale, backend=backend,
+                                   deterministic=cfg.deterministic, quant=cfg.quant)
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ._blocks import block_attention, select_blocks
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = False
 
 
@@ -17,4 +17,5 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):
 
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     selection = select_blocks(q, k, cfg)
-    return block_attention(q, k, v, selection, scale, backend=backend, quant=cfg.quant)
+    return block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic,
+                           quant=cfg.quant)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends import sparse_primitives
 from ..masks import mean_pool
 from ..reference import vsa_dense
-from ._blocks import select_blocks
+from ._blocks import block_attention, select_blocks
 
-BACKENDS = ("reference", "torch", "flex")
+BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = False
 
 
@@ -40,7 +39,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     gate = gate_values(q, params) if cfg.gate else None
     if backend == "reference":
         return vsa_dense(q, k, v, selection, scale, gate)
-    fine, lse = sparse_primitives(backend).block_sparse_attention(q, k, v, selection, scale)
+    fine, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic)
     coarse = coarse_attention(q, k, v, cfg.block_q, cfg.block_k, scale)
     return fine + (coarse if gate is None else gate * coarse), lse
 

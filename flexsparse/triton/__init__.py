@@ -1,10 +1,12 @@
-"""Triton kernels of flexsparse (LLSA, SLA / SLA2 pieces).
+"""Triton kernels of flexsparse (LLSA and the block-sparse branch of topk / vsa / sla / sla2).
 
 Kernels know tensors and integers, never configs. Modules: ``pool`` (pooling pyramid), ``select``
-(hierarchical top-K), ``csc`` (CSR -> CSC transpose of selections), ``llsa_fwd`` / ``llsa_bwd``
-(attention), ``ops`` (the ``torch.library`` ops ``flexsparse::*`` that launch them); ``block_topk``
-(single-level top-K of the block routers), ``linear`` (gather-subtract of SLA's masked linear branch),
-``sla_ops`` (their ops).
+(hierarchical top-K), ``csc`` (CSR -> CSC transpose of selections, LLSA levels and block tables),
+``llsa_fwd`` / ``llsa_bwd`` (LLSA attention), ``block_fwd`` / ``block_bwd`` (block-sparse attention over
+an index table), ``common`` (shared jitted helpers), ``tiles`` (tile overrides), ``ops`` / ``block_ops``
+(the ``torch.library`` ops ``flexsparse::*`` that launch them), ``fallback`` (their torch backwards);
+``block_topk`` (single-level top-K of the block routers), ``linear`` (gather-subtract of SLA's masked linear
+branch), ``sla_ops`` (their ops).
 
 With ``TRITON_INTERPRET=1`` set *before* these modules are imported, the kernels run on CPU
 tensors through the Triton interpreter (fp32/fp16 only).

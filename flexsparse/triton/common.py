@@ -1,4 +1,5 @@
-"""Jitted helpers shared by the LLSA kernels, and the level-table columns as kernel constants."""
+"""Jitted helpers shared by the Triton kernels (LLSA and block-sparse), and the LLSA level-table columns
+as kernel constants."""
 from __future__ import annotations
 
 import torch
@@ -27,6 +28,18 @@ def mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def softmax_step(s, v, m, l, acc, IEEE: tl.constexpr):
+    """Online-softmax update of ``(m, l, acc)`` with logits ``s (BM, BN)`` (log2) and values ``v (BN, BD)``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -79,3 +92,37 @@ def store_rows(base, x, rows, stride, dim, row_ok, D: tl.constexpr):
     """Store ``x (len(rows), BD)`` into rows ``rows`` of a ``(tokens, D)`` slab at ``base``."""
     ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
     tl.store(ptr, x.to(base.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+
+
+@triton.jit
+def load_tile(base, rows, stride, dim, row_ok, D: tl.constexpr, BD: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows ``rows`` of a ``(tokens, D)`` slab at ``base``: ``(len(rows), BD)``. Masked (zeros) by ``row_ok``
+    only with ``MASK_ROWS`` and on the head dim only when ``BD > D``: the even case loads without masks."""
+    ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
+    if MASK_ROWS:
+        if BD == D:
+            return tl.load(ptr, mask=row_ok[:, None], other=0.0)
+        else:
+            return tl.load(ptr, mask=row_ok[:, None] & (dim[None, :] < D), other=0.0)
+    else:
+        if BD == D:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=dim[None, :] < D, other=0.0)
+
+
+@triton.jit
+def store_tile(base, x, rows, stride, dim, row_ok, D: tl.constexpr, BD: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Store ``x (len(rows), BD)`` into rows ``rows`` of a ``(tokens, D)`` slab (masks as ``load_tile``)."""
+    ptr = base + rows.to(tl.int64)[:, None] * stride + dim[None, :]
+    x = x.to(base.dtype.element_ty)
+    if MASK_ROWS:
+        if BD == D:
+            tl.store(ptr, x, mask=row_ok[:, None])
+        else:
+            tl.store(ptr, x, mask=row_ok[:, None] & (dim[None, :] < D))
+    else:
+        if BD == D:
+            tl.store(ptr, x)
+        else:
+            tl.store(ptr, x, mask=dim[None, :] < D)

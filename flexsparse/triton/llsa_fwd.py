@@ -21,21 +21,9 @@ import triton
 import triton.language as tl
 
 from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, coarse_level_keys, launcher, load_rows, log2_count,
-                     mm, sparse_keys)
+                     mm, softmax_step, sparse_keys)
 from .layout import Levels, cdiv, pow2
 from .tiles import overrides
-
-
-@triton.jit
-def _softmax_step(s, v, m, l, acc, IEEE: tl.constexpr):
-    """Online-softmax update of ``(m, l, acc)`` with logits ``s (BM, BN)`` (log2) and values ``v (BN, BD)``."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
-    return m_new, l, acc
 
 
 @triton.jit
@@ -69,7 +57,7 @@ def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_
             v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
             s = tl.where(ok[None, :] & (row_group[:, None] == g[None, :]), s, float("-inf"))
-            m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
+            m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
     tokens = tl.load(META + LEVELS * 6 + T)
     off = tl.load(META + LEVELS * 6 + KV_OFF)
     span = tl.load(META + LEVELS * 6 + SPAN)
@@ -80,7 +68,7 @@ def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_
         v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
         s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m, l, acc = _softmax_step(s, v, m, l, acc, IEEE)
+        m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
     tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
@@ -122,14 +110,14 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
             ok = ok & (tok < N)
             s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
             s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-            m, l, acc = _softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+            m, l, acc = softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
         else:
             for c in range(0, n_keys, FN):
                 g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
                 ok = ok & (tok < N)
                 s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
                 s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-                m, l, acc = _softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+                m, l, acc = softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
         ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
         tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
         tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)

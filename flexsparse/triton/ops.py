@@ -28,14 +28,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _kernels(x: Tensor) -> bool:
-    """Whether ``x`` goes to the Triton kernels (else to the torch fallback)."""
+def use_kernels(x: Tensor) -> bool:
+    """Whether an op on ``x`` runs the Triton kernels (else the torch fallback): CUDA, or CPU with the
+    interpreter; fp16/bf16/fp32 only."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     return x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())
 
 
-def _dense(*tensors: Tensor) -> list[Tensor]:
+def contiguous(*tensors: Tensor) -> list[Tensor]:
+    """The tensors made contiguous (the kernels take strides of the leading dims only)."""
     return [t.contiguous() for t in tensors]
 
 
@@ -44,7 +46,7 @@ def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> T
     """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
     fp32 (fp64 for fp64), or x's dtype with ``same_dtype`` (sums are fp32 either way). Not differentiable
     (the attention backward pools the gradients itself)."""
-    if not _kernels(x):
+    if not use_kernels(x):
         pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
         return pyramid.to(x.dtype) if same_dtype else pyramid
     from .pool import pool_pyramid as pool_kernel
@@ -56,7 +58,7 @@ def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> T
 def llsa_select(q_pyr: Tensor, k_pyr: Tensor, n: int, block: int, topk: list[int]) -> Tensor:
     """Packed hierarchical top-K ``(B, H, S)`` int32 from pooled pyramids (``llsa_pool`` of q and k)."""
     levels = level_table(n, block, topk)
-    if not _kernels(q_pyr):
+    if not use_kernels(q_pyr):
         sel = hierarchical_topk(levels.split_pyramid(q_pyr), levels.split_pyramid(k_pyr), tuple(topk), block, n)
         return pack(sel)
     from .select import hierarchical_topk as select_kernel
@@ -78,10 +80,10 @@ def llsa_attn(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, sel: Tens
     without it kc and vc get their own gradients. ``deterministic`` makes dK/dV bitwise reproducible.
     """
     levels = level_table(q.shape[2], block, topk)
-    if not _kernels(q):
+    if not use_kernels(q):
         return _torch_attention(q, k, v, kc, vc, sel, levels, scale)
     from .llsa_fwd import llsa_forward
-    return llsa_forward(*_dense(q, k, v, kc, vc, sel), levels, scale)
+    return llsa_forward(*contiguous(q, k, v, kc, vc, sel), levels, scale)
 
 
 def _unpool(grad_pyr: Tensor, levels: Levels) -> Tensor:
@@ -111,11 +113,11 @@ def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dkc, dvc)`` of ``llsa_attn`` (see there for ``fuse_pool``)."""
     levels = level_table(q.shape[2], block, topk)
-    if not _kernels(q):
+    if not use_kernels(q):
         return _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
     from .csc import selection_csc
     from .llsa_bwd import llsa_backward
-    do, q, k, v, kc, vc, sel, o, lse = _dense(do, q, k, v, kc, vc, sel, o, lse)
+    do, q, k, v, kc, vc, sel, o, lse = contiguous(do, q, k, v, kc, vc, sel, o, lse)
     offsets, rows = selection_csc(sel, levels, deterministic)
     dlse = None if dlse is None else dlse.contiguous()
     dq, dk, dv, dkc, dvc = llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels, scale,

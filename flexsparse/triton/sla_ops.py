@@ -23,17 +23,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends.torch_linear import apply_feature_map, feature_map_backward
-from ..masks import csr_to_csc, kv_head_index
+from ..masks import kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..masks.topk import sorted_block_topk
-from .ops import _kernels
+from .ops import use_kernels
 
 
 @torch.library.triton_op("flexsparse::block_topk", mutates_args=())
 def block_topk(q_pooled: Tensor, k_pooled: Tensor, topk: int, bottomk: int) -> tuple[Tensor, Tensor]:
     """``(top (B, H, Tq, topk), bottom (B, H, Tq, bottomk))`` int32 ascending (``masks.block_topk``; the
     bottom table is empty for ``bottomk = 0``). q_pooled ``(B, H, Tq, D)``, k_pooled ``(B, Hk, Tk, D)``."""
-    if not _kernels(q_pooled):
+    if not use_kernels(q_pooled):
         top, bottom = sorted_block_topk(q_pooled, k_pooled, topk, bottomk=bottomk)
         return top, (top[..., :0].clone() if bottom is None else bottom)
     from .block_topk import block_topk as topk_kernel
@@ -87,9 +87,11 @@ def _gradient_states(total: Tensor, grads: Tensor, skipped: Tensor, tk: int, ker
     each key block (all query heads of the KV head): ``(B, Hk, Tk, M)``."""
     if not kernels:
         return _key_states_torch(total, grads, skipped, tk)
+    from .csc import block_csc
     from .linear import key_states
-    csc = csr_to_csc(skipped, tk)  # the one key-major transpose of the branch
-    return key_states(total, grads, csc.offsets, csc.rows)
+    # the branch's one key-major transpose; ascending lists, so the fp32 sums are reproducible
+    offsets, rows = block_csc(skipped.contiguous(), tk, deterministic=True)
+    return key_states(total, grads, offsets, rows)
 
 
 @torch.library.triton_op("flexsparse::masked_linear", mutates_args=())
@@ -102,7 +104,7 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
     tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
     phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
     states = (phi_k.transpose(-1, -2) @ v_aug).flatten(-2)                    # (B, Hk, Tk, D (D + 1))
-    if _kernels(q):
+    if use_kernels(q):
         from .linear import query_states
         rows = query_states(states.sum(2), states, skipped)
     else:
@@ -133,7 +135,7 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     dphi_q = dy @ rows.transpose(-1, -2)
     d_rows = (phi_q.transpose(-1, -2) @ dy).flatten(-2)                         # (B, H, Tq, D (D + 1))
     kv_heads = k.shape[1]
-    d_states = _gradient_states(_group_sum(d_rows.sum(2), kv_heads), d_rows, skipped, tk, _kernels(q))
+    d_states = _gradient_states(_group_sum(d_rows.sum(2), kv_heads), d_rows, skipped, tk, use_kernels(q))
     d_states = d_states.unflatten(-1, (d, d + 1))                               # (B, Hk, Tk, D, D + 1)
     dphi_k = v_aug @ d_states.transpose(-1, -2)
     dv = (phi_k @ d_states)[..., :d]

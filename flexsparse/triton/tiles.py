@@ -1,6 +1,8 @@
 """Tile-size overrides for tuning: ``FLEXSPARSE_TRITON_TILES='{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``.
 
-Keys are those of ``llsa_fwd.forward_tiles`` and ``llsa_bwd.backward_tiles``; read at every call.
+Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
+``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``).
+Read at every call.
 """
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import os
 
 
 def overrides(kind: str) -> dict:
-    """The overrides of ``kind`` (``"fwd"`` or ``"bwd"``) from the environment, ``{}`` when unset."""
+    """The overrides of ``kind`` (see the module docstring) from the environment, ``{}`` when unset."""
     text = os.environ.get("FLEXSPARSE_TRITON_TILES")
     if not text:
         return {}
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map 'fwd'/'bwd' to dicts, got {text!r}")
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd') to dicts, "
+                         f"got {text!r}")
     return table.get(kind, {})

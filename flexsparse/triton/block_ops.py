@@ -1,0 +1,70 @@
+"""``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
+differentiable) and ``flexsparse::block_attn_bwd``.
+
+Registered like ``ops`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
+kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
+kernels, CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1`` is set (eager only),
+else falls back to ``torch_sparse.block_sparse_attention`` and its written-out backward. fp64 always
+takes the fallback. The index table is ``(B, H, Tq, K)`` int32, ascending key-block ids per row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import torch_sparse
+from ..masks import BlockSelection
+from ..masks.pooling import num_blocks
+from .ops import contiguous, use_kernels
+
+
+def _selection(indices: Tensor, block_q: int, block_k: int, q: Tensor, k: Tensor) -> BlockSelection:
+    return BlockSelection(indices, block_q, block_k, q.shape[2], k.shape[2])
+
+
+@torch.library.triton_op("flexsparse::block_attn", mutates_args=())
+def block_attn(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int, scale: float,
+               deterministic: bool) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention ``o (B, H, Nq, D)`` (q's dtype) and natural-log LSE ``(B, H, Nq)`` fp32.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` in q's dtype; indices ``(B, H, ceil(Nq / block_q), K)``
+    int32. ``deterministic`` makes dK/dV bitwise reproducible (the backward's CSC lists are sorted).
+    """
+    if not use_kernels(q):
+        return torch_sparse.block_sparse_attention(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
+    from .block_fwd import block_forward
+    return block_forward(*contiguous(q, k, v, indices), block_q, block_k, scale)
+
+
+@torch.library.triton_op("flexsparse::block_attn_bwd", mutates_args=())
+def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor,
+                   lse: Tensor, block_q: int, block_k: int, scale: float,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``block_attn`` from ``do`` and ``dlse`` (None: no gradient reaches the LSE)."""
+    if not use_kernels(q):
+        from .fallback import block_sparse_attention_backward
+        return block_sparse_attention_backward(do, dlse, q, k, v, _selection(indices, block_q, block_k, q, k), scale,
+                                               o, lse)
+    from .block_bwd import block_backward
+    from .csc import block_csc
+    do, q, k, v, indices, o, lse = contiguous(do, q, k, v, indices, o, lse)
+    offsets, rows = block_csc(indices, num_blocks(k.shape[2], block_k), deterministic)
+    dlse = None if dlse is None else dlse.contiguous()
+    return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, indices, block_q, block_k, scale, deterministic = inputs
+    ctx.save_for_backward(q, k, v, indices, *output)
+    ctx.args = (block_q, block_k, scale, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, indices, o, lse = ctx.saved_tensors
+    dq, dk, dv = block_attn_bwd(do, dlse, q, k, v, indices, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+block_attn.register_autograd(_backward, setup_context=_setup)
