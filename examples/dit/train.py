@@ -48,15 +48,20 @@ def attn_config(text: str) -> dict:
 
 
 def float8_linear_layers(model: torch.nn.Module, device: torch.device) -> int:
-    """Swap the model's ``nn.Linear`` layers whose sizes are multiples of 16 (torchao's requirement; the
-    3-channel pixel embedding and output stay) for torchao ``Float8Linear`` (dynamic tensorwise e4m3
-    forward, e5m2 gradients); return how many. Clear errors without torchao, or where FP8 matmuls
-    cannot run (checked with one small layer on ``device``)."""
+    """Swap the model's per-token ``nn.Linear`` layers whose sizes are multiples of 16 (torchao's
+    requirement; the 3-channel pixel embedding and output stay) for torchao ``Float8Linear`` (dynamic
+    tensorwise e4m3 forward, e5m2 gradients); return how many. The conditioning layers (timestep
+    embedder, adaLN) stay too: they see one row per sample, and FP8 matmuls need the row count of the
+    weight gradient (the batch) to be a multiple of 16. Clear errors without torchao, or where FP8
+    matmuls cannot run (checked with one small layer on ``device``)."""
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as err:
         raise ImportError("--fp8-linear needs torchao: pip install 'flexsparse[quant]' (torchao>=0.17,<0.19)") from err
-    fits = lambda module, name: module.in_features % 16 == 0 and module.out_features % 16 == 0  # noqa: E731
+    def fits(module, name):
+        per_sample = {"t_embed", "ada", "final_ada"} & set(name.split("."))
+        return not per_sample and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
     probe = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(16, 16))).to(device)
     try:
         probe(torch.randn(16, 16, device=device, requires_grad=True)).sum().backward()
