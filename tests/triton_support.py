@@ -38,6 +38,12 @@ def run_interpreter_suite(path: str, timeout: float = 900) -> subprocess.Complet
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def check_interpreter_suite(path: str) -> None:
+    """Run ``path``'s interpreter tests in a child pytest (``run_interpreter_suite``) and fail with its output."""
+    result = run_interpreter_suite(path)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
 @contextlib.contextmanager
 def interpreter_env(on: bool):
     """``TRITON_INTERPRET=1`` inside the block (unset with ``on=False``), restored after."""
