@@ -4,7 +4,8 @@
 Parts (``--parts``, comma-separated; each is optional so a run fits in a few minutes):
 
 ``methods``  ``flexsparse.SparseAttention`` end to end (selection and linear branch included) at B=2 H=8 D=64
-             N=65536, 64x64 blocks: sla 95 %, sla2 95 % and 97 %, topk K = 51 (95 %); dense SDPA.
+             N=65536, 64x64 blocks: sla 95 %, sla2 95 % and 97 %, topk K = 51 (95 %); dense SDPA;
+             with ``--profile`` the kernel times of one forward and one forward+backward per case.
 ``sparse``   the sparse branch alone (``block_sparse_attention`` on a fixed top-K selection, K = 51) at
              that shape: triton vs flex, TFLOP/s, and the triton kernels from the profiler.
 ``shape2``   the public SLA benchmark shape B=2 H=16 N=32760 D=128 (95 %): sla and the sparse branch, dense SDPA.
@@ -87,15 +88,30 @@ def dense_rows(shape: str, q, k, v, grad) -> list[dict]:
     return rows
 
 
-def method_rows(shape: str, cases: dict, backends: list[str], q, k, v, grad) -> list[dict]:
+def method_kernels(module, q, k, v, grad, extra) -> tuple[dict, dict]:
+    """Kernel times (ms per call) of one forward without grad and of one forward+backward of ``module``."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            module(q, k, v)
+
+    return kernel_times(fwd), kernel_times(lambda: torch.autograd.grad(module(*leaves), leaves + extra, grad,
+                                                                      allow_unused=True))
+
+
+def method_rows(shape: str, cases: dict, backends: list[str], q, k, v, grad, profile: bool = False) -> list[dict]:
     bsz, heads, n, d = q.shape
     rows = []
     for name, config in cases.items():
         for backend in backends:
             module = flexsparse.SparseAttention(config, head_dim=d, num_heads=heads, seq_len=n, backend=backend)
             module = module.to(q.device)
+            extra = [p for p in module.parameters() if p.requires_grad]
             row = {"part": shape, "case": name, "backend": backend, "config": config,
-                   **time_pair(module, q, k, v, grad, [p for p in module.parameters() if p.requires_grad])}
+                   **time_pair(module, q, k, v, grad, extra)}
+            if profile and "fwd_ms" in row:
+                row["kernels_fwd_ms"], row["kernels_fwd_bwd_ms"] = method_kernels(module, q, k, v, grad, extra)
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -166,9 +182,11 @@ def print_table(rows: list[dict]) -> None:
     table = [[row.get(key, "") for key in keys] for row in rows]
     print(tabulate(table, headers=keys, floatfmt=".3f"))
     for row in rows:
-        if "kernels_fwd_bwd_ms" in row:
-            print(f"\nkernels of one triton fwd+bwd, {row['part']} N={row['N']} (ms):")
-            print(tabulate(list(row["kernels_fwd_bwd_ms"].items())[:10], floatfmt=".3f"))
+        for key in ("kernels_fwd_ms", "kernels_fwd_bwd_ms"):
+            if key in row:
+                print(f"\n{key}: {row['part']} {row['case']} {row['backend']} (ms, sum "
+                      f"{sum(row[key].values()):.3f}):")
+                print(tabulate(list(row[key].items())[:14], floatfmt=".3f"))
 
 
 def main() -> None:
@@ -180,6 +198,7 @@ def main() -> None:
     parser.add_argument("--scaling-n", default="16384,32768,65536,131072")
     parser.add_argument("--scaling-k", type=int, default=51, help="key blocks per query block in 'scaling'")
     parser.add_argument("--sweep-size", choices=("small", "large"), default="small")
+    parser.add_argument("--profile", action="store_true", help="kernel times of each method case ('methods')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sla.py needs a CUDA GPU")
@@ -196,7 +215,7 @@ def main() -> None:
                      "sla2": {"method": "sla2", "block_size": BLOCK, "topk_ratio": 0.05},
                      "sla2 97%": {"method": "sla2", "block_size": BLOCK, "topk_ratio": 0.03},
                      "topk": {"method": "topk", "block_size": BLOCK, "topk": topk}}
-            rows += method_rows("B2 H8 N65536 D64", cases, backends, q, k, v, grad)
+            rows += method_rows("B2 H8 N65536 D64", cases, backends, q, k, v, grad, args.profile)
             rows += dense_rows("B2 H8 N65536 D64", q, k, v, grad)
         if "sparse" in parts:
             rows += sparse_rows("B2 H8 N65536 D64", backends, q, k, v, grad, topk)

@@ -139,6 +139,18 @@ def test_study_smoke(tmp_path, image_dir):
         assert (tmp_path / path).is_file()
 
 
+def test_study_runs_merge_into_one_study(tmp_path, image_dir):
+    """A study in several commands: training without throughput, then throughput only (--steps 0)."""
+    common = ["--tiny", "--backend", "torch", "--out", str(tmp_path), "--data-dir", str(image_dir)]
+    study.main([*common, "--methods", "full", "--throughput-sizes"])
+    trained = json.loads((tmp_path / "study.json").read_text())["methods"]["full"]
+    assert "throughput" not in trained and trained["val_loss"]
+    results = study.main([*common, "--methods", "full", "llsa", "--steps", "0", "--throughput-steps", "1"])
+    assert results["full"]["val_loss"] == trained["val_loss"] and "val_loss" not in results["llsa"]
+    assert all(isinstance(v, float) for r in results.values() for v in r["throughput"].values())
+    assert json.loads((tmp_path / "study.json").read_text())["methods"].keys() == {"full", "llsa"}
+
+
 @pytest.mark.gpu
 def test_full_size_dit_on_gpu_with_compile_and_progressive_resume(tmp_path):
     """DiT-S (hidden 384, 12 blocks): 64x64 full attention, then 128x128 LLSA from that checkpoint."""

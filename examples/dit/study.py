@@ -6,8 +6,13 @@ pixel tokens/s at several resolutions.
     python -m examples.dit.study --out study_out --budget 600          # 10 minutes of training per method
     python -m examples.dit.study --tiny --out /tmp/study               # CPU smoke test
     python -m examples.dit.study --attn-quant '{}' --fp8-linear        # FP8 QAT attention + FP8 linears
+    python -m examples.dit.study --methods vsa sla --throughput-sizes   # more methods into the same --out
+    python -m examples.dit.study --steps 0 --compile --no-checkpointing # throughput only, merged into study.json
 
-Writes ``study.json``, ``val_loss.png``, ``throughput.png``, ``samples_<method>.png`` and each
+A run merges into an existing ``study.json`` in ``--out``: methods it does not run are kept, and a method
+keeps its earlier training results when this run only measures throughput (``--steps 0``) and its earlier
+throughput when this run measures none (``--throughput-sizes`` with no sizes), so a long study can run in
+several shorter commands. Writes ``study.json``, ``val_loss.png``, ``throughput.png``, ``samples_<method>.png`` and each
 method's run folder ``runs/<method>/`` (see ``examples.dit.train``).
 """
 from __future__ import annotations
@@ -61,13 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="study_out")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--image-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=2000, help="training steps per method")
+    p.add_argument("--steps", type=int, default=2000, help="training steps per method (0: throughput only)")
     p.add_argument("--budget", type=float, help="also stop each method after this many seconds of training steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--val-every", type=int, help="default: steps / 20")
     p.add_argument("--init", help="checkpoint every method starts from (e.g. a low-resolution full-attention run)")
     p.add_argument("--data-dir", help="your own images instead of the bundled photographs")
-    p.add_argument("--throughput-sizes", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--throughput-sizes", type=int, nargs="*", default=[128, 256],
+                   help="image sides of the throughput measurement (none: skip it)")
     p.add_argument("--throughput-tokens", type=int, default=16 * 128 * 128,
                    help="pixel tokens per throughput batch (batch = tokens / side^2)")
     p.add_argument("--throughput-steps", type=int, default=10, help="timed training steps (after 3 warm-up)")
@@ -83,11 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 16x16 images, 2 steps")
-    args = p.parse_args(argv)
-    if args.tiny:
-        for key in ("image_size", "throughput_sizes", "throughput_tokens", "throughput_steps", "steps", "batch_size"):
-            setattr(args, key, TINY[key])
-    return args
+    if p.parse_args(argv).tiny:     # tiny defaults; options given on the command line still win
+        p.set_defaults(**TINY)
+    return p.parse_args(argv)
 
 
 def with_quant(attn: dict, quant) -> dict:
@@ -152,6 +156,12 @@ def measure_throughput(attn: dict, size: int, args, arch: dict) -> float:
     return batch * size * size * args.throughput_steps / (time.perf_counter() - start)
 
 
+def earlier_results(out: Path) -> dict:
+    """The per-method results of an earlier study in ``out`` (empty when there is none)."""
+    path = out / "study.json"
+    return json.loads(path.read_text())["methods"] if path.exists() else {}
+
+
 def attempt(work):
     """``work()``, or its error as a string (one failing method or size must not lose the others)."""
     try:
@@ -182,13 +192,15 @@ def plot(results: dict, out: Path, args) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [n for n, r in results.items() if any(isinstance(v, float) for v in r.get("throughput", {}).values())]
-    width = 0.8 / len(args.throughput_sizes)
-    for i, size in enumerate(args.throughput_sizes):
-        values = [results[n].get("throughput", {}).get(str(size)) for n in names]
-        ax.bar([j + i * width for j in range(len(names))], [v if isinstance(v, float) else 0 for v in values],
-               width, label=f"{size}x{size}")
-    ax.set_xticks([j + width * (len(args.throughput_sizes) - 1) / 2 for j in range(len(names))], names)
+    measured = {n: {size: v for size, v in r.get("throughput", {}).items() if isinstance(v, float)}
+                for n, r in results.items()}
+    names = [n for n, sizes in measured.items() if sizes]
+    sizes = sorted({size for n in names for size in measured[n]}, key=int)
+    width = 0.8 / max(1, len(sizes))
+    for i, size in enumerate(sizes):
+        ax.bar([j + i * width for j in range(len(names))], [measured[n].get(size, 0.0) for n in names], width,
+               label=f"{size}x{size}")
+    ax.set_xticks([j + width * (len(sizes) - 1) / 2 for j in range(len(names))], names)
     ax.set(ylabel="training pixel tokens / s", yscale="log", title="training throughput")
     ax.legend()
     fig.tight_layout()
@@ -202,21 +214,27 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     table = TINY_METHODS if args.tiny else METHODS
     arch = model_size(args)
-    results = {}
+    results = earlier_results(out)
     for name in args.methods:
         attn = with_quant(table[name], args.attn_quant)
-        result = {"attn": attn}
-        results[name] = result
+        result = results.setdefault(name, {})
+        result["attn"] = attn
         if attn["method"] not in MODULES:
             result["error"] = f"method {attn['method']!r} is not in this flexsparse build"
             print(f"[{name}] skipped: {result['error']}")
             continue
-        trained = attempt(lambda: train_method(name, attn, args, arch, out))
-        result.update(trained if isinstance(trained, dict) else {"error": trained})
-        result["throughput"] = {str(size): attempt(lambda: measure_throughput(attn, size, args, arch))
-                                for size in args.throughput_sizes}
+        if args.steps > 0:
+            for key in ("summary", "val_step", "val_loss", "val_loss_ema", "error"):
+                result.pop(key, None)
+            trained = attempt(lambda: train_method(name, attn, args, arch, out))
+            result.update(trained if isinstance(trained, dict) else {"error": trained})
+        if args.throughput_sizes:
+            result["throughput"] = {str(size): attempt(lambda: measure_throughput(attn, size, args, arch))
+                                    for size in args.throughput_sizes}
+            result["throughput_settings"] = {"compile": args.compile, "checkpointing": args.checkpointing,
+                                             "tokens_per_batch": args.throughput_tokens}
         final = result.get("summary", {}).get("final_val_loss_ema")
-        print(f"[{name}] final EMA validation loss {final}, tokens/s {result['throughput']}"
+        print(f"[{name}] final EMA validation loss {final}, tokens/s {result.get('throughput')}"
               + (f", {result['error']}" if "error" in result else ""))
         write_json({"args": vars(args), "methods": results}, out / "study.json")
     plot(results, out, args)

@@ -45,10 +45,9 @@ def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
     """
     n = x.shape[-2]
     t = num_blocks(n, block)
-    x = x.to(accumulation_dtype(x.dtype))
     if t * block != n:
         x = F.pad(x, (0, 0, 0, t * block - n))
-    return x.unflatten(-2, (t, block)).sum(-2)
+    return x.unflatten(-2, (t, block)).sum(-2, dtype=accumulation_dtype(x.dtype))  # no widened copy of x
 
 
 def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:

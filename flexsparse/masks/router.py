@@ -35,7 +35,7 @@ def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *,
     key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k)."""
     q_bar, k_bar = mean_pool(q, block_q), mean_pool(k, block_k)
     if smooth_k:
-        k_bar = k_bar - k.to(accumulation_dtype(k.dtype)).mean(2, keepdim=True)
+        k_bar = k_bar - k.mean(2, keepdim=True, dtype=accumulation_dtype(k.dtype))
     return q_bar, k_bar
 
 

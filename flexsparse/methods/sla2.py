@@ -79,10 +79,11 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     p = require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
     acc = accumulation_dtype(q.dtype)
     if cfg.smooth_k == "all":                      # kept in fp32: rounded keys would perturb the router
-        k = k.to(acc) - k.to(acc).mean(dim=2, keepdim=True)
+        k = k.to(acc) - k.mean(dim=2, keepdim=True, dtype=acc)
     mask = route(q, k, cfg, p["proj_q"], p["proj_k"])
+    k = k.to(q.dtype)                              # both branches attend the (smoothed) keys in q's dtype
     if backend == "reference":
-        return sla2_dense(q, k.to(q.dtype), v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
+        return sla2_dense(q, k, v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
                           alpha_logit=p["alpha_logit"], quant=cfg.quant)
     if isinstance(mask, SoftBlockMask):            # calibration: soft weights on every block (torch)
         o_s, lse = torch_soft.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q,
@@ -90,7 +91,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
-        o_s, lse = block_attention(q, k.to(q.dtype), v, mask, scale, backend=backend,
+        o_s, lse = block_attention(q, k, v, mask, scale, backend=backend,
                                    deterministic=cfg.deterministic, quant=cfg.quant)
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
