@@ -179,22 +179,25 @@ def plot(results: dict, out: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, result in results.items():
-        if result.get("val_step"):
-            ax.plot(result["val_step"], result["val_loss_ema"], "o-", ms=3, label=name)
-    ax.set(xlabel="step", ylabel="validation loss (EMA model)", yscale="log",
-           title=f"{args.image_size}x{args.image_size}, held-out crops, fixed noise and sigmas")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, model in zip(axes, ("val_loss", "val_loss_ema"), ("model", "EMA model")):
+        for name, result in results.items():
+            if result.get("val_step"):
+                ax.plot(result["val_step"], result[key], "o-", ms=3, label=name)
+        ax.set(xlabel="step", ylabel=f"validation loss ({model})", yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{args.image_size}x{args.image_size}, held-out crops, fixed noise and sigmas")
     fig.tight_layout()
     fig.savefig(out / "val_loss.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     measured = {n: {size: v for size, v in r.get("throughput", {}).items() if isinstance(v, float)}
                 for n, r in results.items()}
     names = [n for n, sizes in measured.items() if sizes]
+    if not names:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     sizes = sorted({size for n in names for size in measured[n]}, key=int)
     width = 0.8 / max(1, len(sizes))
     for i, size in enumerate(sizes):
