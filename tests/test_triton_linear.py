@@ -1,10 +1,14 @@
-"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, op ``flexsparse::masked_linear``).
+"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, ops ``flexsparse::masked_linear``
+and ``masked_linear_bwd``; kernels ``triton.linear_fwd`` / ``linear_bwd``).
 
-CPU (CI): the gather-subtract kernel runs through the Triton interpreter in fp32 on tiny shapes against
-``torch_linear.masked_linear_attention`` and the dense reference (outputs and gradients of q, k, v), with
-and without excluded blocks, GQA, odd N, block_q != block_k, the three feature maps; all blocks skipped
-gives exactly 0. They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``).
-GPU (``pytest -m gpu``): bf16 at N = 16K against the torch backend, eager and ``torch.compile(fullgraph=True)``.
+CPU (CI): the kernels run through the Triton interpreter in fp32 (and fp16) on tiny shapes against the PyTorch
+path of the same ops (fp64 inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
+with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that are not powers of two, the
+three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
+gives exactly 0; opcheck of both ops. They run in a child pytest started with ``TRITON_INTERPRET=1``
+(``test_interpreter_suite``).
+GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 128, GQA, ragged N) against the PyTorch path
+(fp64), eager and ``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients.
 """
 from __future__ import annotations
 
@@ -102,6 +106,93 @@ def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
     assert skipped_blocks(selection).shape[-1] == 3                       # Tk = 3
     out = triton_linear.masked_linear_attention(q, k, v, selection, feature_map="softmax", eps=1e-5)
     assert torch.equal(out, torch.zeros_like(q))
+
+
+def _random_skipped(b, h, tq, tk, width, device="cpu"):
+    """``(B, H, Tq, width)`` int32: distinct random key blocks per row, ascending."""
+    rows = torch.rand(b * h * tq, tk).argsort(-1)[:, :width].sort(-1).values
+    return rows.view(b, h, tq, width).int().to(device)
+
+
+def _op_run(q, k, v, skipped, bq, bk, fmap, eps=1e-5):
+    """``flexsparse::masked_linear``: output, query-block states and the gradients of q, k, v of a fixed
+    random loss (torch.autograd through the registered backward)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, rows = sla_ops.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
+    (out.double() * weight.double()).sum().backward()
+    return [out, rows] + [x.grad for x in leaves]
+
+
+OP_NAMES = ["o", "rows", "dq", "dk", "dv"]
+# (B, H, Hk, N, D, block_q, block_k, skipped per row (-1: all but one), feature map)
+OP_CASES = [
+    (1, 4, 2, 100, 16, 16, 32, 1, "softmax"),    # GQA, ragged last key block
+    (1, 4, 2, 193, 32, 32, 16, 3, "elu"),        # GQA, block_q > block_k
+    (2, 2, 2, 193, 16, 16, 16, 0, "relu"),       # empty skipped lists: full linear attention
+    (1, 4, 2, 100, 32, 16, 16, -1, "softmax"),   # all but one key block skipped
+    (1, 2, 1, 100, 24, 32, 32, 2, "elu"),        # head dim not a power of two (masked dims)
+    (1, 2, 2, 193, 16, 64, 32, 2, "relu"),       # blocks larger than the interpreter's 16-row tiles
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES)
+def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap):
+    """fp32 kernels (interpreter) against the ops' PyTorch path on fp64 copies of the same inputs."""
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    tq, tk = num_blocks(n, bq), num_blocks(n, bk)
+    skipped = _random_skipped(b, h, tq, tk, tk - 1 if width < 0 else width)
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("fmap", ["softmax", "elu", "relu"])
+def test_kernels_match_torch_linear_reference(fmap):
+    """Against ``torch_linear``'s gather form (fp64) through a ``BlockSelection`` of the same skipped table, and
+    with nothing skipped against full linear attention."""
+    b, h, hk, n, d, bq, bk = 1, 4, 2, 193, 16, 32, 16
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    skipped = _random_skipped(b, h, num_blocks(n, bq), num_blocks(n, bk), 4)
+    selection = BlockSelection(skipped, bq, bk, n, n)
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _run(torch_linear.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], want):
+        assert ts.rel_err(a, w) < 1e-5, name
+    got = _op_run(q, k, v, skipped[..., :0], bq, bk, fmap)
+    full = _run(lambda q, k, v, s, feature_map, eps: torch_linear.linear_attention(q, k, v, feature_map=feature_map,
+                                                                                   eps=eps),
+                q.double(), k.double(), v.double(), selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], full):
+        assert ts.rel_err(a, w) < 1e-5, f"full {name}"
+
+
+@cpu_only
+def test_fp16_kernels():
+    """fp16 inputs: fp32 states and exact fp32 dots, output and gradients in fp16."""
+    q, k, v = _inputs(1, 4, 2, 100, 100, 16)
+    skipped = _random_skipped(1, 4, 7, 4, 2)
+    got = _op_run(q.half(), k.half(), v.half(), skipped, 16, 32, "softmax")
+    want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 32, "softmax")
+    assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 5e-3, name
+
+
+@cpu_only
+def test_opcheck_kernels():
+    q, k, v = _inputs(1, 4, 2, 50, 50, 16)
+    skipped = _random_skipped(1, 4, 4, 4, 2)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
+    utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
+    torch.library.opcheck(sla_ops.masked_linear, args, test_utils=utils)
+    out, rows = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows, 16, 16, "elu", 1e-5)
+    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args, test_utils=utils)
 
 
 @cpu_parent
