@@ -227,6 +227,32 @@ def test_opcheck_cpu_fallback():
 # ----------------------------------------------------------------------------------------------- GPU
 
 
+GPU_CASES = [  # (H, Hk, N, D, block_q, block_k, topk_ratio, negligible_ratio, feature map, dtype)
+    (8, 8, 16384, 64, 64, 64, 0.05, 0.0, "softmax", torch.bfloat16),
+    (8, 2, 16000, 128, 128, 64, 0.05, 0.1, "elu", torch.bfloat16),
+    (4, 1, 16384, 64, 64, 128, 0.1, 0.0, "relu", torch.bfloat16),
+    (4, 4, 8192, 64, 64, 64, 0.1, 0.05, "softmax", torch.float32),
+    (4, 2, 4133, 128, 64, 64, 0.1, 0.0, "elu", torch.float32),
+    (4, 2, 5000, 96, 64, 64, 0.1, 0.0, "softmax", torch.bfloat16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("h,hk,n,d,bq,bk,ratio,negligible,fmap,dtype", GPU_CASES)
+def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype):
+    """bf16 / fp32 kernels against the ops' PyTorch path on fp64 copies (the same skipped table): o, the saved
+    query-block states and dq, dk, dv."""
+    torch.manual_seed(0)
+    q, k, v = _inputs(1, h, hk, n, n, d, dtype, "cuda")
+    skipped = skipped_blocks(_selection(q, k, bq, bk, ratio, negligible))
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
+    assert got[0].dtype == dtype and got[2].dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < tol, name
+
+
 @gpu
 @pytest.mark.parametrize("h,hk,n,d,bq,bk,negligible,fmap", [
     (4, 4, 16384, 64, 64, 64, 0.1, "softmax"), (4, 2, 16000, 128, 128, 64, 0.0, "elu"),
@@ -249,9 +275,24 @@ def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, c
 
 
 @gpu
+def test_gpu_gradients_are_reproducible():
+    """No atomics: two backward passes give bitwise equal dq, dk, dv."""
+    torch.manual_seed(0)
+    q, k, v = _inputs(2, 8, 2, 8192, 8192, 64, torch.bfloat16, "cuda")
+    skipped = skipped_blocks(_selection(q, k, 64, 64, 0.1, 0.05))
+    first, second = (_op_run(q, k, v, skipped, 64, 64, "softmax") for _ in range(2))
+    for name, a, w in zip(OP_NAMES, first, second):
+        assert torch.equal(a, w), name
+
+
+@gpu
 def test_gpu_opcheck():
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda")
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
             1e-5)
     torch.library.opcheck(sla_ops.masked_linear, args)
+    out, rows = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
+                "softmax", 1e-5)
+    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args)
