@@ -60,7 +60,7 @@ def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dic
     whole forward."""
     skipped = skipped_blocks(selection).contiguous()
     bq, bk, d = selection.block_q, selection.block_k, q.shape[-1]
-    tiles = linear_tiles(q.device, d)
+    tiles = linear_tiles(q.device, d, q.dtype)
     o, rows = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
     do = torch.randn_like(o)
     gbytes = skipped.numel() * d * (d + 1) * torch.finfo(state_dtype(q.dtype)).bits / 8 / 1e9

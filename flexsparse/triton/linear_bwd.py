@@ -109,7 +109,7 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, tk = skipped.shape[2], cdiv(nk, block_k)
-    tiles = tiles or linear_tiles(q.device, d)
+    tiles = tiles or linear_tiles(q.device, d, q.dtype)
     bf16, fmap, bd = q.dtype == torch.bfloat16, feature_code(feature_map), pow2(d, 16)
     dt = state_dtype(q.dtype)
     dq = torch.empty_like(q)

@@ -145,13 +145,18 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def linear_tiles(device: torch.device, d: int) -> dict:
+def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
-    loops, with ``tiles.overrides("linear")``."""
+    loops, with ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 (triton 3.6,
+    ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32 products on FMA units) and D > 64 take
+    narrower tiles."""
     if device.type == "cpu":
         base = dict(TQ=16, TK=16, warps=4, stages=1)
+    elif dtype != torch.bfloat16:
+        rows = 32 if d <= 64 else 16
+        base = dict(TQ=rows, TK=rows, warps=8, stages=2)
     else:
-        base = dict(TQ=64, TK=64, warps=4 if d <= 64 else 8, stages=3)
+        base = dict(TQ=64 if d <= 64 else 32, TK=64, warps=4 if d <= 64 else 8, stages=3)
     return {**base, **overrides("linear")}
 
 
@@ -186,7 +191,7 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     """
     bsz, heads, nq, d = q.shape
     tq, width = skipped.shape[2], skipped.shape[3]
-    tiles = tiles or linear_tiles(q.device, d)
+    tiles = tiles or linear_tiles(q.device, d, q.dtype)
     hs, zs = key_states(k, v, block_k, feature_map, tiles, q.dtype)
     ht, zt = hs.sum(2, dtype=torch.float32), zs.sum(2, dtype=torch.float32)
     o = torch.empty_like(q)
