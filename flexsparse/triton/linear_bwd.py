@@ -22,7 +22,8 @@ import triton.language as tl
 from .common import launcher
 from .csc import block_csc
 from .layout import cdiv, pow2
-from .linear_fwd import block_tokens, dot, feature, feature_code, feature_grad, linear_tiles, split, state_dtype
+from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split,
+                         state_dtype)
 
 
 @triton.jit
@@ -66,28 +67,32 @@ def _query_grad_kernel(Q, DO, ROWS, DQ, DHQ, DZQ, EPS, NQ, TQ, D: tl.constexpr, 
 @triton.jit
 def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, TK, L, HK, GROUP, D: tl.constexpr,
                      BD: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                     FMAP: tl.constexpr, BF16: tl.constexpr, STAGES: tl.constexpr):
+                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
     j = tl.program_id(0)
     bkv = tl.program_id(1)
-    b = bkv // HK
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hp = dim[:, None] * D + dim[None, :]
     hmask = dim_ok[:, None] & dim_ok[None, :]
-    acc_h = tl.zeros([BD, BD], tl.float32)
-    acc_z = tl.zeros([BD], tl.float32)
-    for g in range(GROUP):
-        head = (b * HK * GROUP + (bkv - b * HK) * GROUP + g).to(tl.int64)          # query head (b, kv * G + g)
-        start = tl.load(OFFSETS + head * (TK + 1) + j)
-        end = tl.load(OFFSETS + head * (TK + 1) + j + 1)
-        src_h = DHQ + head * TQ * D * D
-        src_z = DZQ + head * TQ * D
-        for e in tl.range(start, end, num_stages=STAGES):
-            i = tl.load(LISTS + head * L + e).to(tl.int64)
-            acc_h += tl.load(src_h + i * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
-            acc_z += tl.load(src_z + i * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
-    d_h = tl.load(DHT + bkv.to(tl.int64) * D * D + hp, mask=hmask, other=0.0) - acc_h
-    d_z = tl.load(DZT + bkv.to(tl.int64) * D + dim, mask=dim_ok, other=0.0) - acc_z
+    if GATHER:
+        b = bkv // HK
+        acc_h = tl.zeros([BD, BD], tl.float32)
+        acc_z = tl.zeros([BD], tl.float32)
+        for g in range(GROUP):
+            head = (b * HK * GROUP + (bkv - b * HK) * GROUP + g).to(tl.int64)      # query head (b, kv * G + g)
+            start = tl.load(OFFSETS + head * (TK + 1) + j)
+            end = tl.load(OFFSETS + head * (TK + 1) + j + 1)
+            src_h = DHQ + head * TQ * D * D
+            src_z = DZQ + head * TQ * D
+            for e in tl.range(start, end, num_stages=STAGES):
+                i = tl.load(LISTS + head * L + e).to(tl.int64)
+                acc_h += tl.load(src_h + i * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
+                acc_z += tl.load(src_z + i * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        d_h = tl.load(DHT + bkv.to(tl.int64) * D * D + hp, mask=hmask, other=0.0) - acc_h
+        d_z = tl.load(DZT + bkv.to(tl.int64) * D + dim, mask=dim_ok, other=0.0) - acc_z
+    else:                                                  # per key block, summed by linear_dense.key_sums
+        d_h = tl.load(DHT + (bkv.to(tl.int64) * TK + j) * D * D + hp, mask=hmask, other=0.0)
+        d_z = tl.load(DZT + (bkv.to(tl.int64) * TK + j) * D + dim, mask=dim_ok, other=0.0)
     base = bkv.to(tl.int64) * NK * D
     for c in range(SPLIT):
         rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
@@ -119,14 +124,19 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
         q, do, rows, dq, d_hq, d_zq, eps, nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap,
         BF16=bf16, num_warps=tiles["warps"])
-    group = heads // kv_heads
-    d_ht = d_hq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
-    d_zt = d_zq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
-    offsets, lists = block_csc(skipped, tk, deterministic=True)
+    group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
+    if not gather:
+        from .linear_dense import keep_map, key_sums
+        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads, bf16)
+        offsets = lists = skipped                          # not read without GATHER
+    else:
+        d_ht = d_hq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
+        d_zt = d_zq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
+        offsets, lists = block_csc(skipped, tk, deterministic=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tile, n_split = split(block_k, tiles["TK"])
     launcher(_key_grad_kernel)[(tk, bsz * kv_heads)](
-        k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, dk, dv, nk, tq, tk, lists.shape[2], kv_heads, group, D=d, BD=bd,
-        BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, STAGES=tiles["stages"],
-        num_warps=tiles["warps"])
+        k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, dk, dv, nk, tq, tk, lists.shape[-1], kv_heads, group, D=d,
+        BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, GATHER=gather,
+        STAGES=tiles["stages"], num_warps=tiles["warps"])
     return dq, dk, dv

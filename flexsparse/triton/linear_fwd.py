@@ -25,6 +25,7 @@ from .layout import cdiv, pow2
 from .tiles import overrides
 
 FEATURE_MAPS = {"softmax": 0, "elu": 1, "relu": 2}
+DENSE_NEVER = 2.0  # a dense_ratio no skipped table reaches (S <= Tk)
 
 
 @triton.jit
@@ -99,29 +100,33 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 @triton.jit
 def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS, NQ, TQ, TK, S, H, GROUP, D: tl.constexpr,
                     BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                    FMAP: tl.constexpr, BF16: tl.constexpr, STAGES: tl.constexpr):
+                    FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
-    hp = dim[:, None] * D + dim[None, :]
     hmask = dim_ok[:, None] & dim_ok[None, :]
-    hs = HS + kv * TK * D * D
-    zs = ZS + kv * TK * D
-    ids = IDS + (bh.to(tl.int64) * TQ + i) * S
-    acc_h = tl.zeros([BD, BD], tl.float32)
-    acc_z = tl.zeros([BD], tl.float32)
-    for e in tl.range(0, S, num_stages=STAGES):
-        j = tl.load(ids + e).to(tl.int64)
-        acc_h += tl.load(hs + j * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
-        acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
-    state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
-    state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
     row = ROWS + (bh.to(tl.int64) * TQ + i) * D * (D + 1)
-    tl.store(row + dim[:, None] * (D + 1) + dim[None, :], state_h, mask=hmask)
-    tl.store(row + dim * (D + 1) + D, state_z, mask=dim_ok)
+    if GATHER:
+        b = bh // H
+        kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
+        hp = dim[:, None] * D + dim[None, :]
+        hs = HS + kv * TK * D * D
+        zs = ZS + kv * TK * D
+        ids = IDS + (bh.to(tl.int64) * TQ + i) * S
+        acc_h = tl.zeros([BD, BD], tl.float32)
+        acc_z = tl.zeros([BD], tl.float32)
+        for e in tl.range(0, S, num_stages=STAGES):
+            j = tl.load(ids + e).to(tl.int64)
+            acc_h += tl.load(hs + j * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
+            acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
+        state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
+        tl.store(row + dim[:, None] * (D + 1) + dim[None, :], state_h, mask=hmask)
+        tl.store(row + dim * (D + 1) + D, state_z, mask=dim_ok)
+    else:                                                  # rows summed by linear_dense.query_sums
+        state_h = tl.load(row + dim[:, None] * (D + 1) + dim[None, :], mask=hmask, other=0.0)
+        state_z = tl.load(row + dim * (D + 1) + D, mask=dim_ok, other=0.0)
     base = bh.to(tl.int64) * NQ * D
     for c in range(SPLIT):
         rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
@@ -147,17 +152,24 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
-    loops, with ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 (triton 3.6,
+    loops, and ``dense_ratio``: the strategy (``dense``), with ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 (triton 3.6,
     ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32 products on FMA units) and D > 64 take
     narrower tiles."""
     if device.type == "cpu":
-        base = dict(TQ=16, TK=16, warps=4, stages=1)
+        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER)
     elif dtype != torch.bfloat16:
         rows = 32 if d <= 64 else 16
-        base = dict(TQ=rows, TK=rows, warps=8, stages=2)
+        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER)
     else:
-        base = dict(TQ=64 if d <= 64 else 32, TK=64, warps=4 if d <= 64 else 8, stages=3)
+        base = dict(TQ=64 if d <= 64 else 32, TK=64, warps=4 if d <= 64 else 8, stages=3, dense_ratio=0.03)
     return {**base, **overrides("linear")}
+
+
+def dense(skipped: torch.Tensor, tk: int, tiles: dict) -> bool:
+    """Whether the sums over key blocks run as block matmuls (``linear_dense``) rather than gathers: when the
+    skipped blocks per row reach ``tiles["dense_ratio"]`` of all key blocks (bf16 on GPUs: 3%, where the
+    tensor-core matmul beats the gathered bytes; never by default for fp32 / fp16 and on CPU)."""
+    return skipped.shape[-1] > 0 and skipped.shape[-1] >= tiles["dense_ratio"] * tk
 
 
 def split(block: int, cap: int) -> tuple[int, int]:
@@ -193,12 +205,18 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     tq, width = skipped.shape[2], skipped.shape[3]
     tiles = tiles or linear_tiles(q.device, d, q.dtype)
     hs, zs = key_states(k, v, block_k, feature_map, tiles, q.dtype)
-    ht, zt = hs.sum(2, dtype=torch.float32), zs.sum(2, dtype=torch.float32)
+    bf16, gather = q.dtype == torch.bfloat16, not dense(skipped, hs.shape[2], tiles)
     o = torch.empty_like(q)
-    rows = q.new_empty(bsz, heads, tq, d * (d + 1), dtype=torch.float32)
+    if gather:
+        ht, zt = hs.sum(2, dtype=torch.float32), zs.sum(2, dtype=torch.float32)
+        rows = q.new_empty(bsz, heads, tq, d * (d + 1), dtype=torch.float32)
+    else:
+        from .linear_dense import keep_map, query_sums
+        ht, zt = hs, zs
+        rows = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs, bf16)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_forward_kernel)[(tq, bsz * heads)](
         q, hs, zs, ht, zt, skipped, o, rows, eps, nq, tq, hs.shape[2], width, heads, heads // k.shape[1], D=d,
-        BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map),
-        BF16=q.dtype == torch.bfloat16, STAGES=tiles["stages"], num_warps=tiles["warps"])
+        BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
+        GATHER=gather, STAGES=tiles["stages"], num_warps=tiles["warps"])
     return o, rows
