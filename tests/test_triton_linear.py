@@ -12,6 +12,8 @@ GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 128, GQA, ragg
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -136,10 +138,20 @@ OP_CASES = [
 ]
 
 
+STRATEGIES = {"gather": {"dense_ratio": 2.0}, "dense": {"dense_ratio": 0.0}}   # linear_fwd.dense
+
+
+def _strategy(monkeypatch, name):
+    """Force the gather or the dense block-sum strategy (``FLEXSPARSE_TRITON_TILES``, read at every call)."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[name]}))
+
+
 @cpu_only
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES)
-def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap):
+def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap, strategy, monkeypatch):
     """fp32 kernels (interpreter) against the ops' PyTorch path on fp64 copies of the same inputs."""
+    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(b, h, hk, n, n, d)
     tq, tk = num_blocks(n, bq), num_blocks(n, bk)
     skipped = _random_skipped(b, h, tq, tk, tk - 1 if width < 0 else width)
@@ -172,8 +184,10 @@ def test_kernels_match_torch_linear_reference(fmap):
 
 
 @cpu_only
-def test_fp16_kernels():
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_fp16_kernels(strategy, monkeypatch):
     """fp16 inputs: fp32 states and exact fp32 dots, output and gradients in fp16."""
+    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(1, 4, 2, 100, 100, 16)
     skipped = _random_skipped(1, 4, 7, 4, 2)
     got = _op_run(q.half(), k.half(), v.half(), skipped, 16, 32, "softmax")
@@ -181,6 +195,18 @@ def test_fp16_kernels():
     assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
     for name, a, w in zip(OP_NAMES, got, want):
         assert ts.rel_err(a, w) < 5e-3, name
+
+
+@cpu_parent
+def test_strategy_rule():
+    from flexsparse.triton.linear_fwd import dense, linear_tiles
+    skipped = torch.zeros(1, 1, 4, 3, dtype=torch.int32)
+    cuda = torch.device("cuda")
+    assert dense(skipped, 100, linear_tiles(cuda, 64, torch.bfloat16))            # 3% of 100 key blocks
+    assert not dense(skipped, 101, linear_tiles(cuda, 64, torch.bfloat16))
+    assert not dense(skipped, 10, linear_tiles(cuda, 64, torch.float32))           # fp32: always gather
+    assert not dense(skipped[..., :0], 10, {"dense_ratio": 0.0})                   # nothing skipped
+    assert not dense(skipped, 10, linear_tiles(torch.device("cpu"), 64, torch.float32))
 
 
 @cpu_only
@@ -238,10 +264,12 @@ GPU_CASES = [  # (H, Hk, N, D, block_q, block_k, topk_ratio, negligible_ratio, f
 
 
 @gpu
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("h,hk,n,d,bq,bk,ratio,negligible,fmap,dtype", GPU_CASES)
-def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype):
-    """bf16 / fp32 kernels against the ops' PyTorch path on fp64 copies (the same skipped table): o, the saved
-    query-block states and dq, dk, dv."""
+def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype, strategy, monkeypatch):
+    """bf16 / fp32 kernels, both strategies, against the ops' PyTorch path on fp64 copies (the same skipped
+    table): o, the saved query-block states and dq, dk, dv."""
+    _strategy(monkeypatch, strategy)
     torch.manual_seed(0)
     q, k, v = _inputs(1, h, hk, n, n, d, dtype, "cuda")
     skipped = skipped_blocks(_selection(q, k, bq, bk, ratio, negligible))
@@ -275,8 +303,10 @@ def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, c
 
 
 @gpu
-def test_gpu_gradients_are_reproducible():
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gpu_gradients_are_reproducible(strategy, monkeypatch):
     """No atomics: two backward passes give bitwise equal dq, dk, dv."""
+    _strategy(monkeypatch, strategy)
     torch.manual_seed(0)
     q, k, v = _inputs(2, 8, 2, 8192, 8192, 64, torch.bfloat16, "cuda")
     skipped = skipped_blocks(_selection(q, k, 64, 64, 0.1, 0.05))
