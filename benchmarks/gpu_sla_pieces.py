@@ -3,7 +3,8 @@
 ``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernel) against the
 sorted PyTorch path (``masks.sorted_block_topk``) and checks they agree. ``bench_masked_linear`` times
 ``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its kernels alone (key-block
-states, the fused forward, the backward with its CSC; with the gathered L2 -> SM bytes and GB/s), the ``torch``
+states; forward and backward of both strategies, gather and dense block sums; the CSC; the gathered L2 -> SM
+bytes and GB/s), the ``torch``
 gather form (small N) and the ``flex`` dense-block form, next to the previous implementation's numbers
 (``--previous``, a JSON of this script from before the fused kernels: matching rows give ``previous_*``).
 do_bench medians in ms; bf16 inputs; fixed SLA selections (smoothed pooled router). Both functions return
@@ -29,7 +30,7 @@ from flexsparse.backends.torch_linear import skipped_blocks
 from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sorted_block_topk
 from flexsparse.triton.csc import block_csc
 from flexsparse.triton.linear_bwd import linear_backward
-from flexsparse.triton.linear_fwd import key_states, linear_forward, linear_tiles, state_dtype
+from flexsparse.triton.linear_fwd import DENSE_NEVER, dense, key_states, linear_forward, linear_tiles, state_dtype
 
 B, H, BLOCK = 2, 8, 64
 DEVICE = "cuda"
@@ -54,22 +55,26 @@ def _selection(q, k, topk: int, bottomk: int) -> BlockSelection:
 
 
 def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dict:
-    """The branch's kernels alone: key-block states, the whole forward (states + totals + fused kernel), the
-    whole backward (query-major kernel, totals, CSC, key-major kernel), the CSC alone; the bytes of states and
-    state gradients gathered per direction (``S`` per query block, in ``state_dtype``) and their rate over the
-    whole forward."""
+    """The branch's kernels alone: key-block states; for both strategies (``gather``: CSR / CSC gathers,
+    ``dense``: keep-map block matmuls, ``linear_fwd.dense``) the whole forward (states, sums, fused output
+    kernel) and the whole backward (query-major kernel, sums, key-major kernel); the CSC alone; which strategy
+    the default picks; the bytes of states gathered per direction by ``gather`` (``S`` per query block, in
+    ``state_dtype``) and their rate over its whole forward."""
     skipped = skipped_blocks(selection).contiguous()
     bq, bk, d = selection.block_q, selection.block_k, q.shape[-1]
     tiles = linear_tiles(q.device, d, q.dtype)
     o, rows = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
     do = torch.randn_like(o)
     gbytes = skipped.numel() * d * (d + 1) * torch.finfo(state_dtype(q.dtype)).bits / 8 / 1e9
-    out = {"gather_GB": gbytes,
+    out = {"strategy": "dense" if dense(skipped, selection.num_k_blocks, tiles) else "gather", "gather_GB": gbytes,
            "states_ms": bench(lambda: key_states(k, v, bk, feature_map, tiles, q.dtype)),
-           "forward_ms": bench(lambda: linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)),
-           "backward_ms": bench(lambda: linear_backward(do, q, k, v, skipped, rows, bq, bk, feature_map, 1e-5)),
            "csc_ms": bench(lambda: block_csc(skipped, selection.num_k_blocks, deterministic=True))}
-    out["forward_gather_GBps"] = gbytes / out["forward_ms"] * 1e3          # a lower bound (the whole forward)
+    for name, ratio in (("gather", DENSE_NEVER), ("dense", 0.0)):
+        t = {**tiles, "dense_ratio": ratio}
+        out[f"{name}_forward_ms"] = bench(lambda: linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5, t))
+        out[f"{name}_backward_ms"] = bench(
+            lambda: linear_backward(do, q, k, v, skipped, rows, bq, bk, feature_map, 1e-5, t))
+    out["gather_GBps"] = gbytes / out["gather_forward_ms"] * 1e3               # a lower bound (the whole forward)
     return out
 
 
@@ -153,14 +158,16 @@ def main():
             linear_rows.append(row)
             print(json.dumps({key: val for key, val in row.items() if key != "kernels_fwd_bwd_ms"}), flush=True)
     fmt = lambda r, key: f"{r[key]:.3f}" if r.get(key) is not None else "-"  # noqa: E731
-    print(f"\nmasked linear branch, B=2, 64x64 blocks, bf16 (ms)\n{'N':>7} {'D':>4} {'H':>3} {'K':>4} {'Kx':>4} | "
-          f"{'fwd':>7} {'bwd':>7} {'GiB':>6} | {'states':>7} {'kfwd':>7} {'kbwd':>7} {'csc':>6} {'GB/s':>6} | "
-          f"{'prev f':>7} {'prev b':>7} | {'torch f':>7} {'torch b':>7} | {'dense f':>7} {'dense b':>7}")
+    print(f"\nmasked linear branch, B=2, 64x64 blocks, bf16 (ms; kernels: gather / dense strategies alone)\n"
+          f"{'N':>7} {'D':>4} {'H':>3} {'K':>4} {'Kx':>4} {'pick':>6} | {'fwd':>7} {'bwd':>7} {'GiB':>6} | "
+          f"{'states':>7} {'g fwd':>7} {'g bwd':>7} {'GB/s':>6} {'d fwd':>7} {'d bwd':>7} {'csc':>6} | "
+          f"{'prev f':>7} {'prev b':>7} | {'torch f':>7} {'torch b':>7} | {'flex f':>7} {'flex b':>7}")
     for r in linear_rows:
-        print(f"{r['N']:>7} {r['D']:>4} {r['H']:>3} {r['K']:>4} {r['Kx']:>4} | {fmt(r, 'triton_fwd_ms'):>7} "
-              f"{fmt(r, 'triton_bwd_ms'):>7} {r['triton_peak_gib']:>6.2f} | {fmt(r, 'states_ms'):>7} "
-              f"{fmt(r, 'forward_ms'):>7} {fmt(r, 'backward_ms'):>7} {fmt(r, 'csc_ms'):>6} "
-              f"{r['forward_gather_GBps']:>6.0f} | {fmt(r, 'previous_fwd_ms'):>7} {fmt(r, 'previous_bwd_ms'):>7} | "
+        print(f"{r['N']:>7} {r['D']:>4} {r['H']:>3} {r['K']:>4} {r['Kx']:>4} {r['strategy']:>6} | "
+              f"{fmt(r, 'triton_fwd_ms'):>7} {fmt(r, 'triton_bwd_ms'):>7} {r['triton_peak_gib']:>6.2f} | "
+              f"{fmt(r, 'states_ms'):>7} {fmt(r, 'gather_forward_ms'):>7} {fmt(r, 'gather_backward_ms'):>7} "
+              f"{r['gather_GBps']:>6.0f} {fmt(r, 'dense_forward_ms'):>7} {fmt(r, 'dense_backward_ms'):>7} "
+              f"{fmt(r, 'csc_ms'):>6} | {fmt(r, 'previous_fwd_ms'):>7} {fmt(r, 'previous_bwd_ms'):>7} | "
               f"{fmt(r, 'torch_fwd_ms'):>7} {fmt(r, 'torch_bwd_ms'):>7} | {fmt(r, 'dense_blocks_fwd_ms'):>7} "
               f"{fmt(r, 'dense_blocks_bwd_ms'):>7}")
     for r in linear_rows:

@@ -17,7 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import block_bwd, block_fwd, csc, linear_bwd, linear_fwd, llsa_bwd, llsa_fwd, pool, select
+from flexsparse.triton import (block_bwd, block_fwd, csc, linear_bwd, linear_dense, linear_fwd, llsa_bwd, llsa_fwd,
+                               pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -118,18 +119,24 @@ def main():
                  dict(SCALE=0.125, STAGES=bb["dkv_stages"], **geo, **even), bb["dkv_warps"], bb["dkv_stages"]))
     lt = linear_fwd.linear_tiles(dev, d, torch_dtype)
     state = "*bf16" if dt == "bf16" else "*fp32"
-    lin = dict(D=d, BD=pow2(d, 16), FMAP=0, BF16=dt == "bf16")
+    lin = dict(D=d, BD=pow2(d, 16), FMAP=0, BF16=dt == "bf16", GATHER=True)
+    dense = linear_dense.dense_tiles(dev, dt == "bf16")
     tile_q, split_q = linear_fwd.split(block_q, lt["TQ"])
     tile_k, split_k = linear_fwd.split(block_k, lt["TK"])
     jobs += [
         ("linear states", linear_fwd._states_kernel, dict(K=q, V=q, HS=state, ZS=state),
-         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **lin), lt["warps"], 1),
+         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
+         lt["warps"], 1),
+        ("linear dense block sums", linear_dense._block_sum_kernel, dict(A=state, B=state, C="*fp32"),
+         dict(BM=dense["BM"], BN=dense["BN"], BK=dense["BK"], BF16=dt == "bf16", STAGES=dense["stages"]),
+         dense["warps"], dense["stages"]),
         ("linear fwd", linear_fwd._forward_kernel,
          dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS="*fp32", EPS="fp32"),
          dict(BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),
         ("linear dq", linear_bwd._query_grad_kernel,
          dict(Q=q, DO=q, ROWS="*fp32", DQ=q, DHQ=state, DZQ=state, EPS="fp32"),
-         dict(BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, **lin), lt["warps"], 1),
+         dict(BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
+         lt["warps"], 1),
         ("linear dkv", linear_bwd._key_grad_kernel,
          dict(K=q, V=q, DHQ=state, DZQ=state, DHT="*fp32", DZT="*fp32", OFFSETS="*i32", LISTS="*i32", DK=q, DV=q),
          dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),

@@ -152,9 +152,9 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
-    loops, and ``dense_ratio``: the strategy (``dense``), with ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 (triton 3.6,
-    ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32 products on FMA units) and D > 64 take
-    narrower tiles."""
+    loops, and ``dense_ratio`` (the strategy: ``dense``), with ``tiles.overrides("linear")``. Chosen so that
+    nothing spills on sm_90 (triton 3.6, ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32
+    products on FMA units) and D > 64 take narrower tiles."""
     if device.type == "cpu":
         base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER)
     elif dtype != torch.bfloat16:
