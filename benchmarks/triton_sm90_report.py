@@ -24,11 +24,15 @@ from flexsparse.triton.layout import pow2
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+# integer arguments that are multiples of 16 at run time (triton specialises those), beyond the strides ``q_b``...
+DIVISIBLE = {"KD", "M", "C_ROW"}
+
+
 def compile_kernel(fn, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in pointers or re.fullmatch(r"[a-z]+_[bhns]", n)}
+             if (n in pointers and pointers[n].startswith("*")) or re.fullmatch(r"[a-z]+_[bhns]", n) or n in DIVISIBLE}
     return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
