@@ -210,7 +210,9 @@ def test_strategy_rule():
 
 
 @cpu_only
-def test_opcheck_kernels():
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_opcheck_kernels(strategy, monkeypatch):
+    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(1, 4, 2, 50, 50, 16)
     skipped = _random_skipped(1, 4, 4, 4, 2)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
@@ -316,7 +318,9 @@ def test_gpu_gradients_are_reproducible(strategy, monkeypatch):
 
 
 @gpu
-def test_gpu_opcheck():
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gpu_opcheck(strategy, monkeypatch):
+    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda")
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",

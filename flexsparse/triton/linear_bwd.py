@@ -7,10 +7,11 @@ With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
   ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in
   ``linear_fwd.state_dtype``). Q is also loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the
   first operand of every dot is never a transposed tile).
-* ``_key_grad_kernel``: one program per (key block j, batch x KV head): ``d[h_j | z_j]`` = the KV head's total
-  of ``d[H_i | Z_i]`` (all its query heads, fp32 ``torch.sum``) minus those of the query blocks that skipped j
-  (the key-major lists of ``csc.block_csc(..., deterministic=True)``, walked for every query head of the KV
-  head: no atomics, ascending lists, so bitwise reproducible); then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
+* ``_key_grad_kernel``: one program per (key block j, batch x KV head). With ``GATHER``: ``d[h_j | z_j]`` = the
+  KV head's total of ``d[H_i | Z_i]`` (all its query heads, fp32 ``torch.sum``) minus those of the query blocks
+  that skipped j (the key-major lists of ``csc.block_csc(..., deterministic=True)``, walked for every query
+  head of the KV head: no atomics, ascending lists, so bitwise reproducible); without it the sums come from
+  ``linear_dense.key_sums`` (``keep^T`` block matmuls). Then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
   ``dV_j = phi(K_j) dh_j`` and phi's gradient, in-kernel.
 """
 from __future__ import annotations

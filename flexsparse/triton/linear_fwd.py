@@ -1,18 +1,19 @@
-"""Masked linear branch of SLA / SLA2, forward: key-block states, then one fused kernel per query block.
+"""Masked linear branch of SLA / SLA2, forward: key-block states, the sums over key blocks, one fused output kernel.
 
 * ``_states_kernel``: one program per (key block j, batch x KV head): ``h_j = phi(K_j)^T V_j`` ``(D, D)`` and
   ``z_j = colsum phi(K_j)`` ``(D,)``, phi applied in-kernel (fp32), the product by ``tl.dot`` with fp32
   accumulation; tokens past ``Nk`` contribute 0. ``K_j`` is loaded transposed (``(D, tokens)``, phi along axis
-  0), so the first operand of the dot is a computed register tile. The per-head totals are one fp32
-  ``torch.sum`` over the blocks (deterministic).
-* ``_forward_kernel``: one program per (query block i, batch x query head): ``[H_i | Z_i]`` = the KV head's
-  total minus the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order),
-  then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; ``[H_i | Z_i]`` is stored packed
-  ``(D, D + 1)`` fp32 for the backward. phi(Q) never reaches HBM.
+  0), so the first operand of the dot is a computed register tile.
+* ``_forward_kernel``: one program per (query block i, batch x query head). With ``GATHER`` (the gather
+  strategy): ``[H_i | Z_i]`` = the KV head's total (one fp32 ``torch.sum`` over the blocks, deterministic) minus
+  the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored packed
+  ``(D, D + 1)`` fp32 for the backward; without it the packed rows come summed from ``linear_dense`` (the dense
+  strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
+  never reaches HBM.
 
-States are stored in bf16 for bf16 inputs (half the gathered bytes; the totals are summed from the same
-rounded states, so ``H_i`` is exactly the fp32 sum of its kept rounded states, no cancellation is amplified)
-and fp32 otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise.
+States are stored in bf16 for bf16 inputs (half the gathered bytes; the totals are summed from the same rounded
+states, so ``H_i`` is exactly the fp32 sum of its kept rounded states, no cancellation is amplified) and fp32
+otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise.
 """
 from __future__ import annotations
 

@@ -5,12 +5,14 @@
 ``O_l = phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` with ``[H_i | Z_i] = [H | Z] - sum_{j skipped by i} [h_j | z_j]``,
 ``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32 sums, fp64 for fp64 inputs). Kernels: ``linear_fwd``
 (key-block states, fused gather-subtract + output) and ``linear_bwd`` (query-major dq and state gradients,
-key-major dk / dv over the CSC of ``skipped``); phi and its gradient run in-kernel.
+key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
+(``linear_dense``, ``linear_fwd.dense``); phi and its gradient run in-kernel.
 
 Memory: the op returns the query-block states ``(B, H, Tq, D (D + 1))`` fp32 (saved for backward: about
 ``2 D / block_q`` times the size of a bf16 q); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))``
 (forward) and the query-block state gradients ``(B, H, Tq, D (D + 1))`` (backward), both bf16 for bf16 inputs,
-else fp32. Everything else is O(N D) (no fp32 copy of phi(Q), phi(K) or V).
+else fp32 (the dense strategy adds the ``(B, H, Tq, Tk)`` keep map). Everything else is O(N D) (no fp32 copy of
+phi(Q), phi(K) or V).
 
 Like ``ops``: CUDA runs the kernels; CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1``
 is set, else falls back to PyTorch (``_features``, ``_query_states_torch``, ``_key_states_torch``, fp32
