@@ -1,14 +1,16 @@
 """The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, ops ``flexsparse::masked_linear``
 and ``masked_linear_bwd``; kernels ``triton.linear_fwd`` / ``linear_bwd``).
 
-CPU (CI): the kernels run through the Triton interpreter in fp32 (and fp16) on tiny shapes against the PyTorch
-path of the same ops (fp64 inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
+CPU (CI): the kernels run through the Triton interpreter in fp32 (and fp16) on tiny shapes, both strategies (gather,
+dense block sums; forced through ``FLEXSPARSE_TRITON_TILES``), against the PyTorch path of the same ops (fp64
+inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
 with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that are not powers of two, the
 three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
 gives exactly 0; opcheck of both ops. They run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_suite``).
-GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 128, GQA, ragged N) against the PyTorch path
-(fp64), eager and ``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients.
+GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
+against the PyTorch path (fp64); the default strategy against the torch backend, eager and
+``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients.
 """
 from __future__ import annotations
 
@@ -195,6 +197,20 @@ def test_fp16_kernels(strategy, monkeypatch):
     assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
     for name, a, w in zip(OP_NAMES, got, want):
         assert ts.rel_err(a, w) < 5e-3, name
+
+
+@cpu_only
+def test_unknown_feature_map_and_wide_heads():
+    """A feature map the kernels do not know raises naming the argument; D > 128 keeps the PyTorch path."""
+    q, k, v = _inputs(1, 2, 1, 40, 40, 16)
+    skipped = _random_skipped(1, 2, 3, 3, 1)
+    with pytest.raises(ValueError, match="feature_map"):
+        sla_ops.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
+    q, k, v = _inputs(1, 2, 1, 40, 40, 136)
+    got = _op_run(q, k, v, skipped, 16, 16, "elu")
+    want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 16, "elu")
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
 
 
 @cpu_parent
