@@ -25,7 +25,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 # integer arguments that are multiples of 16 at run time (triton specialises those), beyond the strides ``q_b``...
-DIVISIBLE = {"KD", "M", "C_ROW"}
+DIVISIBLE = {"A_ROW", "M", "C_ROW"}
 
 
 def compile_kernel(fn, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):

@@ -24,7 +24,7 @@ from .layout import cdiv
 
 
 @triton.jit
-def _block_sum_kernel(A, B, C, R, KD, M, B_DIV, C_ROW, CW, CS, C0, BM: tl.constexpr, BN: tl.constexpr,
+def _block_sum_kernel(A, B, C, R, KD, A_ROW, M, B_DIV, C_ROW, CW, CS, C0, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, BF16: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -35,14 +35,14 @@ def _block_sum_kernel(A, B, C, R, KD, M, B_DIV, C_ROW, CW, CS, C0, BM: tl.conste
     cols = pn * BN + tl.arange(0, BN)
     row_ok = rows < R
     col_ok = cols < M
-    a_base = A + c * R * KD
+    a_base = A + c * R * A_ROW
     b_base = B + (c // B_DIV) * KD * M
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in tl.range(0, KD, BK, num_stages=STAGES):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < KD
-        a = tl.load(a_base + rows.to(tl.int64)[:, None] * KD + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        a = tl.load(a_base + rows.to(tl.int64)[:, None] * A_ROW + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_base + ks.to(tl.int64)[:, None] * M + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
         if BF16:
@@ -65,45 +65,54 @@ def dense_tiles(device: torch.device, bf16: bool) -> dict:
 
 def block_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_div: int, col_map: tuple[int, int, int],
               bf16: bool) -> torch.Tensor:
-    """``out[c, r, map(m)] = sum_k a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, Kd)``; b: ``(C / b_div, Kd,
-    M)``; out: ``(C, R, row)`` fp32; ``col_map = (CW, CS, C0)``: column m goes to ``(m // CW) CS + m % CW + C0``.
-    All contiguous."""
-    batch, rows, kd = a.shape
-    m = b.shape[2]
+    """``out[c, r, map(m)] = sum_{k < Kd} a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, >= Kd)`` (rows padded
+    to ``pad16`` keep the loads aligned); b: ``(C / b_div, Kd, M)``; out: ``(C, R, row)`` fp32;
+    ``col_map = (CW, CS, C0)``: column m goes to ``(m // CW) CS + m % CW + C0``. All contiguous."""
+    batch, rows, a_row = a.shape
+    kd, m = b.shape[1], b.shape[2]
     t = dense_tiles(a.device, bf16)
     launcher(_block_sum_kernel)[(cdiv(rows, t["BM"]) * cdiv(m, t["BN"]), batch)](
-        a, b, out, rows, kd, m, b_div, out.shape[2], *col_map, BM=t["BM"], BN=t["BN"], BK=t["BK"], BF16=bf16,
-        STAGES=t["stages"], num_warps=t["warps"], num_stages=t["stages"])
+        a, b, out, rows, kd, a_row, m, b_div, out.shape[2], *col_map, BM=t["BM"], BN=t["BN"], BK=t["BK"],
+        BF16=bf16, STAGES=t["stages"], num_warps=t["warps"], num_stages=t["stages"])
     return out
 
 
+def pad16(n: int) -> int:
+    """``n`` rounded up to a multiple of 16 (row length of the keep maps: 16-byte aligned rows for any dtype)."""
+    return -(-n // 16) * 16
+
+
 def keep_map(skipped: torch.Tensor, tk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones."""
-    keep = torch.ones(*skipped.shape[:3], tk, dtype=dtype, device=skipped.device)
+    """``(B, H, Tq, pad16(Tk))`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones and
+    on the padding."""
+    keep = torch.ones(*skipped.shape[:3], pad16(tk), dtype=dtype, device=skipped.device)
+    keep[..., tk:] = 0.0
     return keep.scatter_(-1, skipped.long(), 0.0)
 
 
 def query_sums(keep: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor, bf16: bool) -> torch.Tensor:
     """Packed ``rows (B, H, Tq, D (D + 1))`` fp32: ``[H_i | Z_i]`` = the kept key blocks' states summed.
-    keep ``(B, H, Tq, Tk)``; hs ``(B, Hk, Tk, D, D)``, zs ``(B, Hk, Tk, D)`` (the KV head of each query head)."""
-    bsz, heads, tq, tk = keep.shape
-    kv_heads, d = hs.shape[1], hs.shape[-1]
+    keep ``(B, H, Tq, pad16(Tk))`` (``keep_map``); hs ``(B, Hk, Tk, D, D)``, zs ``(B, Hk, Tk, D)`` (the KV head of
+    each query head)."""
+    bsz, heads, tq = keep.shape[:3]
+    kv_heads, tk, d = hs.shape[1], hs.shape[2], hs.shape[-1]
     rows = keep.new_empty(bsz * heads, tq, d * (d + 1), dtype=torch.float32)
-    a = keep.reshape(bsz * heads, tq, tk)
+    a = keep.reshape(bsz * heads, tq, keep.shape[3])
     group = heads // kv_heads
     block_sum(a, hs.reshape(bsz * kv_heads, tk, d * d), rows, group, (d, d + 1, 0), bf16)
     block_sum(a, zs.reshape(bsz * kv_heads, tk, d), rows, group, (1, d + 1, d), bf16)
     return rows.view(bsz, heads, tq, d * (d + 1))
 
 
-def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_heads: int, bf16: bool):
+def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_heads: int, tk: int, bf16: bool):
     """Key-block state gradients ``d_h (B, Hk, Tk, D, D)``, ``d_z (B, Hk, Tk, D)`` fp32: the query-block ones
     ``d_hq (B, H, Tq, D, D)``, ``d_zq (B, H, Tq, D)`` summed over the query blocks (all query heads of the KV
-    head) that keep each key block."""
-    bsz, heads, tq, tk = keep.shape
+    head) that keep each key block. keep: ``keep_map``'s ``(B, H, Tq, pad16(Tk))``."""
+    bsz, heads, tq = keep.shape[:3]
     d = d_hq.shape[-1]
     group = heads // kv_heads
-    keep_t = keep.view(bsz * kv_heads, group * tq, tk).transpose(1, 2).contiguous()     # (B Hk, Tk, G Tq)
+    keep_t = keep.new_zeros(bsz * kv_heads, tk, pad16(group * tq))                       # (B Hk, Tk, G Tq)
+    keep_t[..., :group * tq] = keep[..., :tk].reshape(bsz * kv_heads, group * tq, tk).transpose(1, 2)
     d_h = keep.new_empty(bsz * kv_heads, tk, d * d, dtype=torch.float32)
     d_z = keep.new_empty(bsz * kv_heads, tk, d, dtype=torch.float32)
     block_sum(keep_t, d_hq.reshape(bsz * kv_heads, group * tq, d * d), d_h, 1, (d, d, 0), bf16)
