@@ -40,11 +40,10 @@ def _block_sum_kernel(A, B, C, R, KD, A_ROW, M, B_DIV, C_ROW, CW, CS, C0, BM: tl
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in tl.range(0, KD, BK, num_stages=STAGES):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < KD
-        a = tl.load(a_base + rows.to(tl.int64)[:, None] * A_ROW + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_base + ks.to(tl.int64)[:, None] * M + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        a = tl.load(a_base + rows.to(tl.int64)[:, None] * A_ROW + ks[None, :],          # zero padded to A_ROW
+                    mask=row_ok[:, None] & (ks < A_ROW)[None, :], other=0.0)
+        b = tl.load(b_base + ks.to(tl.int64)[:, None] * M + cols[None, :],
+                    mask=(ks < KD)[:, None] & col_ok[None, :], other=0.0)
         if BF16:
             acc += tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         else:
@@ -65,8 +64,8 @@ def dense_tiles(device: torch.device, bf16: bool) -> dict:
 
 def block_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_div: int, col_map: tuple[int, int, int],
               bf16: bool) -> torch.Tensor:
-    """``out[c, r, map(m)] = sum_{k < Kd} a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, >= Kd)`` (rows padded
-    to ``pad16`` keep the loads aligned); b: ``(C / b_div, Kd, M)``; out: ``(C, R, row)`` fp32;
+    """``out[c, r, map(m)] = sum_{k < Kd} a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, >= Kd)``, zero past Kd
+    (rows padded to ``pad16`` keep the loads aligned and unmasked along k); b: ``(C / b_div, Kd, M)``; out: ``(C, R, row)`` fp32;
     ``col_map = (CW, CS, C0)``: column m goes to ``(m // CW) CS + m % CW + C0``. All contiguous."""
     batch, rows, a_row = a.shape
     kd, m = b.shape[1], b.shape[2]
