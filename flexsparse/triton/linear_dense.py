@@ -64,9 +64,10 @@ def dense_tiles(device: torch.device, bf16: bool) -> dict:
 
 def block_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_div: int, col_map: tuple[int, int, int],
               bf16: bool) -> torch.Tensor:
-    """``out[c, r, map(m)] = sum_{k < Kd} a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, >= Kd)``, zero past Kd
-    (rows padded to ``pad16`` keep the loads aligned and unmasked along k); b: ``(C / b_div, Kd, M)``; out: ``(C, R, row)`` fp32;
-    ``col_map = (CW, CS, C0)``: column m goes to ``(m // CW) CS + m % CW + C0``. All contiguous."""
+    """``out[c, r, map(m)] = sum_{k < Kd} a[c, r, k] b[c // b_div, k, m]`` (fp32). a: ``(C, R, >= Kd)``, zero past
+    Kd (rows padded to ``pad16`` keep the loads aligned and unmasked along k); b: ``(C / b_div, Kd, M)``; out:
+    ``(C, R, row)`` fp32; ``col_map = (CW, CS, C0)``: column m goes to ``(m // CW) CS + m % CW + C0``. All
+    contiguous."""
     batch, rows, a_row = a.shape
     kd, m = b.shape[1], b.shape[2]
     t = dense_tiles(a.device, bf16)
