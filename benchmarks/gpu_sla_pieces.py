@@ -2,28 +2,35 @@
 
 ``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernel) against the
 sorted PyTorch path (``masks.sorted_block_topk``) and checks they agree. ``bench_masked_linear`` times
-``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its gather-subtract kernels
-alone (with their L2 -> SM traffic in GB/s, also with bf16 states for comparison), the ``torch`` gather form
-(small N) and the ``flex`` dense-block form. do_bench medians in ms; bf16 inputs; fixed SLA selections
-(smoothed pooled router). Both functions return dicts, so other benchmark scripts can call them.
+``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its kernels alone (key-block
+states; forward and backward of both strategies, gather and dense block sums; the CSC; the gathered L2 -> SM
+bytes and GB/s), the ``torch``
+gather form (small N) and the ``flex`` dense-block form, next to the previous implementation's numbers
+(``--previous``, a JSON of this script from before the fused kernels: matching rows give ``previous_*``).
+do_bench medians in ms; bf16 inputs; fixed SLA selections (smoothed pooled router). Both functions return
+dicts, so other benchmark scripts can call them.
 
-    python benchmarks/gpu_sla_pieces.py [--out pieces.json] [--linear 65536:64:51:0,16384:64:13:26] [--topk ...]
+    python benchmarks/gpu_sla_pieces.py [--out pieces.json] [--linear 65536:64:51:0,32760:128:25:0:16] [--topk ...]
 
-``--linear`` entries are ``N:D:K:Kx`` (B=2, H=8, 64 x 64 blocks), ``--topk`` entries ``Tq:Tk:D:K:Kb`` (B*H=16).
+``--linear`` entries are ``N:D:K:Kx[:H]`` (B=2, H=8 unless given, 64 x 64 blocks), ``--topk`` entries
+``Tq:Tk:D:K:Kb`` (B*H=16). ``--tiles`` overrides the kernels' tiles (``FLEXSPARSE_TRITON_TILES``, kind
+``linear``: ``'{"linear": {"TQ": 64, "stages": 2}}'``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 from gpu_llsa import bench, kernel_times
 
 from flexsparse.backends import torch_linear, triton_linear
 from flexsparse.backends.torch_linear import skipped_blocks
-from flexsparse.masks import BlockSelection, block_topk, csr_to_csc, pooled_qk, sorted_block_topk
-from flexsparse.triton import linear
-from flexsparse.triton.sla_ops import _features, _group_sum
+from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sorted_block_topk
+from flexsparse.triton.csc import block_csc
+from flexsparse.triton.linear_bwd import linear_backward
+from flexsparse.triton.linear_fwd import DENSE_NEVER, dense, key_states, linear_forward, linear_tiles, state_dtype
 
 B, H, BLOCK = 2, 8, 64
 DEVICE = "cuda"
@@ -47,35 +54,40 @@ def _selection(q, k, topk: int, bottomk: int) -> BlockSelection:
     return BlockSelection(top, BLOCK, BLOCK, q.shape[2], k.shape[2], excluded=bottom)
 
 
-def _gather_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dict:
-    """The two gather-subtract launches alone (fp32 states, and bf16 states read as fp32) and their traffic."""
-    skipped = skipped_blocks(selection)
-    tq, tk = skipped.shape[2], selection.num_k_blocks
-    _, phi_k, v_aug = _features(q, k, v, tq, BLOCK, tk, BLOCK, feature_map)
-    states = (phi_k.transpose(-1, -2) @ v_aug).flatten(-2)
-    total = states.sum(2)
-    states_bf16 = states.bfloat16()
-    csc = csr_to_csc(skipped, tk)
-    grads = torch.randn(*skipped.shape[:3], states.shape[-1], device=q.device)
-    grad_total = _group_sum(grads.sum(2), k.shape[1])
-    gbytes = skipped.numel() * states.shape[-1] * 4 / 1e9
-    out = {"gather_GB": gbytes,
-           "query_states_ms": bench(lambda: linear.query_states(total, states, skipped)),
-           "query_states_bf16_ms": bench(lambda: linear.query_states(total, states_bf16, skipped)),
-           "key_states_ms": bench(lambda: linear.key_states(grad_total, grads, csc.offsets, csc.rows)),
-           "csc_ms": bench(lambda: csr_to_csc(skipped, tk))}
-    out["query_states_GBps"] = gbytes / out["query_states_ms"] * 1e3
-    out["key_states_GBps"] = gbytes / out["key_states_ms"] * 1e3
+def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dict:
+    """The branch's kernels alone: key-block states; for both strategies (``gather``: CSR / CSC gathers,
+    ``dense``: keep-map block matmuls, ``linear_fwd.dense``) the whole forward (states, sums, fused output
+    kernel) and the whole backward (query-major kernel, sums, key-major kernel); the CSC alone; which strategy
+    the default picks; the bytes of states gathered per direction by ``gather`` (``S`` per query block, in
+    ``state_dtype``) and their rate over its whole forward."""
+    skipped = skipped_blocks(selection).contiguous()
+    bq, bk, d = selection.block_q, selection.block_k, q.shape[-1]
+    tiles = linear_tiles(q.device, d, q.dtype)
+    o, rows = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
+    do = torch.randn_like(o)
+    gbytes = skipped.numel() * d * (d + 1) * torch.finfo(state_dtype(q.dtype)).bits / 8 / 1e9
+    out = {"strategy": "dense" if dense(skipped, selection.num_k_blocks, tiles) else "gather", "gather_GB": gbytes,
+           "states_ms": bench(lambda: key_states(k, v, bk, feature_map, tiles, q.dtype)),
+           "csc_ms": bench(lambda: block_csc(skipped, selection.num_k_blocks, deterministic=True))}
+    for name, ratio in (("gather", DENSE_NEVER), ("dense", 0.0)):
+        t = {**tiles, "dense_ratio": ratio}
+        out[f"{name}_forward_ms"] = bench(lambda: linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5, t))
+        out[f"{name}_backward_ms"] = bench(
+            lambda: linear_backward(do, q, k, v, skipped, rows, bq, bk, feature_map, 1e-5, t))
+    out["gather_GBps"] = gbytes / out["gather_forward_ms"] * 1e3               # a lower bound (the whole forward)
     return out
 
 
 def bench_masked_linear(n: int, d: int, topk: int, bottomk: int, feature_map: str = "softmax",
-                        with_torch: bool = False, with_dense_blocks: bool = True, phases: bool = True) -> dict:
-    """The masked linear branch at B=2, H=8, 64 x 64 blocks, ``topk`` selected + ``bottomk`` excluded per row."""
+                        with_torch: bool = False, with_dense_blocks: bool = True, phases: bool = True,
+                        heads: int = H) -> dict:
+    """The masked linear branch at B=2, ``heads`` heads, 64 x 64 blocks, ``topk`` selected + ``bottomk``
+    excluded per row."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v, grad = (torch.randn(B, H, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    q, k, v, grad = (torch.randn(B, heads, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
     selection = _selection(q, k, topk, bottomk)
-    row = {"N": n, "D": d, "K": topk, "Kx": bottomk, "feature_map": feature_map}
+    row = {"N": n, "D": d, "H": heads, "K": topk, "Kx": bottomk, "feature_map": feature_map}
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
     def timed(fn, prefix):
@@ -94,7 +106,7 @@ def bench_masked_linear(n: int, d: int, topk: int, bottomk: int, feature_map: st
         return fwd_bwd
 
     fwd_bwd = timed(triton_linear.masked_linear_attention, "triton")
-    row.update(_gather_kernels(q, k, v, selection, feature_map))
+    row.update(_linear_kernels(q, k, v, selection, feature_map))
     if phases:
         row["kernels_fwd_bwd_ms"] = kernel_times(fwd_bwd)
     if with_torch:
@@ -104,38 +116,60 @@ def bench_masked_linear(n: int, d: int, topk: int, bottomk: int, feature_map: st
     return row
 
 
+def _previous(path: str) -> dict:
+    """Rows of an older run of this script by ``(N, D, H, K, Kx)`` (H=8 where it is missing); {} without a file."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = json.load(f).get("masked_linear", [])
+    return {(r["N"], r["D"], r.get("H", H), r["K"], r["Kx"]): r for r in rows}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_sla_pieces.json")
     parser.add_argument("--topk", default="1024:1024:64:51:0,1024:1024:64:51:102,512:512:64:32:0,2048:2048:64:102:0,"
                                           "4096:4096:64:204:0,256:8192:64:16:0")
-    parser.add_argument("--linear", default="65536:64:51:0,65536:64:51:102,16384:64:12:0,32768:64:16:0,"
-                                            "65536:64:16:0,131072:64:16:0")
+    parser.add_argument("--linear", default="16384:64:12:0,65536:64:51:0,131072:64:102:0,32760:128:25:0:16,"
+                                            "65536:64:51:102,65536:64:16:0,131072:64:16:0")
+    parser.add_argument("--previous", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                           "gpu_sla_pieces_h200.json"))
+    parser.add_argument("--tiles", default=None, help="FLEXSPARSE_TRITON_TILES JSON")
     args = parser.parse_args()
+    if args.tiles:
+        os.environ["FLEXSPARSE_TRITON_TILES"] = args.tiles
     topk_rows = [bench_block_topk(*(int(x) for x in spec.split(":"))) for spec in args.topk.split(",") if spec]
     print(f"\nblock top-K, B=2 H=8\n{'Tq':>6} {'Tk':>6} {'D':>4} {'K':>4} {'Kb':>4} | {'kernel':>8} {'sorted':>8} "
           f"{'equal':>6}")
     for r in topk_rows:
         print(f"{r['Tq']:>6} {r['Tk']:>6} {r['D']:>4} {r['K']:>4} {r['Kb']:>4} | {r['kernel_ms']:>8.3f} "
               f"{r['sorted_ms']:>8.3f} {r['rows_equal']:>6.3f}")
+    previous = _previous(args.previous)
     linear_rows = []
     for spec in args.linear.split(","):
         if spec:
-            n, d, topk, bottomk = (int(x) for x in spec.split(":"))
-            linear_rows.append(bench_masked_linear(n, d, topk, bottomk, with_torch=n <= 16384,
-                                                   with_dense_blocks=n <= 65536, phases=n == 65536))
-            print(json.dumps({key: val for key, val in linear_rows[-1].items() if key != "kernels_fwd_bwd_ms"}),
-                  flush=True)
+            n, d, topk, bottomk, *rest = (int(x) for x in spec.split(":"))
+            heads = rest[0] if rest else H
+            row = bench_masked_linear(n, d, topk, bottomk, with_torch=n <= 16384, with_dense_blocks=n <= 65536,
+                                      phases=n == 65536 and bottomk == 0 and topk == 51, heads=heads)
+            old = previous.get((n, d, heads, topk, bottomk))
+            if old:
+                row.update({f"previous_{key}": old[f"triton_{key}"] for key in ("fwd_ms", "bwd_ms", "peak_gib")})
+            linear_rows.append(row)
+            print(json.dumps({key: val for key, val in row.items() if key != "kernels_fwd_bwd_ms"}), flush=True)
     fmt = lambda r, key: f"{r[key]:.3f}" if r.get(key) is not None else "-"  # noqa: E731
-    print(f"\nmasked linear branch, B=2 H=8, 64x64 blocks, bf16 (ms)\n{'N':>7} {'D':>4} {'K':>4} {'Kx':>4} | "
-          f"{'fwd':>7} {'bwd':>7} {'GiB':>6} | {'gatherQ':>7} {'GB/s':>6} {'bf16 Q':>7} {'gatherK':>7} {'GB/s':>6} "
-          f"{'csc':>6} | {'torch f':>7} {'torch b':>7} | {'dense f':>7} {'dense b':>7}")
+    print(f"\nmasked linear branch, B=2, 64x64 blocks, bf16 (ms; kernels: gather / dense strategies alone)\n"
+          f"{'N':>7} {'D':>4} {'H':>3} {'K':>4} {'Kx':>4} {'pick':>6} | {'fwd':>7} {'bwd':>7} {'GiB':>6} | "
+          f"{'states':>7} {'g fwd':>7} {'g bwd':>7} {'GB/s':>6} {'d fwd':>7} {'d bwd':>7} {'csc':>6} | "
+          f"{'prev f':>7} {'prev b':>7} | {'torch f':>7} {'torch b':>7} | {'flex f':>7} {'flex b':>7}")
     for r in linear_rows:
-        print(f"{r['N']:>7} {r['D']:>4} {r['K']:>4} {r['Kx']:>4} | {fmt(r, 'triton_fwd_ms'):>7} "
-              f"{fmt(r, 'triton_bwd_ms'):>7} {r['triton_peak_gib']:>6.2f} | {fmt(r, 'query_states_ms'):>7} "
-              f"{r['query_states_GBps']:>6.0f} {fmt(r, 'query_states_bf16_ms'):>7} {fmt(r, 'key_states_ms'):>7} "
-              f"{r['key_states_GBps']:>6.0f} {fmt(r, 'csc_ms'):>6} | {fmt(r, 'torch_fwd_ms'):>7} "
-              f"{fmt(r, 'torch_bwd_ms'):>7} | {fmt(r, 'dense_blocks_fwd_ms'):>7} {fmt(r, 'dense_blocks_bwd_ms'):>7}")
+        print(f"{r['N']:>7} {r['D']:>4} {r['H']:>3} {r['K']:>4} {r['Kx']:>4} {r['strategy']:>6} | "
+              f"{fmt(r, 'triton_fwd_ms'):>7} {fmt(r, 'triton_bwd_ms'):>7} {r['triton_peak_gib']:>6.2f} | "
+              f"{fmt(r, 'states_ms'):>7} {fmt(r, 'gather_forward_ms'):>7} {fmt(r, 'gather_backward_ms'):>7} "
+              f"{r['gather_GBps']:>6.0f} {fmt(r, 'dense_forward_ms'):>7} {fmt(r, 'dense_backward_ms'):>7} "
+              f"{fmt(r, 'csc_ms'):>6} | {fmt(r, 'previous_fwd_ms'):>7} {fmt(r, 'previous_bwd_ms'):>7} | "
+              f"{fmt(r, 'torch_fwd_ms'):>7} {fmt(r, 'torch_bwd_ms'):>7} | {fmt(r, 'dense_blocks_fwd_ms'):>7} "
+              f"{fmt(r, 'dense_blocks_bwd_ms'):>7}")
     for r in linear_rows:
         if "kernels_fwd_bwd_ms" in r:
             print(f"\nkernels, fwd+bwd, N={r['N']} K={r['K']} Kx={r['Kx']} (ms per call):")

@@ -17,17 +17,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import block_bwd, block_fwd, csc, llsa_bwd, llsa_fwd, pool, select
+from flexsparse.triton import (block_bwd, block_fwd, csc, linear_bwd, linear_dense, linear_fwd, llsa_bwd, llsa_fwd,
+                               pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+# integer arguments that are multiples of 16 at run time (triton specialises those), beyond the strides ``q_b``...
+DIVISIBLE = {"A_ROW", "M", "C_ROW"}
 
 
 def compile_kernel(fn, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in pointers or re.fullmatch(r"[a-z]+_[bhns]", n)}
+             if (n in pointers and pointers[n].startswith("*")) or re.fullmatch(r"[a-z]+_[bhns]", n) or n in DIVISIBLE}
     return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
@@ -116,6 +121,30 @@ def main():
                  dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", ORDER="*i32",
                       DK=q, DV=q),
                  dict(SCALE=0.125, STAGES=bb["dkv_stages"], **geo, **even), bb["dkv_warps"], bb["dkv_stages"]))
+    lt = linear_fwd.linear_tiles(dev, d, torch_dtype)
+    state = "*bf16" if dt == "bf16" else "*fp32"
+    lin = dict(D=d, BD=pow2(d, 16), FMAP=0, BF16=dt == "bf16", GATHER=True)
+    dense = linear_dense.dense_tiles(dev, dt == "bf16")
+    tile_q, split_q = linear_fwd.split(block_q, lt["TQ"])
+    tile_k, split_k = linear_fwd.split(block_k, lt["TK"])
+    jobs += [
+        ("linear states", linear_fwd._states_kernel, dict(K=q, V=q, HS=state, ZS=state),
+         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
+         lt["warps"], 1),
+        ("linear dense block sums", linear_dense._block_sum_kernel, dict(A=state, B=state, C="*fp32"),
+         dict(BM=dense["BM"], BN=dense["BN"], BK=dense["BK"], BF16=dt == "bf16", STAGES=dense["stages"]),
+         dense["warps"], dense["stages"]),
+        ("linear fwd", linear_fwd._forward_kernel,
+         dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS="*fp32", EPS="fp32"),
+         dict(BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),
+        ("linear dq", linear_bwd._query_grad_kernel,
+         dict(Q=q, DO=q, ROWS="*fp32", DQ=q, DHQ=state, DZQ=state, EPS="fp32"),
+         dict(BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
+         lt["warps"], 1),
+        ("linear dkv", linear_bwd._key_grad_kernel,
+         dict(K=q, V=q, DHQ=state, DZQ=state, DHT="*fp32", DZT="*fp32", OFFSETS="*i32", LISTS="*i32", DK=q, DV=q),
+         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),
+    ]
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)

@@ -1,12 +1,20 @@
-"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, op ``flexsparse::masked_linear``).
+"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, ops ``flexsparse::masked_linear``
+and ``masked_linear_bwd``; kernels ``triton.linear_fwd`` / ``linear_bwd``).
 
-CPU (CI): the gather-subtract kernel runs through the Triton interpreter in fp32 on tiny shapes against
-``torch_linear.masked_linear_attention`` and the dense reference (outputs and gradients of q, k, v), with
-and without excluded blocks, GQA, odd N, block_q != block_k, the three feature maps; all blocks skipped
-gives exactly 0. They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``).
-GPU (``pytest -m gpu``): bf16 at N = 16K against the torch backend, eager and ``torch.compile(fullgraph=True)``.
+CPU (CI): the kernels run through the Triton interpreter in fp32 (and fp16) on tiny shapes, both strategies (gather,
+dense block sums; forced through ``FLEXSPARSE_TRITON_TILES``), against the PyTorch path of the same ops (fp64
+inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
+with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that are not powers of two, the
+three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
+gives exactly 0; opcheck of both ops. They run in a child pytest started with ``TRITON_INTERPRET=1``
+(``test_interpreter_suite``).
+GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
+against the PyTorch path (fp64); the default strategy against the torch backend, eager and
+``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -104,6 +112,133 @@ def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
     assert torch.equal(out, torch.zeros_like(q))
 
 
+def _random_skipped(b, h, tq, tk, width, device="cpu"):
+    """``(B, H, Tq, width)`` int32: distinct random key blocks per row, ascending."""
+    rows = torch.rand(b * h * tq, tk).argsort(-1)[:, :width].sort(-1).values
+    return rows.view(b, h, tq, width).int().to(device)
+
+
+def _op_run(q, k, v, skipped, bq, bk, fmap, eps=1e-5):
+    """``flexsparse::masked_linear``: output, query-block states and the gradients of q, k, v of a fixed
+    random loss (torch.autograd through the registered backward)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, rows = sla_ops.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
+    (out.double() * weight.double()).sum().backward()
+    return [out, rows] + [x.grad for x in leaves]
+
+
+OP_NAMES = ["o", "rows", "dq", "dk", "dv"]
+# (B, H, Hk, N, D, block_q, block_k, skipped per row (-1: all but one), feature map)
+OP_CASES = [
+    (1, 4, 2, 100, 16, 16, 32, 1, "softmax"),    # GQA, ragged last key block
+    (1, 4, 2, 193, 32, 32, 16, 3, "elu"),        # GQA, block_q > block_k
+    (2, 2, 2, 193, 16, 16, 16, 0, "relu"),       # empty skipped lists: full linear attention
+    (1, 4, 2, 100, 32, 16, 16, -1, "softmax"),   # all but one key block skipped
+    (1, 2, 1, 100, 24, 32, 32, 2, "elu"),        # head dim not a power of two (masked dims)
+    (1, 2, 2, 193, 16, 64, 32, 2, "relu"),       # blocks larger than the interpreter's 16-row tiles
+]
+
+
+STRATEGIES = {"gather": {"dense_ratio": 2.0}, "dense": {"dense_ratio": 0.0}}   # linear_fwd.dense
+
+
+def _strategy(monkeypatch, name):
+    """Force the gather or the dense block-sum strategy (``FLEXSPARSE_TRITON_TILES``, read at every call)."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[name]}))
+
+
+@cpu_only
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES)
+def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap, strategy, monkeypatch):
+    """fp32 kernels (interpreter) against the ops' PyTorch path on fp64 copies of the same inputs."""
+    _strategy(monkeypatch, strategy)
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    tq, tk = num_blocks(n, bq), num_blocks(n, bk)
+    skipped = _random_skipped(b, h, tq, tk, tk - 1 if width < 0 else width)
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("fmap", ["softmax", "elu", "relu"])
+def test_kernels_match_torch_linear_reference(fmap):
+    """Against ``torch_linear``'s gather form (fp64) through a ``BlockSelection`` of the same skipped table, and
+    with nothing skipped against full linear attention."""
+    b, h, hk, n, d, bq, bk = 1, 4, 2, 193, 16, 32, 16
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    skipped = _random_skipped(b, h, num_blocks(n, bq), num_blocks(n, bk), 4)
+    selection = BlockSelection(skipped, bq, bk, n, n)
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _run(torch_linear.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], want):
+        assert ts.rel_err(a, w) < 1e-5, name
+    got = _op_run(q, k, v, skipped[..., :0], bq, bk, fmap)
+    full = _run(lambda q, k, v, s, feature_map, eps: torch_linear.linear_attention(q, k, v, feature_map=feature_map,
+                                                                                   eps=eps),
+                q.double(), k.double(), v.double(), selection, fmap)
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], full):
+        assert ts.rel_err(a, w) < 1e-5, f"full {name}"
+
+
+@cpu_only
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_fp16_kernels(strategy, monkeypatch):
+    """fp16 inputs: fp32 states and exact fp32 dots, output and gradients in fp16."""
+    _strategy(monkeypatch, strategy)
+    q, k, v = _inputs(1, 4, 2, 100, 100, 16)
+    skipped = _random_skipped(1, 4, 7, 4, 2)
+    got = _op_run(q.half(), k.half(), v.half(), skipped, 16, 32, "softmax")
+    want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 32, "softmax")
+    assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 5e-3, name
+
+
+@cpu_only
+def test_unknown_feature_map_and_wide_heads():
+    """A feature map the kernels do not know raises naming the argument; D > 128 keeps the PyTorch path."""
+    q, k, v = _inputs(1, 2, 1, 40, 40, 16)
+    skipped = _random_skipped(1, 2, 3, 3, 1)
+    with pytest.raises(ValueError, match="feature_map"):
+        sla_ops.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
+    q, k, v = _inputs(1, 2, 1, 40, 40, 136)
+    got = _op_run(q, k, v, skipped, 16, 16, "elu")
+    want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 16, "elu")
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < 1e-5, name
+
+
+@cpu_parent
+def test_strategy_rule():
+    from flexsparse.triton.linear_fwd import dense, linear_tiles
+    skipped = torch.zeros(1, 1, 4, 3, dtype=torch.int32)
+    cuda = torch.device("cuda")
+    assert dense(skipped, 100, linear_tiles(cuda, 64, torch.bfloat16))            # 3% of 100 key blocks
+    assert not dense(skipped, 101, linear_tiles(cuda, 64, torch.bfloat16))
+    assert not dense(skipped, 10, linear_tiles(cuda, 64, torch.float32))           # fp32: always gather
+    assert not dense(skipped[..., :0], 10, {"dense_ratio": 0.0})                   # nothing skipped
+    assert not dense(skipped, 10, linear_tiles(torch.device("cpu"), 64, torch.float32))
+
+
+@cpu_only
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_opcheck_kernels(strategy, monkeypatch):
+    _strategy(monkeypatch, strategy)
+    q, k, v = _inputs(1, 4, 2, 50, 50, 16)
+    skipped = _random_skipped(1, 4, 4, 4, 2)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
+    utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
+    torch.library.opcheck(sla_ops.masked_linear, args, test_utils=utils)
+    out, rows = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows, 16, 16, "elu", 1e-5)
+    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args, test_utils=utils)
+
+
 @cpu_parent
 def test_triton_backend_gets_the_triton_branch():
     assert torch_linear.masked_linear_for("triton") is triton_linear.masked_linear_attention
@@ -136,6 +271,34 @@ def test_opcheck_cpu_fallback():
 # ----------------------------------------------------------------------------------------------- GPU
 
 
+GPU_CASES = [  # (H, Hk, N, D, block_q, block_k, topk_ratio, negligible_ratio, feature map, dtype)
+    (8, 8, 16384, 64, 64, 64, 0.05, 0.0, "softmax", torch.bfloat16),
+    (8, 2, 16000, 128, 128, 64, 0.05, 0.1, "elu", torch.bfloat16),
+    (4, 1, 16384, 64, 64, 128, 0.1, 0.0, "relu", torch.bfloat16),
+    (4, 4, 8192, 64, 64, 64, 0.1, 0.05, "softmax", torch.float32),
+    (4, 2, 4133, 128, 64, 64, 0.1, 0.0, "elu", torch.float32),
+    (4, 2, 5000, 96, 64, 64, 0.1, 0.0, "softmax", torch.bfloat16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("h,hk,n,d,bq,bk,ratio,negligible,fmap,dtype", GPU_CASES)
+def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype, strategy, monkeypatch):
+    """bf16 / fp32 kernels, both strategies, against the ops' PyTorch path on fp64 copies (the same skipped
+    table): o, the saved query-block states and dq, dk, dv."""
+    _strategy(monkeypatch, strategy)
+    torch.manual_seed(0)
+    q, k, v = _inputs(1, h, hk, n, n, d, dtype, "cuda")
+    skipped = skipped_blocks(_selection(q, k, bq, bk, ratio, negligible))
+    got = _op_run(q, k, v, skipped, bq, bk, fmap)
+    want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
+    assert got[0].dtype == dtype and got[2].dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, w in zip(OP_NAMES, got, want):
+        assert ts.rel_err(a, w) < tol, name
+
+
 @gpu
 @pytest.mark.parametrize("h,hk,n,d,bq,bk,negligible,fmap", [
     (4, 4, 16384, 64, 64, 64, 0.1, "softmax"), (4, 2, 16000, 128, 128, 64, 0.0, "elu"),
@@ -158,9 +321,28 @@ def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, c
 
 
 @gpu
-def test_gpu_opcheck():
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gpu_gradients_are_reproducible(strategy, monkeypatch):
+    """No atomics: two backward passes give bitwise equal dq, dk, dv."""
+    _strategy(monkeypatch, strategy)
+    torch.manual_seed(0)
+    q, k, v = _inputs(2, 8, 2, 8192, 8192, 64, torch.bfloat16, "cuda")
+    skipped = skipped_blocks(_selection(q, k, 64, 64, 0.1, 0.05))
+    first, second = (_op_run(q, k, v, skipped, 64, 64, "softmax") for _ in range(2))
+    for name, a, w in zip(OP_NAMES, first, second):
+        assert torch.equal(a, w), name
+
+
+@gpu
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gpu_opcheck(strategy, monkeypatch):
+    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda")
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
             1e-5)
     torch.library.opcheck(sla_ops.masked_linear, args)
+    out, rows = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
+                "softmax", 1e-5)
+    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args)

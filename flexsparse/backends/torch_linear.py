@@ -129,7 +129,7 @@ def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def masked_linear_for(backend: str):
-    """The masked linear branch a backend uses: block-level matmuls with ``flex``, the Triton gather-subtract
+    """The masked linear branch a backend uses: block-level matmuls with ``flex``, the fused Triton kernels
     with ``triton`` (``triton_linear``), gathers otherwise."""
     if backend == "triton":
         from .triton_linear import masked_linear_attention as triton_masked_linear_attention

@@ -1,7 +1,8 @@
-"""The masked linear branch of SLA / SLA2 through the ``flexsparse::masked_linear`` op (Triton gather-subtract).
+"""The masked linear branch of SLA / SLA2 through the ``flexsparse::masked_linear`` op (fused Triton kernels).
 
-Same contract as ``torch_linear.masked_linear_attention``; O(N (K + Kx) D^2) work and no token gather:
-per key block ``[h_j | z_j]`` (fp32), per query block the global sums minus its skipped blocks.
+Same contract as ``torch_linear.masked_linear_attention``; no token gather: per key block ``[h_j | z_j]``, per
+query block the global sums minus its skipped blocks (O(N (K + Kx) D^2) gathers) or, with many skipped blocks,
+the kept blocks' sums as tensor-core block matmuls (``flexsparse.triton.linear_dense``).
 """
 from __future__ import annotations
 

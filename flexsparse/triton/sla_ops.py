@@ -3,18 +3,20 @@
 ``block_topk``: the routers' single-level top-K (and bottom-K) selection (``block_topk`` kernels).
 ``masked_linear`` (differentiable) and ``masked_linear_bwd``: the masked linear branch
 ``O_l = phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` with ``[H_i | Z_i] = [H | Z] - sum_{j skipped by i} [h_j | z_j]``,
-``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32, fp64 for fp64 inputs). The per-block states
-``[h_j | z_j]`` are ``D x (D + 1)`` (one matmul with ``[V_j | 1]``); the gather-subtract over the skipped
-blocks (forward) and over the key-major lists (backward) runs in ``linear``; phi, the block matmuls and
-phi's gradient are PyTorch.
+``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32 sums, fp64 for fp64 inputs). Kernels: ``linear_fwd``
+(key-block states, fused gather-subtract + output) and ``linear_bwd`` (query-major dq and state gradients,
+key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
+(``linear_dense``, ``linear_fwd.dense``); phi and its gradient run in-kernel.
 
-Memory: the forward holds the key-block states ``(B, Hk, Tk, D (D + 1))`` and returns the query-block
-states ``(B, H, Tq, D (D + 1))`` (saved for backward: about ``2 D / block_q`` times the size of a bf16 q);
-the backward holds their gradients (same sizes). Everything else is O(N D).
+Memory: the op returns the query-block states ``(B, H, Tq, D (D + 1))`` fp32 (saved for backward: about
+``2 D / block_q`` times the size of a bf16 q); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))``
+(forward) and the query-block state gradients ``(B, H, Tq, D (D + 1))`` (backward), both bf16 for bf16 inputs,
+else fp32 (the dense strategy adds the ``(B, H, Tq, Tk)`` keep map). Everything else is O(N D) (no fp32 copy of
+phi(Q), phi(K) or V).
 
 Like ``ops``: CUDA runs the kernels; CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1``
-is set, else falls back to PyTorch gathers (``_query_states_torch``, ``_key_states_torch``); fp64 always
-takes the fallback.
+is set, else falls back to PyTorch (``_features``, ``_query_states_torch``, ``_key_states_torch``, fp32
+matmuls); fp64 and head dims above ``MAX_KERNEL_D`` always take the fallback.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from ..backends.torch_linear import apply_feature_map, feature_map_backward
 from ..masks import kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..masks.topk import sorted_block_topk
-from .ops import use_kernels
+from .ops import contiguous, use_kernels
+
+MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state per program in registers)
 
 
 @torch.library.triton_op("flexsparse::block_topk", mutates_args=())
@@ -63,7 +67,7 @@ def _group_sum(x: Tensor, kv_heads: int) -> Tensor:
 
 
 def _query_states_torch(total: Tensor, states: Tensor, skipped: Tensor) -> Tensor:
-    """``linear.query_states`` by a gather: ``(B, H, Tq, M)``."""
+    """``total[kv] - sum_{j in skipped[b, h, i]} states[b, kv, j]`` per query block by a gather: ``(B, H, Tq, M)``."""
     bsz, heads, tq, width = skipped.shape
     m = states.shape[-1]
     kv = kv_head_index(heads, states.shape[1], states.device)
@@ -73,7 +77,8 @@ def _query_states_torch(total: Tensor, states: Tensor, skipped: Tensor) -> Tenso
 
 
 def _key_states_torch(total: Tensor, grads: Tensor, skipped: Tensor, tk: int) -> Tensor:
-    """``linear.key_states`` by a scatter-add: ``(B, Hk, Tk, M)``."""
+    """``total[b, kv] - sum_{h of kv} sum_{i: j in skipped[b, h, i]} grads[b, h, i]`` per key block by a
+    scatter-add: ``(B, Hk, Tk, M)``."""
     bsz, heads, tq, width = skipped.shape
     m = total.shape[-1]
     ids = skipped.long().flatten(2).unsqueeze(-1).expand(-1, -1, -1, m)
@@ -82,16 +87,9 @@ def _key_states_torch(total: Tensor, grads: Tensor, skipped: Tensor, tk: int) ->
     return total.unsqueeze(2) - _group_sum(sums, total.shape[1])
 
 
-def _gradient_states(total: Tensor, grads: Tensor, skipped: Tensor, tk: int, kernels: bool) -> Tensor:
-    """Gradients of the key-block states: ``total[kv] - sum`` of ``grads`` over the query blocks that skipped
-    each key block (all query heads of the KV head): ``(B, Hk, Tk, M)``."""
-    if not kernels:
-        return _key_states_torch(total, grads, skipped, tk)
-    from .csc import block_csc
-    from .linear import key_states
-    # the branch's one key-major transpose; ascending lists, so the fp32 sums are reproducible
-    offsets, rows = block_csc(skipped.contiguous(), tk, deterministic=True)
-    return key_states(total, grads, offsets, rows)
+def _linear_kernels(q: Tensor) -> bool:
+    """Whether the masked linear ops on ``q`` run the Triton kernels (``use_kernels`` and D <= ``MAX_KERNEL_D``)."""
+    return use_kernels(q) and q.shape[-1] <= MAX_KERNEL_D
 
 
 @torch.library.triton_op("flexsparse::masked_linear", mutates_args=())
@@ -100,15 +98,14 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
     """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states ``[H_i | Z_i]``
     ``(B, H, Tq, D (D + 1))`` (fp32, fp64 for fp64; for the backward). q ``(B, H, Nq, D)``; k, v
     ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the key blocks each query block leaves out, S < Tk."""
+    if _linear_kernels(q):
+        from .linear_fwd import linear_forward
+        return linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps)
     nq, d = q.shape[2], q.shape[3]
     tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
     phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
     states = (phi_k.transpose(-1, -2) @ v_aug).flatten(-2)                    # (B, Hk, Tk, D (D + 1))
-    if use_kernels(q):
-        from .linear import query_states
-        rows = query_states(states.sum(2), states, skipped)
-    else:
-        rows = _query_states_torch(states.sum(2), states, skipped)
+    rows = _query_states_torch(states.sum(2), states, skipped)
     state_q = rows.unflatten(-1, (d, d + 1))                                    # (B, H, Tq, D, D + 1)
     out = (phi_q @ state_q[..., :d]) / (eps + phi_q @ state_q[..., d:])          # (B, H, Tq, bq, D)
     return out.flatten(2, 3)[:, :, :nq].to(q.dtype), rows
@@ -123,6 +120,9 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
     ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
     ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
+    if _linear_kernels(q):
+        from .linear_bwd import linear_backward
+        return linear_backward(*contiguous(do, q, k, v, skipped, rows), block_q, block_k, feature_map, eps)
     nq, d = q.shape[2], q.shape[3]
     tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
     phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
@@ -135,7 +135,7 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     dphi_q = dy @ rows.transpose(-1, -2)
     d_rows = (phi_q.transpose(-1, -2) @ dy).flatten(-2)                         # (B, H, Tq, D (D + 1))
     kv_heads = k.shape[1]
-    d_states = _gradient_states(_group_sum(d_rows.sum(2), kv_heads), d_rows, skipped, tk, use_kernels(q))
+    d_states = _key_states_torch(_group_sum(d_rows.sum(2), kv_heads), d_rows, skipped, tk)
     d_states = d_states.unflatten(-1, (d, d + 1))                               # (B, Hk, Tk, D, D + 1)
     dphi_k = v_aug @ d_states.transpose(-1, -2)
     dv = (phi_k @ d_states)[..., :d]

@@ -1,0 +1,223 @@
+"""Masked linear branch of SLA / SLA2, forward: key-block states, the sums over key blocks, one fused output kernel.
+
+* ``_states_kernel``: one program per (key block j, batch x KV head): ``h_j = phi(K_j)^T V_j`` ``(D, D)`` and
+  ``z_j = colsum phi(K_j)`` ``(D,)``, phi applied in-kernel (fp32), the product by ``tl.dot`` with fp32
+  accumulation; tokens past ``Nk`` contribute 0. ``K_j`` is loaded transposed (``(D, tokens)``, phi along axis
+  0), so the first operand of the dot is a computed register tile.
+* ``_forward_kernel``: one program per (query block i, batch x query head). With ``GATHER`` (the gather
+  strategy): ``[H_i | Z_i]`` = the KV head's total (one fp32 ``torch.sum`` over the blocks, deterministic) minus
+  the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored packed
+  ``(D, D + 1)`` fp32 for the backward; without it the packed rows come summed from ``linear_dense`` (the dense
+  strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
+  never reaches HBM.
+
+States are stored in bf16 for bf16 inputs (half the gathered bytes; the totals are summed from the same rounded
+states, so ``H_i`` is exactly the fp32 sum of its kept rounded states, no cancellation is amplified) and fp32
+otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import launcher
+from .layout import cdiv, pow2
+from .tiles import overrides
+
+FEATURE_MAPS = {"softmax": 0, "elu": 1, "relu": 2}
+DENSE_NEVER = 2.0  # a dense_ratio no skipped table reaches (S <= Tk)
+
+
+@triton.jit
+def feature(x, ok, AXIS: tl.constexpr, FMAP: tl.constexpr):
+    """phi of the fp32 tile ``x`` over the head dim ``AXIS`` (0 softmax, 1 elu + 1, 2 relu); 0 where not
+    ``ok`` (padding tokens and padding dims)."""
+    if FMAP == 0:
+        s = tl.where(ok, x, float("-inf"))
+        m = tl.max(s, axis=AXIS, keep_dims=True)
+        p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m))
+        total = tl.sum(p, axis=AXIS, keep_dims=True)
+        return p / tl.where(total == 0.0, 1.0, total)
+    elif FMAP == 1:
+        return tl.where(ok, tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0))), 0.0)
+    else:
+        return tl.where(ok, tl.maximum(x, 0.0), 0.0)
+
+
+@triton.jit
+def feature_grad(x, phi, g, AXIS: tl.constexpr, FMAP: tl.constexpr):
+    """Gradient w.r.t. ``x`` of ``phi = feature(x)`` given ``g = dL/dphi`` (0 wherever phi was masked)."""
+    if FMAP == 0:
+        return phi * (g - tl.sum(g * phi, axis=AXIS, keep_dims=True))
+    elif FMAP == 1:
+        return g * tl.where(x > 0, 1.0, phi)
+    else:
+        return tl.where(x > 0, g, 0.0)
+
+
+@triton.jit
+def dot(a, b, BF16: tl.constexpr):
+    """``a @ b`` with fp32 accumulation: on bf16 operands (tensor cores) for bf16 inputs, else exact fp32."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def block_tokens(blk, chunk, BLOCK: tl.constexpr, TILE: tl.constexpr, n):
+    """Token rows ``(TILE,)`` of chunk ``chunk`` of block ``blk`` and which are real (in the block, below n)."""
+    local = chunk * TILE + tl.arange(0, TILE)
+    rows = blk * BLOCK + local
+    return rows, (local < BLOCK) & (rows < n)
+
+
+@triton.jit
+def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOCK_K: tl.constexpr,
+                   TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr):
+    j = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    base = bkv * NK * D
+    dim = tl.arange(0, BD)
+    dim_ok = dim < D
+    h = tl.zeros([BD, BD], tl.float32)
+    z = tl.zeros([BD], tl.float32)
+    for c in range(SPLIT):
+        rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
+        mask_t = dim_ok[:, None] & ok[None, :]
+        kt = tl.load(K + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
+        phi_t = feature(kt.to(tl.float32), mask_t, 0, FMAP)                     # (BD, TILE)
+        v = tl.load(V + base + rows.to(tl.int64)[:, None] * D + dim[None, :], mask=ok[:, None] & dim_ok[None, :],
+                    other=0.0)
+        h += dot(phi_t, v, BF16)
+        z += tl.sum(phi_t, axis=1)
+    out = bkv * TK + j
+    hp = dim[:, None] * D + dim[None, :]
+    tl.store(HS + out * D * D + hp, h.to(HS.dtype.element_ty), mask=dim_ok[:, None] & dim_ok[None, :])
+    tl.store(ZS + out * D + dim, z.to(ZS.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS, NQ, TQ, TK, S, H, GROUP, D: tl.constexpr,
+                    BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                    FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    dim = tl.arange(0, BD)
+    dim_ok = dim < D
+    hmask = dim_ok[:, None] & dim_ok[None, :]
+    row = ROWS + (bh.to(tl.int64) * TQ + i) * D * (D + 1)
+    if GATHER:
+        b = bh // H
+        kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
+        hp = dim[:, None] * D + dim[None, :]
+        hs = HS + kv * TK * D * D
+        zs = ZS + kv * TK * D
+        ids = IDS + (bh.to(tl.int64) * TQ + i) * S
+        acc_h = tl.zeros([BD, BD], tl.float32)
+        acc_z = tl.zeros([BD], tl.float32)
+        for e in tl.range(0, S, num_stages=STAGES):
+            j = tl.load(ids + e).to(tl.int64)
+            acc_h += tl.load(hs + j * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
+            acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
+        state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
+        tl.store(row + dim[:, None] * (D + 1) + dim[None, :], state_h, mask=hmask)
+        tl.store(row + dim * (D + 1) + D, state_z, mask=dim_ok)
+    else:                                                  # rows summed by linear_dense.query_sums
+        state_h = tl.load(row + dim[:, None] * (D + 1) + dim[None, :], mask=hmask, other=0.0)
+        state_z = tl.load(row + dim * (D + 1) + D, mask=dim_ok, other=0.0)
+    base = bh.to(tl.int64) * NQ * D
+    for c in range(SPLIT):
+        rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
+        mask = ok[:, None] & dim_ok[None, :]
+        ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
+        phi = feature(tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32), mask, 1, FMAP)
+        num = dot(phi, state_h, BF16)
+        den = EPS + tl.sum(phi * state_z[None, :], axis=1)
+        tl.store(O + ptr, (num / den[:, None]).to(O.dtype.element_ty), mask=mask)
+
+
+def feature_code(name: str) -> int:
+    """The in-kernel code of feature map ``name`` (``FEATURE_MAPS``)."""
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature_map {name!r}; valid: {sorted(FEATURE_MAPS)}")
+    return FEATURE_MAPS[name]
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the block states and their gradients: bf16 for bf16 inputs, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
+    """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
+    loops, and ``dense_ratio`` (the strategy: ``dense``), with ``tiles.overrides("linear")``. Chosen so that
+    nothing spills on sm_90 (triton 3.6, ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32
+    products on FMA units) and D > 64 take narrower tiles."""
+    if device.type == "cpu":
+        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER)
+    elif dtype != torch.bfloat16:
+        rows = 32 if d <= 64 else 16
+        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER)
+    else:
+        base = dict(TQ=64 if d <= 64 else 32, TK=64, warps=4 if d <= 64 else 8, stages=3, dense_ratio=0.03)
+    return {**base, **overrides("linear")}
+
+
+def dense(skipped: torch.Tensor, tk: int, tiles: dict) -> bool:
+    """Whether the sums over key blocks run as block matmuls (``linear_dense``) rather than gathers: when the
+    skipped blocks per row reach ``tiles["dense_ratio"]`` of all key blocks (bf16 on GPUs: 3%, where the
+    tensor-core matmul beats the gathered bytes; never by default for fp32 / fp16 and on CPU)."""
+    return skipped.shape[-1] > 0 and skipped.shape[-1] >= tiles["dense_ratio"] * tk
+
+
+def split(block: int, cap: int) -> tuple[int, int]:
+    """Tile rows for blocks of ``block`` tokens (a power of two in [16, max(cap, 16)]) and tiles per block."""
+    rows = max(16, min(pow2(block), pow2(cap)))
+    return rows, cdiv(block, rows)
+
+
+def key_states(k: torch.Tensor, v: torch.Tensor, block_k: int, feature_map: str, tiles: dict, dtype: torch.dtype):
+    """Per key block ``h (B, Hk, Tk, D, D)`` and ``z (B, Hk, Tk, D)`` in ``state_dtype(dtype)`` (dtype: the
+    inputs' precision, q's). k, v: ``(B, Hk, Nk, D)`` contiguous."""
+    bsz, kv_heads, nk, d = k.shape
+    tk = cdiv(nk, block_k)
+    dt = state_dtype(dtype)
+    hs = k.new_empty(bsz, kv_heads, tk, d, d, dtype=dt)
+    zs = k.new_empty(bsz, kv_heads, tk, d, dtype=dt)
+    tile, n_split = split(block_k, tiles["TK"])
+    launcher(_states_kernel)[(tk, bsz * kv_heads)](
+        k, v, hs, zs, nk, tk, D=d, BD=pow2(d, 16), BLOCK_K=block_k, TILE=tile, SPLIT=n_split,
+        FMAP=feature_code(feature_map), BF16=dtype == torch.bfloat16, num_warps=tiles["warps"])
+    return hs, zs
+
+
+def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_q: int,
+                   block_k: int, feature_map: str, eps: float, tiles: dict | None = None):
+    """``o (B, H, Nq, D)`` in q's dtype and the query-block states ``rows (B, H, Tq, D (D + 1))`` fp32 (packed
+    ``[H_i | Z_i]``, row a = ``H_i[a, :], Z_i[a]``).
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` in q's dtype, all contiguous; skipped: ``(B, H, Tq, S)``
+    int32 contiguous, the key blocks each query block leaves out.
+    """
+    bsz, heads, nq, d = q.shape
+    tq, width = skipped.shape[2], skipped.shape[3]
+    tiles = tiles or linear_tiles(q.device, d, q.dtype)
+    hs, zs = key_states(k, v, block_k, feature_map, tiles, q.dtype)
+    bf16, gather = q.dtype == torch.bfloat16, not dense(skipped, hs.shape[2], tiles)
+    o = torch.empty_like(q)
+    if gather:
+        ht, zt = hs.sum(2, dtype=torch.float32), zs.sum(2, dtype=torch.float32)
+        rows = q.new_empty(bsz, heads, tq, d * (d + 1), dtype=torch.float32)
+    else:
+        from .linear_dense import keep_map, query_sums
+        ht, zt = hs, zs
+        rows = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs, bf16)
+    tile, n_split = split(block_q, tiles["TQ"])
+    launcher(_forward_kernel)[(tq, bsz * heads)](
+        q, hs, zs, ht, zt, skipped, o, rows, eps, nq, tq, hs.shape[2], width, heads, heads // k.shape[1], D=d,
+        BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
+        GATHER=gather, STAGES=tiles["stages"], num_warps=tiles["warps"])
+    return o, rows
