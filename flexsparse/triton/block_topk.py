@@ -6,7 +6,8 @@ of that order and the optional bottom set the last ``bottomk``, so they never ov
 ascending. Given the same fp32 scores the selection equals a stable descending sort bit for bit
 (``masks.sorted_block_topk``); NaN scores are not supported.
 
-Rows of up to ``ROW_LIMIT`` keys take two kernels over row chunks of at most ``SCRATCH`` scores:
+Rows of up to ``ROW_LIMIT`` keys take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so
+that the second kernel reads the scores from L2 rather than HBM; whole rows, at least one row per head):
 
 1. ``_scores_kernel``: ``BM x BN`` tiles of ``q k^T`` by ``tl.dot(input_precision="ieee")`` (fp32 FMAs,
    sequential over D), stored to an fp32 scratch ``(B H, rows, Tk)``.
@@ -21,8 +22,9 @@ Rows of up to ``ROW_LIMIT`` keys take two kernels over row chunks of at most ``S
 Cost at B H = 16, Tq = Tk = 1024, D = 64, K = 51 (the H200 numbers are estimates, the lead measures):
 
 * scores: ``2 B H Tq Tk D`` = 2.1 GFLOP of fp32 FMAs (no tensor cores: ~67 TFLOP/s peak, so >= 32 us,
-  ~50-70 us at the FMA-dot's usual efficiency); q / k tiles 128 MB from L2 (64 x 64 tiles); 64 MB written.
-* selection: 64 MB read; per row the bisection takes ~log2(key range / key gap at the K-th score), about
+  ~50-70 us at the FMA-dot's usual efficiency); q / k tiles 128 MB from L2 (64 x 64 tiles); 64 MB written
+  in two chunks of 32 MB.
+* selection: 64 MB read (from L2 if the chunk stayed there, else ~15 us of HBM); per row the bisection takes ~log2(key range / key gap at the K-th score), about
   16-20 passes on random scores (32 at most, plus one for the bottom set's own search), each 32 compares +
   5 shuffles per lane: ~16K rows x ~2K warp instructions = ~35M warp instructions, ~20-40 us.
 * total ~0.1 ms (was 0.75 ms: 32 passes with cross-warp reductions over 8 rows x 1024 keys per program, and
@@ -44,7 +46,7 @@ from .select import merge_topk
 from .tiles import overrides
 
 ROW_LIMIT = 16384
-SCRATCH = 1 << 26  # fp32 scores per launch of the two kernels (256 MB); longer problems go in row chunks
+SCRATCH = 1 << 23  # fp32 scores per launch pair (32 MB: meant to stay in L2 between the two kernels)
 _KEYS_PER_WARP = 1024
 _STREAM_ROWS, _STREAM_CHUNK = 16, 128
 _INT_MIN, _INT_MAX = -2147483648, 2147483647
