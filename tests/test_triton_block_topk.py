@@ -4,7 +4,7 @@ CPU (CI): the kernels run through the Triton interpreter and must equal ``masks.
 grid-valued inputs (exact scores with many ties), random inputs, top and bottom sets, GQA, K = 1, K = Tk, odd
 sizes, fp16 inputs, row chunks of the score scratch, and the streaming path. The selection kernel alone is
 compared with a stable sort on the same fp32 scores for every K (random, tied and special values: +-0, +-inf,
-subnormals). They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``,
+NaN, subnormals). They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``,
 see ``triton_support``).
 GPU (``pytest -m gpu``): realistic sizes (Tk up to 16384 in registers, longer rows streaming), the selection
 kernel bit for bit against ``torch.sort`` on random scores, ``masks.block_topk`` dispatch,
@@ -98,9 +98,10 @@ def _select(scores, topk, bottomk, row0=0, tq=None, warps=None):
 
 
 def _special_scores(rows, tk, gen):
-    """Rows of random fp32 scores, some rows drawn from a few special values (+-0, +-inf, subnormals, huge,
-    repeats) so that the threshold falls on ties, on signed zeros and on infinities."""
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 2.5])
+    """Rows of random fp32 scores, some rows drawn from a few special values (+-0, +-inf, NaN of both signs,
+    subnormals, huge, repeats) so that the threshold falls on ties, on signed zeros, infinities and NaN."""
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-40, -1e-40,
+                            3e38, -3e38, 1.0, -1.0, 2.5])
     s = torch.randn(rows, tk, generator=gen)
     pick = special[torch.randint(0, len(special), (rows, tk), generator=gen)]
     return torch.where(torch.arange(rows)[:, None] % 2 == 1, pick, s)

@@ -4,7 +4,7 @@ Scores are raw fp32 dots of pooled q ``(B, H, Tq, D)`` against pooled k ``(B, Hk
 products, no TF32). A row's order is (largest score, then smallest key id); the top set is the first ``topk``
 of that order and the optional bottom set the last ``bottomk``, so they never overlap. Output rows are
 ascending. Given the same fp32 scores the selection equals a stable descending sort bit for bit
-(``masks.sorted_block_topk``); NaN scores are not supported.
+(``masks.sorted_block_topk``; NaN counts as the largest value, as in ``torch.sort``).
 
 Rows of up to ``ROW_LIMIT`` keys take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so
 that the second kernel reads the scores from L2 rather than HBM; whole rows, at least one row per head):
@@ -78,29 +78,45 @@ def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
 
 @triton.jit
 def _ordered(x):
-    """int32 keys with the order of the fp32 values ``x`` (``-0.0`` as ``+0.0``)."""
+    """int32 keys with the order of the fp32 values ``x``: ``-0.0`` as ``+0.0``, every NaN above ``+inf`` as
+    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements."""
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    key = tl.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    return tl.where(x != x, 2147483646, key)
 
 
 @triton.jit
-def _first_k(key, valid, count, LAST_TIES: tl.constexpr):
-    """Mask of the ``count`` largest ``key`` ``(BT,)`` among ``valid`` (other keys hold ``INT_MIN``); ties at
-    the threshold go to the smallest columns (the largest with ``LAST_TIES``). ``1 <= count <= sum(valid)``."""
-    lo = tl.min(tl.where(valid, key, 2147483647)).to(tl.int64)
-    hi = tl.max(key).to(tl.int64)
+def _first_k(key, count, pad, SMALLEST: tl.constexpr):
+    """Mask of the ``count`` largest ``key`` ``(BT,)``, ties at the threshold to the smallest columns; with
+    ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search over ``~key``, with
+    reversed compares instead of a second array). ``pad`` keys hold ``INT_MIN`` (padding, never taken);
+    ``1 <= count <=`` the number of other keys."""
+    least = tl.min(tl.where(key == -2147483648, 2147483647, key))
+    most = tl.max(key)
+    if SMALLEST:
+        lo, hi = (~most).to(tl.int64), (~least).to(tl.int64)
+    else:
+        lo, hi = least.to(tl.int64), most.to(tl.int64)
     # invariant: at least count keys >= lo; fewer than count keys > hi, or exactly count keys >= hi = lo
+    # (keys read as ~key with SMALLEST: ~key >= m is key <= ~m, which counts the padding too)
     while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
+        if SMALLEST:
+            n = tl.sum((key <= ~mid.to(tl.int32)).to(tl.int32)) - pad
+        else:
+            n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
         hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
         lo = tl.where(n >= count, mid, lo)
-    threshold = lo.to(tl.int32)
-    above = valid & (key > threshold)
-    ties = valid & (key == threshold)
+    threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
+    if SMALLEST:
+        threshold = ~threshold
+        above = (key < threshold) & (key != -2147483648)
+    else:
+        above = key > threshold
+    ties = key == threshold
     need = count - tl.sum(above.to(tl.int32))
     seen = tl.cumsum(ties.to(tl.int32), 0)
-    if LAST_TIES:
+    if SMALLEST:
         rank = tl.sum(ties.to(tl.int32)) - seen
     else:
         rank = seen - 1
@@ -108,10 +124,10 @@ def _first_k(key, valid, count, LAST_TIES: tl.constexpr):
 
 
 @triton.jit
-def _store_columns(out, taken, cols):
+def _store_columns(out, taken, BT: tl.constexpr):
     """The columns of ``taken`` ``(BT,)`` into the row ``out``, ascending."""
     slot = tl.cumsum(taken.to(tl.int32), 0) - 1
-    tl.store(out + slot, cols, mask=taken)
+    tl.store(out + slot, tl.arange(0, BT), mask=taken)
 
 
 @triton.jit
@@ -122,13 +138,11 @@ def _select_kernel(S, TOP, BOTTOM, TQ, TK, ROW0, ROWS, KTOP, KBOT, BT: tl.conste
     bh = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BT)
     valid = cols < TK
-    s = tl.load(S + (bh * ROWS + r) * TK + cols, mask=valid, other=0.0)
-    key = _ordered(s)
+    key = tl.where(valid, _ordered(tl.load(S + (bh * ROWS + r) * TK + cols, mask=valid, other=0.0)), -2147483648)
     out_row = bh * TQ + ROW0 + r
-    _store_columns(TOP + out_row * KTOP, _first_k(tl.where(valid, key, -2147483648), valid, KTOP, False), cols)
+    _store_columns(TOP + out_row * KTOP, _first_k(key, KTOP, BT - TK, False), BT)
     if HAS_BOTTOM:
-        _store_columns(BOTTOM + out_row * KBOT, _first_k(tl.where(valid, ~key, -2147483648), valid, KBOT, True),
-                       cols)
+        _store_columns(BOTTOM + out_row * KBOT, _first_k(key, KBOT, BT - TK, True), BT)
 
 
 @triton.jit
