@@ -2,7 +2,8 @@
 
 Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
 ``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``),
-``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``WARPS`` of the score tiles, ``SELECT_WARPS`` per row).
+``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
+``SELECT_WARPS`` per row).
 Read at every call.
 """
 from __future__ import annotations
