@@ -13,21 +13,25 @@ that the second kernel reads the scores from L2 rather than HBM; whole rows, at 
    slices of D (fp32 FMAs in D order; 168 registers, no spills at 64 x 64 on 4 warps for sm_90), stored to an
    fp32 scratch ``(B H, rows, Tk)``.
 2. ``_select_kernel``: one program (``Tk / 1024`` warps, at least 1) per row, the row in registers (32 keys
-   per lane). The scores become int32 keys with the order of the floats (``-0.0`` as ``+0.0``); the
-   ``topk``-th largest key is found exactly by bisection over ``[min, max]`` (one count of ``key >= mid``
-   per pass) that stops as soon as a count is exactly ``topk``; then one prefix sum takes the ties at the
-   threshold by id (first ones for top, last ones for bottom: the same search on ``~key``) and another
-   compacts the row in id order. A row never leaves one program, so a pass costs 32 compares per lane and
-   a warp reduction (plus one shared-memory round per pass when a row spans several warps, Tk > 1024).
+   per lane). The scores become int32 keys with the order of the floats (``-0.0`` as ``+0.0``, NaN on top);
+   the ``topk``-th largest key is found exactly by a bisection over ``[min, max]`` (one count of
+   ``key >= mid`` per pass) that stops as soon as a count is exactly ``topk``. The first 24 passes split at
+   the halfway *value* (when its key lies inside the interval), later ones at the halfway key: on scores
+   spread around zero halfway keys waste ~6 passes on exponents (simulated on normal rows of 1024 keys,
+   K = 51: 14.4 passes by keys, 9.2 by values; 32 + 24 at most). Then a prefix sum takes the ties at the
+   threshold by id (first ones for top, last ones for bottom; only when some ties are left out) and another
+   compacts the row in id order. The bottom set is the same search read as ``~key`` (reversed compares on the
+   same registers). A pass costs 32 compares per lane and a warp reduction (plus one shared-memory round
+   when a row spans several warps, Tk > 1024); 96-128 registers at Tk = 1024 (sm_90).
 
 Cost at B H = 16, Tq = Tk = 1024, D = 64, K = 51 (the H200 numbers are estimates, the lead measures):
 
 * scores: ``2 B H Tq Tk D`` = 2.1 GFLOP of fp32 FMAs (no tensor cores: ~67 TFLOP/s peak, so >= 32 us,
   ~50-70 us at the FMA-dot's usual efficiency); q / k tiles 128 MB from L2 (64 x 64 tiles); 64 MB written
   in two chunks of 32 MB.
-* selection: 64 MB read (from L2 if the chunk stayed there, else ~15 us of HBM); per row the bisection takes ~log2(key range / key gap at the K-th score), about
-  16-20 passes on random scores (32 at most, plus one for the bottom set's own search), each 32 compares +
-  5 shuffles per lane: ~16K rows x ~2K warp instructions = ~35M warp instructions, ~20-40 us.
+* selection: 64 MB read (from L2 if the chunk stayed there, else ~15 us of HBM); ~10 counting passes per row
+  on random scores, each ~100 warp instructions (32 compares, adds, 5 shuffles, the scalar split), plus two
+  prefix sums of ~500: 16K rows x ~1.5-2K warp instructions = ~30M, ~15-30 us.
 * total ~0.1 ms (was 0.75 ms: 32 passes with cross-warp reductions over 8 rows x 1024 keys per program, and
   D rank-1 updates from global loads). The scores grow as Tq Tk D (Tq = Tk = 2048: 8.6 GFLOP, ~0.15-0.2 ms
   + ~0.1 ms selection; 4096: 34 GFLOP, ~0.6-0.8 ms): exact fp32 dots are the floor of this design.
@@ -50,7 +54,7 @@ ROW_LIMIT = 16384
 SCRATCH = 1 << 23  # fp32 scores per launch pair (32 MB: meant to stay in L2 between the two kernels)
 _KEYS_PER_WARP = 1024
 _STREAM_ROWS, _STREAM_CHUNK = 16, 128
-_INT_MIN, _INT_MAX = -2147483648, 2147483647
+_VALUE_PASSES = tl.constexpr(24)  # bisection passes at halfway values before halfway keys (see _first_k)
 
 
 @triton.jit
@@ -89,6 +93,31 @@ def _ordered(x):
 
 
 @triton.jit
+def _value(key):
+    """The fp32 value of an ordered key (inverse of ``_ordered`` on non-NaN keys)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
+    """A split point in ``(lo, hi]`` (int64, ``lo < hi``): the halfway key, or with ``VALUE`` the key of the
+    halfway fp32 value when that one lies inside (fewer passes on scores spread around zero, whose keys crowd
+    into a few exponents). Keys are read as ``~key`` with ``SMALLEST``."""
+    mid = lo + (hi - lo + 1) // 2
+    if VALUE:
+        a = lo.to(tl.int32)
+        b = hi.to(tl.int32)
+        if SMALLEST:
+            a, b = ~a, ~b
+        m = _ordered(_value(a) * 0.5 + _value(b) * 0.5)
+        if SMALLEST:
+            m = ~m
+        m = m.to(tl.int64)
+        mid = tl.where((m > lo) & (m <= hi), m, mid)
+    return mid
+
+
+@triton.jit
 def _first_k(key, count, pad, SMALLEST: tl.constexpr):
     """Mask of the ``count`` largest ``key`` ``(BT,)``, ties at the threshold to the smallest columns; with
     ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search over ``~key``, with
@@ -101,15 +130,21 @@ def _first_k(key, count, pad, SMALLEST: tl.constexpr):
     else:
         lo, hi = least.to(tl.int64), most.to(tl.int64)
     # invariant: at least count keys >= lo; fewer than count keys > hi, or exactly count keys >= hi = lo
-    # (keys read as ~key with SMALLEST: ~key >= m is key <= ~m, which counts the padding too)
+    # (keys read as ~key with SMALLEST: ~key >= m is key <= ~m, which counts the padding too). The first
+    # _VALUE_PASSES passes split at halfway values, the rest at halfway keys: at most _VALUE_PASSES + 32.
+    passes = 0
     while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
+        if passes < _VALUE_PASSES:
+            mid = _midpoint(lo, hi, True, SMALLEST)
+        else:
+            mid = _midpoint(lo, hi, False, SMALLEST)
         if SMALLEST:
             n = tl.sum((key <= ~mid.to(tl.int32)).to(tl.int32)) - pad
         else:
             n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
         hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
         lo = tl.where(n >= count, mid, lo)
+        passes += 1
     threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
     if SMALLEST:
         threshold = ~threshold
