@@ -58,8 +58,11 @@ def _sweep_block_topk(qp, kp, topk: int, bottomk: int, want) -> list[dict]:
     """``block_topk`` kernels under tile overrides and scratch sizes, one knob at a time around the defaults
     (every result checked against the default one)."""
     tk = kp.shape[2]
-    choices = [{"BM": bm, "BN": bn, "WARPS": w} for bm, bn, w in
-               [(64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (32, 64, 4)]]
+    # score tiles without spills for sm_90 (registers from the compiled kernels): 64x64 on 4 warps (168, the
+    # default) or 8 (114), 128x64 / 64x128 on 8 (182), 128x128 on 16 (128), 32x64 on 4 (154)
+    choices = [{"BM": bm, "BN": bn, "BK": bk, "WARPS": w, "STAGES": st} for bm, bn, bk, w, st in
+               [(64, 64, 16, 4, 3), (64, 64, 16, 8, 3), (128, 64, 16, 8, 3), (64, 128, 16, 8, 3), (128, 128, 16, 16, 3),
+                (32, 64, 16, 4, 3), (64, 64, 32, 4, 3), (64, 64, 16, 4, 2), (64, 64, 16, 4, 4)]]
     choices += [{"SELECT_WARPS": w} for w in (1, 2, 4, 8, 16) if w * 32 <= max(32, pow2(tk, 16))]
     scratches = [1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 26]
     out, old = [], os.environ.get("FLEXSPARSE_TRITON_TILES")
