@@ -279,12 +279,11 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, bottom
     qp, kp = q_pooled.contiguous(), k_pooled.contiguous()
     tiles = topk_tiles(tk)
     chunk = min(tq, max(1, scratch // (bsz * heads * tk)))
-    scores = qp.new_empty(bsz * heads, chunk, tk, dtype=torch.float32)
     for row0 in range(0, tq, chunk):
         rows = min(chunk, tq - row0)
-        part = scores.view(-1)[:bsz * heads * rows * tk].view(bsz * heads, rows, tk)  # contiguous
+        scores = qp.new_empty(bsz * heads, rows, tk, dtype=torch.float32)  # a fresh buffer, never a view
         launcher(_scores_kernel)[(cdiv(rows, tiles["BM"]), cdiv(tk, tiles["BN"]), bsz * heads)](
-            qp, kp, part, heads, group, tq, tk, row0, rows, D=d, BK=tiles["BK"], BM=tiles["BM"], BN=tiles["BN"],
+            qp, kp, scores, heads, group, tq, tk, row0, rows, D=d, BK=tiles["BK"], BM=tiles["BM"], BN=tiles["BN"],
             num_warps=tiles["WARPS"], num_stages=tiles["STAGES"])
-        select_scores(part, top, bottom, row0, tiles["SELECT_WARPS"])
+        select_scores(scores, top, bottom, row0, tiles["SELECT_WARPS"])
     return top, bottom
