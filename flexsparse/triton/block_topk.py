@@ -148,21 +148,20 @@ def _first_k(key, count, pad, SMALLEST: tl.constexpr):
     threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
     if SMALLEST:
         threshold = ~threshold
-        above = (key < threshold) & (key != -2147483648)
+        need = count - tl.sum((key < threshold).to(tl.int32)) + pad
     else:
-        above = key > threshold
-    ties = key == threshold
-    need = count - tl.sum(above.to(tl.int32))
-    tied = tl.sum(ties.to(tl.int32))
-    taken = above | ties
-    if need < tied:  # a prefix sum ranks the ties by id (skipped when all of them are taken)
-        seen = tl.cumsum(ties.to(tl.int32), 0)
-        if SMALLEST:
-            rank = tied - seen
-        else:
-            rank = seen - 1
-        taken = above | (ties & (rank < need))
-    return taken
+        need = count - tl.sum((key > threshold).to(tl.int32))
+    tied = tl.sum((key == threshold).to(tl.int32))
+    # the ties taken: columns <= cut (top) or >= cut (SMALLEST); a prefix sum finds the cut when some are left out
+    cols = tl.arange(0, key.shape[0])
+    cut = tl.where(SMALLEST, 0, key.shape[0])
+    if need < tied:
+        seen = tl.cumsum((key == threshold).to(tl.int32), 0)
+        cut = tl.min(tl.where(seen == tl.where(SMALLEST, tied - need + 1, need), cols, key.shape[0]))
+    if SMALLEST:
+        return ((key < threshold) & (key != -2147483648)) | ((key == threshold) & (cols >= cut))
+    else:
+        return (key > threshold) | ((key == threshold) & (cols <= cut))
 
 
 @triton.jit
