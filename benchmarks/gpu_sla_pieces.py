@@ -1,7 +1,9 @@
 """GPU benchmark of two SLA / SLA2 pieces in Triton: the router's block top-K and the masked linear branch.
 
-``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernel) against the
-sorted PyTorch path (``masks.sorted_block_topk``) and checks they agree. ``bench_masked_linear`` times
+``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernels) against the
+sorted PyTorch path (``masks.sorted_block_topk``), checks they agree, splits the time into its kernels (scores,
+selection) and, with ``--topk-sweep``, times tile choices (``FLEXSPARSE_TRITON_TILES`` kind ``block_topk``) and
+scratch sizes. ``bench_masked_linear`` times
 ``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its kernels alone (key-block
 states; forward and backward of both strategies, gather and dense block sums; the CSC; the gathered L2 -> SM
 bytes and GB/s), the ``torch``
@@ -11,14 +13,18 @@ do_bench medians in ms; bf16 inputs; fixed SLA selections (smoothed pooled route
 dicts, so other benchmark scripts can call them.
 
     python benchmarks/gpu_sla_pieces.py [--out pieces.json] [--linear 65536:64:51:0,32760:128:25:0:16] [--topk ...]
+        [--topk-sweep]
 
 ``--linear`` entries are ``N:D:K:Kx[:H]`` (B=2, H=8 unless given, 64 x 64 blocks), ``--topk`` entries
-``Tq:Tk:D:K:Kb`` (B*H=16). ``--tiles`` overrides the kernels' tiles (``FLEXSPARSE_TRITON_TILES``, kind
+``Tq:Tk:D:K:Kb`` (B*H=16; block top-K recorded before the two-kernel design, H200, 2026-11-22:
+1024:1024:64:51:0 0.75 ms, 2048:2048:64:102:0 2.76 ms).
+``--tiles`` overrides the kernels' tiles (``FLEXSPARSE_TRITON_TILES``, kind
 ``linear``: ``'{"linear": {"TQ": 64, "stages": 2}}'``).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -28,7 +34,9 @@ from gpu_llsa import bench, kernel_times
 from flexsparse.backends import torch_linear, triton_linear
 from flexsparse.backends.torch_linear import skipped_blocks
 from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sorted_block_topk
+from flexsparse.triton import block_topk as topk_module
 from flexsparse.triton.csc import block_csc
+from flexsparse.triton.layout import pow2
 from flexsparse.triton.linear_bwd import linear_backward
 from flexsparse.triton.linear_fwd import DENSE_NEVER, dense, key_states, linear_forward, linear_tiles, state_dtype
 
@@ -36,16 +44,48 @@ B, H, BLOCK = 2, 8, 64
 DEVICE = "cuda"
 
 
-def bench_block_topk(tq: int, tk: int, d: int, topk: int, bottomk: int) -> dict:
-    """``masks.block_topk`` (kernel) vs ``sorted_block_topk`` at B=2, H=8 (pooled inputs, fp32)."""
+def bench_block_topk(tq: int, tk: int, d: int, topk: int, bottomk: int, sweep: bool = False) -> dict:
+    """``masks.block_topk`` (kernels) vs ``sorted_block_topk`` at B=2, H=8 (pooled inputs, fp32)."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     qp = torch.randn(B, H, tq, d, device=DEVICE, generator=gen)
     kp = torch.randn(B, H, tk, d, device=DEVICE, generator=gen)
     got, want = block_topk(qp, kp, topk, bottomk=bottomk), sorted_block_topk(qp, kp, topk, bottomk=bottomk)
-    return {"Tq": tq, "Tk": tk, "D": d, "K": topk, "Kb": bottomk,
-            "kernel_ms": bench(lambda: block_topk(qp, kp, topk, bottomk=bottomk)),
-            "sorted_ms": bench(lambda: sorted_block_topk(qp, kp, topk, bottomk=bottomk)),
-            "rows_equal": (got[0] == want[0]).all(-1).float().mean().item()}
+    row = {"Tq": tq, "Tk": tk, "D": d, "K": topk, "Kb": bottomk,
+           "kernel_ms": bench(lambda: block_topk(qp, kp, topk, bottomk=bottomk)),
+           "sorted_ms": bench(lambda: sorted_block_topk(qp, kp, topk, bottomk=bottomk)),
+           "rows_equal": (got[0] == want[0]).all(-1).float().mean().item(),
+           "kernels_ms": kernel_times(lambda: block_topk(qp, kp, topk, bottomk=bottomk))}
+    if sweep:
+        row["sweep"] = _sweep_block_topk(qp, kp, topk, bottomk, got)
+    return row
+
+
+def _sweep_block_topk(qp, kp, topk: int, bottomk: int, want) -> list[dict]:
+    """``block_topk`` kernels under tile overrides and scratch sizes, one knob at a time around the defaults
+    (every result checked against the default one)."""
+    tk = kp.shape[2]
+    # score tiles without spills for sm_90 (registers from the compiled kernels): 64x64 on 4 warps (168, the
+    # default) or 8 (114), 128x64 / 64x128 on 8 (182), 128x128 on 16 (128), 32x64 on 4 (154)
+    choices = [{"BM": bm, "BN": bn, "BK": bk, "WARPS": w, "STAGES": st} for bm, bn, bk, w, st in
+               [(64, 64, 16, 4, 3), (64, 64, 16, 8, 3), (128, 64, 16, 8, 3), (64, 128, 16, 8, 3), (128, 128, 16, 16, 3),
+                (32, 64, 16, 4, 3), (64, 64, 32, 4, 3), (64, 64, 16, 4, 2), (64, 64, 16, 4, 4)]]
+    choices += [{"SELECT_WARPS": w} for w in (1, 2, 4, 8, 16) if w * 32 <= max(32, pow2(tk, 16))]
+    scratches = [1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 26]
+    out, old = [], os.environ.get("FLEXSPARSE_TRITON_TILES")
+    try:
+        for tiles, scratch in itertools.chain(((t, topk_module.SCRATCH) for t in choices),
+                                              (({}, s) for s in scratches)):
+            os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps({"block_topk": tiles})
+            fn = lambda: topk_module.block_topk(qp, kp, topk, bottomk, scratch=scratch)  # noqa: E731
+            same = all(torch.equal(a, b) for a, b in zip(fn(), want if bottomk else want[:1]))
+            out.append({"tiles": tiles, "scratch": scratch, "ms": bench(fn), "same": same})
+            print(f"  sweep Tk={tk}: {tiles} scratch={scratch}: {out[-1]['ms']:.3f} ms same={same}", flush=True)
+    finally:
+        if old is None:
+            os.environ.pop("FLEXSPARSE_TRITON_TILES", None)
+        else:
+            os.environ["FLEXSPARSE_TRITON_TILES"] = old
+    return out
 
 
 def _selection(q, k, topk: int, bottomk: int) -> BlockSelection:
@@ -128,8 +168,9 @@ def _previous(path: str) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_sla_pieces.json")
-    parser.add_argument("--topk", default="1024:1024:64:51:0,1024:1024:64:51:102,512:512:64:32:0,2048:2048:64:102:0,"
-                                          "4096:4096:64:204:0,256:8192:64:16:0")
+    parser.add_argument("--topk", default="256:256:64:13:0,1024:1024:64:51:0,2048:2048:64:102:0,4096:4096:64:204:0,"
+                                          "1024:1024:64:51:102,512:512:64:32:0,256:8192:64:410:0")
+    parser.add_argument("--topk-sweep", action="store_true", help="time block top-K tile choices and scratch sizes")
     parser.add_argument("--linear", default="16384:64:12:0,65536:64:51:0,131072:64:102:0,32760:128:25:0:16,"
                                             "65536:64:51:102,65536:64:16:0,131072:64:16:0")
     parser.add_argument("--previous", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -138,12 +179,14 @@ def main():
     args = parser.parse_args()
     if args.tiles:
         os.environ["FLEXSPARSE_TRITON_TILES"] = args.tiles
-    topk_rows = [bench_block_topk(*(int(x) for x in spec.split(":"))) for spec in args.topk.split(",") if spec]
-    print(f"\nblock top-K, B=2 H=8\n{'Tq':>6} {'Tk':>6} {'D':>4} {'K':>4} {'Kb':>4} | {'kernel':>8} {'sorted':>8} "
-          f"{'equal':>6}")
+    topk_rows = [bench_block_topk(*(int(x) for x in spec.split(":")), sweep=args.topk_sweep)
+                 for spec in args.topk.split(",") if spec]
+    print(f"\nblock top-K, B=2 H=8 (ms)\n{'Tq':>6} {'Tk':>6} {'D':>4} {'K':>4} {'Kb':>4} | {'kernel':>8} {'sorted':>8} "
+          f"{'equal':>6} | kernels")
     for r in topk_rows:
+        parts = ", ".join(f"{name.split('(')[0][:24]} {ms:.3f}" for name, ms in r["kernels_ms"].items())
         print(f"{r['Tq']:>6} {r['Tk']:>6} {r['D']:>4} {r['K']:>4} {r['Kb']:>4} | {r['kernel_ms']:>8.3f} "
-              f"{r['sorted_ms']:>8.3f} {r['rows_equal']:>6.3f}")
+              f"{r['sorted_ms']:>8.3f} {r['rows_equal']:>6.3f} | {parts}")
     previous = _previous(args.previous)
     linear_rows = []
     for spec in args.linear.split(","):

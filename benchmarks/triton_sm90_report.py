@@ -1,4 +1,4 @@
-"""Compile the LLSA and block-sparse kernels for sm_90 without a GPU and report registers, spills, shared memory and
+"""Compile the LLSA, block-sparse and block top-K kernels for sm_90 without a GPU and report registers, spills, shared memory and
 the matrix instructions in the SASS (HGMMA = Hopper wgmma; HMMA = the older mma.sync path).
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
@@ -17,8 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import (block_bwd, block_fwd, csc, linear_bwd, linear_dense, linear_fwd, llsa_bwd, llsa_fwd,
-                               pool, select)
+from flexsparse.triton import (block_bwd, block_fwd, block_topk, csc, linear_bwd, linear_dense, linear_fwd,
+                               llsa_bwd, llsa_fwd, pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -145,6 +145,12 @@ def main():
          dict(K=q, V=q, DHQ=state, DZQ=state, DHT="*fp32", DZT="*fp32", OFFSETS="*i32", LISTS="*i32", DK=q, DV=q),
          dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),
     ]
+    topk = block_topk.topk_tiles(1024)
+    jobs.append(("topk scores", block_topk._scores_kernel, dict(Q=q, K=q, S="*fp32"),
+                 dict(D=d, BK=topk["BK"], BM=topk["BM"], BN=topk["BN"]), topk["WARPS"], topk["STAGES"]))
+    for tk in (256, 1024, 2048, 8192, 16384):
+        jobs.append((f"topk select Tk={tk}", block_topk._select_kernel, dict(S="*fp32", TOP="*i32", BOTTOM="*i32"),
+                     dict(BT=pow2(tk, 16), HAS_BOTTOM=True), block_topk.topk_tiles(tk)["SELECT_WARPS"], 1))
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)

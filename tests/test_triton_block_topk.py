@@ -1,10 +1,14 @@
 """Single-level block top-K in Triton (``flexsparse.triton.block_topk``, op ``flexsparse::block_topk``).
 
-CPU (CI): the kernels run through the Triton interpreter on grid-valued inputs (exact scores with many
-ties) and must equal ``masks.sorted_block_topk`` exactly: top and bottom sets, GQA, K = Tk, ragged sizes,
-both the in-register path and the streaming path. They run in a child pytest started with
-``TRITON_INTERPRET=1`` (``test_interpreter_suite``, see ``triton_support``).
-GPU (``pytest -m gpu``): realistic sizes, ``masks.block_topk`` dispatch, ``torch.compile(fullgraph=True)``, opcheck.
+CPU (CI): the kernels run through the Triton interpreter and must equal ``masks.sorted_block_topk`` exactly:
+grid-valued inputs (exact scores with many ties), random inputs, top and bottom sets, GQA, K = 1, K = Tk, odd
+sizes, fp16 inputs, row chunks of the score scratch, and the streaming path. The selection kernel alone is
+compared with a stable sort on the same fp32 scores for every K (random, tied and special values: +-0, +-inf,
+NaN, subnormals). They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``,
+see ``triton_support``).
+GPU (``pytest -m gpu``): realistic sizes (Tk up to 16384 in registers, longer rows streaming), the selection
+kernel bit for bit against ``torch.sort`` on random scores, ``masks.block_topk`` dispatch,
+``torch.compile(fullgraph=True)``, opcheck.
 """
 from __future__ import annotations
 
@@ -26,13 +30,19 @@ def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
 
 
-# (B, H, Hk, Tq, Tk, D, topk, bottomk, row_limit): ragged sizes, GQA, K = Tk, bottom sets, the streaming path.
+# (B, H, Hk, Tq, Tk, D, topk, bottomk, row_limit, scratch): ragged sizes, GQA, K = 1, K = Tk, bottom sets, row
+# chunks of the score scratch, the streaming path.
 CASES = [
-    (1, 2, 1, 5, 7, 16, 3, 2, None),
-    (2, 2, 2, 19, 40, 8, 5, 0, None),
-    (1, 4, 2, 9, 13, 4, 13, 0, None),            # K = Tk
-    (1, 2, 1, 12, 45, 8, 7, 9, 16),              # streaming: 3 chunks of 16 keys
-    (1, 1, 1, 17, 13, 4, 6, 7, 8),               # streaming, top + bottom = Tk
+    (1, 2, 1, 5, 7, 16, 3, 2, None, None),
+    (2, 2, 2, 19, 40, 8, 5, 0, None, None),
+    (1, 4, 2, 9, 13, 4, 13, 0, None, None),           # K = Tk
+    (1, 2, 2, 6, 33, 8, 1, 0, None, None),            # K = 1, odd Tk
+    (1, 2, 2, 6, 33, 8, 1, 32, None, None),           # K = 1, top + bottom = Tk
+    (2, 4, 1, 11, 70, 20, 9, 6, None, None),          # GQA 4 -> 1, D not a power of two
+    (1, 2, 1, 23, 37, 8, 4, 3, None, 2 * 37 * 5),     # 5 rows per scratch chunk: 5 chunks, the last ragged
+    (1, 1, 1, 3, 1, 8, 1, 0, None, None),             # one key
+    (1, 2, 1, 12, 45, 8, 7, 9, 16, None),             # streaming: 3 chunks of 16 keys
+    (1, 1, 1, 17, 13, 4, 6, 7, 8, None),              # streaming, top + bottom = Tk
 ]
 
 
@@ -40,18 +50,88 @@ def _pooled(b, h, hk, tq, tk, d):
     return ts.grid_values(b, h, tq, d), ts.grid_values(b, hk, tk, d)
 
 
-@cpu_only
-@pytest.mark.parametrize("b,h,hk,tq,tk,d,topk,bottomk,row_limit", CASES)
-def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit):
-    from flexsparse.triton.block_topk import ROW_LIMIT, block_topk as topk_kernel
-    qp, kp = _pooled(b, h, hk, tq, tk, d)
-    top, bottom = topk_kernel(qp, kp, topk, bottomk, row_limit or ROW_LIMIT)
+def _check(qp, kp, topk, bottomk, **kwargs):
+    from flexsparse.triton.block_topk import block_topk as topk_kernel
+    top, bottom = topk_kernel(qp, kp, topk, bottomk, **kwargs)
     want_top, want_bottom = sorted_block_topk(qp, kp, topk, bottomk=bottomk)
     assert torch.equal(top, want_top)
     if bottomk:
         assert torch.equal(bottom, want_bottom)
     else:
-        assert bottom.shape == (b, h, tq, 0)
+        assert bottom.shape == (*qp.shape[:3], 0)
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,tq,tk,d,topk,bottomk,row_limit,scratch", CASES)
+def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit, scratch):
+    from flexsparse.triton.block_topk import ROW_LIMIT, SCRATCH
+    qp, kp = _pooled(b, h, hk, tq, tk, d)
+    _check(qp, kp, topk, bottomk, row_limit=row_limit or ROW_LIMIT, scratch=scratch or SCRATCH)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_random_inputs_equal_sorted_topk(dtype):
+    """Continuous random scores (no ties): the same sets as the sort of PyTorch's fp32 scores."""
+    gen = torch.Generator().manual_seed(1)
+    qp = torch.randn(2, 2, 21, 16, generator=gen).to(dtype)
+    kp = torch.randn(2, 1, 77, 16, generator=gen).to(dtype)
+    _check(qp, kp, 8, 5)
+    _check(qp, kp, 1, 76)
+
+
+def _sorted_ids(scores, topk, bottomk):
+    """Top / bottom ids of a stable descending sort, ascending int32."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    top = order[..., :topk].sort(-1).values.to(torch.int32)
+    return top, order[..., scores.shape[-1] - bottomk:].sort(-1).values.to(torch.int32)
+
+
+def _select(scores, topk, bottomk, row0=0, tq=None, warps=None):
+    from flexsparse.triton.block_topk import select_scores
+    bh, rows, tk = scores.shape
+    tq = tq or rows
+    top = torch.full((1, bh, tq, topk), -1, dtype=torch.int32, device=scores.device)
+    bottom = torch.full((1, bh, tq, bottomk), -1, dtype=torch.int32, device=scores.device)
+    select_scores(scores.contiguous(), top, bottom, row0, warps)
+    return top[0], bottom[0]
+
+
+def _special_scores(rows, tk, gen):
+    """Rows of random fp32 scores, some rows drawn from a few special values (+-0, +-inf, NaN of both signs,
+    subnormals, huge, repeats) so that the threshold falls on ties, on signed zeros, infinities and NaN."""
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-40, -1e-40,
+                            3e38, -3e38, 1.0, -1.0, 2.5])
+    s = torch.randn(rows, tk, generator=gen)
+    pick = special[torch.randint(0, len(special), (rows, tk), generator=gen)]
+    return torch.where(torch.arange(rows)[:, None] % 2 == 1, pick, s)
+
+
+@cpu_only
+@pytest.mark.parametrize("tk", [1, 2, 5, 16, 31, 33, 64])
+def test_selection_equals_stable_sort_for_every_k(tk):
+    """The selection kernel on given fp32 scores, every (topk, bottomk) split of the row, against a stable
+    sort: bit-identical sets (random rows and rows of special values)."""
+    gen = torch.Generator().manual_seed(tk)
+    scores = _special_scores(4, tk, gen).view(2, 2, tk)
+    for topk in range(1, tk + 1):
+        for bottomk in sorted({0, 1, tk - topk}):
+            if topk + bottomk > tk:
+                continue
+            top, bottom = _select(scores, topk, bottomk)
+            want_top, want_bottom = _sorted_ids(scores, topk, bottomk)
+            assert torch.equal(top, want_top), (topk, bottomk)
+            assert torch.equal(bottom, want_bottom), (topk, bottomk)
+
+
+@cpu_only
+def test_selection_writes_its_row_chunk_only():
+    gen = torch.Generator().manual_seed(0)
+    scores = _special_scores(6, 40, gen).view(2, 3, 40)
+    top, bottom = _select(scores, 6, 3, row0=2, tq=7, warps=2)
+    want_top, want_bottom = _sorted_ids(scores, 6, 3)
+    assert torch.equal(top[:, 2:5], want_top) and torch.equal(bottom[:, 2:5], want_bottom)
+    assert (top[:, :2] == -1).all() and (top[:, 5:] == -1).all() and (bottom[:, 5:] == -1).all()
 
 
 @cpu_only
@@ -88,7 +168,8 @@ def test_opcheck_cpu_fallback():
 @gpu
 @pytest.mark.parametrize("h,hk,tq,tk,d,topk,bottomk", [
     (8, 8, 1024, 1024, 64, 51, 102), (8, 2, 1024, 1024, 128, 32, 0), (4, 4, 512, 512, 64, 32, 51),
-    (4, 2, 300, 777, 64, 38, 77), (2, 1, 64, 5000, 64, 8, 16)])    # the last one streams (Tk > 4096)
+    (4, 2, 300, 777, 64, 38, 77), (2, 1, 64, 5000, 64, 8, 16), (2, 2, 40, 16384, 64, 819, 1),
+    (2, 2, 256, 257, 64, 1, 256), (2, 1, 33, 17000, 64, 8, 16)])    # the last one streams (Tk > 16384)
 def test_gpu_equals_sorted_topk(h, hk, tq, tk, d, topk, bottomk):
     qp, kp = (x.cuda() for x in _pooled(2, h, hk, tq, tk, d))
     top, bottom = block_topk(qp, kp, topk, bottomk=bottomk)
@@ -102,6 +183,39 @@ def test_gpu_equals_sorted_topk(h, hk, tq, tk, d, topk, bottomk):
 
 
 @gpu
+@pytest.mark.parametrize("tk", [64, 256, 1000, 1024, 2048, 4096, 8192, 16384])
+def test_gpu_selection_bit_identical_to_sort(tk):
+    """The selection kernel on given fp32 scores against ``torch.sort(stable=True)``: identical sets, K = 5%
+    (+ a bottom set), K = 1 and K = Tk, random and special-valued rows, half / default / twice the warps per row."""
+    from flexsparse.triton.block_topk import topk_tiles
+    gen = torch.Generator().manual_seed(tk)
+    rows = max(8, min(1024, (1 << 22) // tk))
+    scores = _special_scores(2 * rows, tk, gen).view(2, rows, tk).cuda()
+    default = topk_tiles(tk)["SELECT_WARPS"]
+    warp_counts = sorted({w for w in (default // 2, default, 2 * default) if 1 <= w <= 16 and tk <= 64 * 32 * w})
+    for topk, bottomk in [(max(1, tk // 20), tk // 10), (1, 0), (tk, 0), (1, tk - 1)]:
+        want = _sorted_ids(scores, topk, bottomk)
+        for warps in warp_counts:
+            got = _select(scores, topk, bottomk, warps=warps)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (topk, bottomk, warps)
+
+
+@gpu
+def test_gpu_chunks_bf16_and_determinism():
+    from flexsparse.triton.block_topk import block_topk as topk_kernel
+    qp, kp = (x.cuda() for x in _pooled(2, 4, 2, 300, 1500, 64))
+    want = sorted_block_topk(qp, kp, 75, bottomk=30)
+    for scratch in (8 * 1500 * 7, 8 * 1500 * 300):     # 43 row chunks, one chunk
+        top, bottom = topk_kernel(qp, kp, 75, 30, scratch=scratch)
+        assert torch.equal(top, want[0]) and torch.equal(bottom, want[1])
+    top, bottom = block_topk(qp.bfloat16(), kp.bfloat16(), 75, bottomk=30)   # grid values are exact in bf16
+    assert torch.equal(top, want[0]) and torch.equal(bottom, want[1])
+    qp, kp = torch.randn_like(qp), torch.randn_like(kp)
+    first = block_topk(qp, kp, 75, bottomk=30)
+    assert all(torch.equal(a, b) for a, b in zip(first, block_topk(qp, kp, 75, bottomk=30)))
+
+
+@gpu
 def test_gpu_compiled_fullgraph_and_opcheck():
     qp, kp = (x.cuda() for x in _pooled(2, 4, 2, 256, 256, 64))
     fn = torch.compile(lambda q, k: block_topk(q, k, 13, bottomk=26), fullgraph=True)
@@ -109,4 +223,4 @@ def test_gpu_compiled_fullgraph_and_opcheck():
     want_top, want_bottom = sorted_block_topk(qp, kp, 13, bottomk=26)
     assert torch.equal(top, want_top) and torch.equal(bottom, want_bottom)
     torch.library.opcheck(sla_ops.block_topk, (qp, kp, 13, 26))
-    torch.library.opcheck(sla_ops.block_topk, (qp[:, :, :100], kp[:, :, :7000], 8, 0))
+    torch.library.opcheck(sla_ops.block_topk, (qp[:, :, :100], kp[:, :, :17000], 8, 0))

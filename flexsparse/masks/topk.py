@@ -41,8 +41,9 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, *, bot
     q_pooled: ``(B, H, Tq, D)``; k_pooled: ``(B, Hk, Tk, D)``.
     Returns ``(top, bottom)``: ``(B, H, Tq, topk)`` and ``(B, H, Tq, bottomk)`` (or ``None``)
     int32 block ids sorted ascending. The bottom set never overlaps the top set.
-    CUDA tensors go to the Triton kernel (``flexsparse::block_topk``, no score matrix) when triton is
-    installed; otherwise the scores are sorted in row chunks of at most ``max_elements`` (``sorted_block_topk``).
+    CUDA tensors go to the Triton kernels (``flexsparse::block_topk``: fp32 scores in 32 MB row chunks, an exact
+    selection per row) when triton is installed; otherwise the scores are sorted in row chunks of at most
+    ``max_elements`` (``sorted_block_topk``).
     """
     tk = k_pooled.shape[2]
     if topk < 1 or bottomk < 0 or topk + bottomk > tk:

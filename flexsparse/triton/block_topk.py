@@ -1,14 +1,43 @@
 """Single-level block top-K in Triton (routers of ``sla``, ``sla2`` and ``topk``).
 
-Scores are raw dots of pooled q ``(B, H, Tq, D)`` against pooled k ``(B, Hk, Tk, D)`` (GQA) in fp32 FMAs
-(no TF32). A row's order is (largest score, then smallest key id); the top set is the first ``topk`` of
-that order and the optional bottom set the last ``bottomk``, so they never overlap. Output rows are
-ascending. The result equals ``flexsparse.masks.block_topk`` (exactly wherever the scores are exact).
+Scores are raw fp32 dots of pooled q ``(B, H, Tq, D)`` against pooled k ``(B, Hk, Tk, D)`` (GQA; exact fp32
+products, no TF32). A row's order is (largest score, then smallest key id); the top set is the first ``topk``
+of that order and the optional bottom set the last ``bottomk``, so they never overlap. Output rows are
+ascending. Given the same fp32 scores the selection equals a stable descending sort bit for bit
+(``masks.sorted_block_topk``; NaN counts as the largest value, as in ``torch.sort``).
 
-Rows of up to ``ROW_LIMIT`` keys stay in registers: the ``topk``-th largest score of each row is found
-exactly by bisection over the ordered int32 bit patterns of the fp32 scores (32 counting passes, whatever
-K), then the row is compacted in id order (prefix sums), ties at the threshold taken by id. Longer rows
-stream through in chunks with the K-pass merge of ``select.merge_topk``.
+Rows of up to ``ROW_LIMIT`` keys take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so
+that the second kernel reads the scores from L2 rather than HBM; whole rows, at least one row per head):
+
+1. ``_scores_kernel``: ``BM x BN`` tiles of ``q k^T`` by ``tl.dot(input_precision="ieee")`` over 16-wide
+   slices of D (fp32 FMAs in D order; 168 registers, no spills at 64 x 64 on 4 warps for sm_90), stored to an
+   fp32 scratch ``(B H, rows, Tk)``.
+2. ``_select_kernel``: one program (``Tk / 1024`` warps, at least 1) per row, the row in registers (32 keys
+   per lane). The scores become int32 keys with the order of the floats (``-0.0`` as ``+0.0``, NaN on top);
+   the ``topk``-th largest key is found exactly by a bisection over ``[min, max]`` (one count of
+   ``key >= mid`` per pass) that stops as soon as a count is exactly ``topk``. The first 24 passes split at
+   the halfway *value* (when its key lies inside the interval), later ones at the halfway key: on scores
+   spread around zero halfway keys waste ~6 passes on exponents (simulated on normal rows of 1024 keys,
+   K = 51: 14.4 passes by keys, 9.2 by values; 32 + 24 at most). Then a prefix sum takes the ties at the
+   threshold by id (first ones for top, last ones for bottom; only when some ties are left out) and another
+   compacts the row in id order. The bottom set is the same search read as ``~key`` (reversed compares on the
+   same registers). A pass costs 32 compares per lane and a warp reduction (plus one shared-memory round
+   when a row spans several warps, Tk > 1024); 96-128 registers at Tk = 1024 (sm_90).
+
+Cost at B H = 16, Tq = Tk = 1024, D = 64, K = 51 (the H200 numbers are estimates, the lead measures):
+
+* scores: ``2 B H Tq Tk D`` = 2.1 GFLOP of fp32 FMAs (no tensor cores: ~67 TFLOP/s peak, so >= 32 us,
+  ~50-70 us at the FMA-dot's usual efficiency); q / k tiles 128 MB from L2 (64 x 64 tiles); 64 MB written
+  in two chunks of 32 MB.
+* selection: 64 MB read (from L2 if the chunk stayed there, else ~15 us of HBM); ~10 counting passes per row
+  on random scores, each ~100 warp instructions (32 compares, adds, 5 shuffles, the scalar split), plus two
+  prefix sums of ~500: 16K rows x ~1.5-2K warp instructions = ~30M, ~15-30 us.
+* total ~0.1 ms (was 0.75 ms: 32 passes with cross-warp reductions over 8 rows x 1024 keys per program, and
+  D rank-1 updates from global loads). The scores grow as Tq Tk D (Tq = Tk = 2048: 8.6 GFLOP, ~0.15-0.2 ms
+  + ~0.1 ms selection; 4096: 34 GFLOP, ~0.6-0.8 ms): exact fp32 dots are the floor of this design.
+
+Rows longer than ``ROW_LIMIT`` keys (more than 16 warps of 32 keys per lane) stream through in chunks with
+the K-pass merge of ``select.merge_topk`` (slow for large K).
 """
 from __future__ import annotations
 
@@ -19,10 +48,142 @@ import triton.language as tl
 from .common import launcher
 from .layout import cdiv, pow2
 from .select import merge_topk
+from .tiles import overrides
 
-ROW_LIMIT = 4096
-_ROW_SCORES = 8192  # scores per program of the in-register kernel (32 per thread at 8 warps)
+ROW_LIMIT = 16384
+SCRATCH = 1 << 23  # fp32 scores per launch pair (32 MB: meant to stay in L2 between the two kernels)
+_KEYS_PER_WARP = 1024
 _STREAM_ROWS, _STREAM_CHUNK = 16, 128
+_VALUE_PASSES = tl.constexpr(24)  # bisection passes at halfway values before halfway keys (see _first_k)
+
+
+@triton.jit
+def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
+                   D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Scores of query rows ``[ROW0, ROW0 + ROWS)`` into ``S (B H, ROWS, TK)`` fp32; q ``(B, H, TQ, D)``,
+    k ``(B, Hk, TK, D)`` contiguous, any float dtype. D goes in ``BK``-wide slices (an FMA dot holds its
+    operands in registers: a whole D = 64 slice spills), accumulated in D order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < ROWS
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < TK
+    q_ptr = Q + bh.to(tl.int64) * TQ * D + (ROW0 + rows).to(tl.int64)[:, None] * D
+    k_ptr = K + kv.to(tl.int64) * TK * D + cols.to(tl.int64)[:, None] * D
+    s = tl.zeros([BM, BN], tl.float32)
+    for d0 in range(0, D, BK):
+        dim = d0 + tl.arange(0, BK)
+        q = tl.load(q_ptr + dim[None, :], mask=row_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + dim[None, :], mask=col_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
+    tl.store(S + (bh.to(tl.int64) * ROWS + rows)[:, None] * TK + cols[None, :], s,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _ordered(x):
+    """int32 keys with the order of the fp32 values ``x``: ``-0.0`` as ``+0.0``, every NaN above ``+inf`` as
+    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    return tl.where(x != x, 2147483646, key)
+
+
+@triton.jit
+def _value(key):
+    """The fp32 value of an ordered key (inverse of ``_ordered`` on non-NaN keys)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
+    """A split point in ``(lo, hi]`` (int64, ``lo < hi``): the halfway key, or with ``VALUE`` the key of the
+    halfway fp32 value when that one lies inside (fewer passes on scores spread around zero, whose keys crowd
+    into a few exponents). Keys are read as ``~key`` with ``SMALLEST``."""
+    mid = lo + (hi - lo + 1) // 2
+    if VALUE:
+        a = lo.to(tl.int32)
+        b = hi.to(tl.int32)
+        if SMALLEST:
+            a, b = ~a, ~b
+        m = _ordered(_value(a) * 0.5 + _value(b) * 0.5)
+        if SMALLEST:
+            m = ~m
+        m = m.to(tl.int64)
+        mid = tl.where((m > lo) & (m <= hi), m, mid)
+    return mid
+
+
+@triton.jit
+def _first_k(key, count, pad, SMALLEST: tl.constexpr):
+    """Mask of the ``count`` largest ``key`` ``(BT,)``, ties at the threshold to the smallest columns; with
+    ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search over ``~key``, with
+    reversed compares instead of a second array). ``pad`` keys hold ``INT_MIN`` (padding, never taken);
+    ``1 <= count <=`` the number of other keys."""
+    least = tl.min(tl.where(key == -2147483648, 2147483647, key))
+    most = tl.max(key)
+    if SMALLEST:
+        lo, hi = (~most).to(tl.int64), (~least).to(tl.int64)
+    else:
+        lo, hi = least.to(tl.int64), most.to(tl.int64)
+    # invariant: at least count keys >= lo; fewer than count keys > hi, or exactly count keys >= hi = lo
+    # (keys read as ~key with SMALLEST: ~key >= m is key <= ~m, which counts the padding too). The first
+    # _VALUE_PASSES passes split at halfway values, the rest at halfway keys: at most _VALUE_PASSES + 32.
+    passes = 0
+    while lo < hi:
+        if passes < _VALUE_PASSES:
+            mid = _midpoint(lo, hi, True, SMALLEST)
+        else:
+            mid = _midpoint(lo, hi, False, SMALLEST)
+        if SMALLEST:
+            n = tl.sum((key <= ~mid.to(tl.int32)).to(tl.int32)) - pad
+        else:
+            n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
+        hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
+        lo = tl.where(n >= count, mid, lo)
+        passes += 1
+    threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
+    if SMALLEST:
+        threshold = ~threshold
+        need = count - tl.sum((key < threshold).to(tl.int32)) + pad
+    else:
+        need = count - tl.sum((key > threshold).to(tl.int32))
+    tied = tl.sum((key == threshold).to(tl.int32))
+    # the ties taken: columns <= cut (top) or >= cut (SMALLEST); a prefix sum finds the cut when some are left out
+    cols = tl.arange(0, key.shape[0])
+    cut = tl.where(SMALLEST, 0, key.shape[0])
+    if need < tied:
+        seen = tl.cumsum((key == threshold).to(tl.int32), 0)
+        cut = tl.min(tl.where(seen == tl.where(SMALLEST, tied - need + 1, need), cols, key.shape[0]))
+    if SMALLEST:
+        return ((key < threshold) & (key != -2147483648)) | ((key == threshold) & (cols >= cut))
+    else:
+        return (key > threshold) | ((key == threshold) & (cols <= cut))
+
+
+@triton.jit
+def _store_columns(out, taken, BT: tl.constexpr):
+    """The columns of ``taken`` ``(BT,)`` into the row ``out``, ascending."""
+    slot = tl.cumsum(taken.to(tl.int32), 0) - 1
+    tl.store(out + slot, tl.arange(0, BT), mask=taken)
+
+
+@triton.jit
+def _select_kernel(S, TOP, BOTTOM, TQ, TK, ROW0, ROWS, KTOP, KBOT, BT: tl.constexpr, HAS_BOTTOM: tl.constexpr):
+    """Top (and bottom) ids of score row ``program_id(0)`` of ``S (B H, ROWS, TK)`` into row ``ROW0 + r``
+    of ``TOP (B H, TQ, KTOP)`` (``BOTTOM (B H, TQ, KBOT)``)."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BT)
+    valid = cols < TK
+    key = tl.where(valid, _ordered(tl.load(S + (bh * ROWS + r) * TK + cols, mask=valid, other=0.0)), -2147483648)
+    out_row = bh * TQ + ROW0 + r
+    _store_columns(TOP + out_row * KTOP, _first_k(key, KTOP, BT - TK, False), BT)
+    if HAS_BOTTOM:
+        _store_columns(BOTTOM + out_row * KBOT, _first_k(key, KBOT, BT - TK, True), BT)
 
 
 @triton.jit
@@ -34,64 +195,6 @@ def _scores(q_base, kt_base, rows, row_ok, cols, col_ok, TK, D: tl.constexpr):
         kd = tl.load(kt_base + d * TK + cols, mask=col_ok, other=0.0)
         s += qd[:, None] * kd[None, :]
     return s
-
-
-@triton.jit
-def _ordered(x):
-    """int32 keys with the order of the fp32 values ``x`` (``-0.0`` as ``+0.0``)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-
-
-@triton.jit
-def _first_k(key, valid, count, LAST_TIES: tl.constexpr):
-    """Mask of the ``count`` largest ``key`` of each row among ``valid``; ties at the threshold go to the
-    smallest columns (the largest with ``LAST_TIES``). key, valid: ``(R, C)``; ``1 <= count <= valid``."""
-    lo = tl.min(tl.where(valid, key, 2147483647), axis=1).to(tl.int64)
-    hi = tl.max(tl.where(valid, key, -2147483648), axis=1).to(tl.int64)
-    for _ in range(32):  # invariant: at least count keys >= lo, fewer than count keys > hi
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((valid & (key >= mid.to(tl.int32)[:, None])).to(tl.int32), axis=1) >= count
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    threshold = lo.to(tl.int32)[:, None]
-    above = valid & (key > threshold)
-    ties = valid & (key == threshold)
-    need = count - tl.sum(above.to(tl.int32), axis=1)
-    seen = tl.cumsum(ties.to(tl.int32), axis=1)
-    if LAST_TIES:
-        rank = tl.sum(ties.to(tl.int32), axis=1)[:, None] - seen
-    else:
-        rank = seen - 1
-    return above | (ties & (rank < need[:, None]))
-
-
-@triton.jit
-def _store_columns(out, taken, cols, row_ok, count):
-    """Columns of ``taken`` ``(R, C)`` into ``out`` rows of ``count`` ids, ascending."""
-    slot = tl.cumsum(taken.to(tl.int32), axis=1) - 1
-    rows = tl.arange(0, taken.shape[0])
-    tl.store(out + rows[:, None] * count + slot, cols[None, :] + tl.zeros_like(slot),
-             mask=taken & row_ok[:, None])
-
-
-@triton.jit
-def _row_topk_kernel(QP, KT, TOP, BOTTOM, H, GROUP, TQ, TK, KTOP, KBOT,
-                     D: tl.constexpr, BQ: tl.constexpr, BT: tl.constexpr, HAS_BOTTOM: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
-    rows = pid * BQ + tl.arange(0, BQ)
-    row_ok = rows < TQ
-    cols = tl.arange(0, BT)
-    col_ok = cols < TK
-    s = _scores(QP + bh.to(tl.int64) * TQ * D, KT + kv.to(tl.int64) * D * TK, rows, row_ok, cols, col_ok, TK, D)
-    key = _ordered(s)
-    valid = col_ok[None, :] & (rows >= 0)[:, None]
-    first_row = bh.to(tl.int64) * TQ + pid * BQ
-    _store_columns(TOP + first_row * KTOP, _first_k(key, valid, KTOP, False), cols, row_ok, KTOP)
-    if HAS_BOTTOM:
-        _store_columns(BOTTOM + first_row * KBOT, _first_k(~key, valid, KBOT, True), cols, row_ok, KBOT)
 
 
 @triton.jit
@@ -130,33 +233,56 @@ def _stream_topk_kernel(QP, KT, TOP, BOTTOM, H, GROUP, TQ, TK,
                  mask=row_ok[:, None] & (slot[None, :] < KBOT))
 
 
-def row_tiles(tk: int) -> tuple[int, int, int]:
-    """``(BT, BQ, num_warps)`` of the in-register kernel for rows of ``tk`` keys (``BQ`` rows of ``BT`` columns)."""
+def topk_tiles(tk: int) -> dict:
+    """Launch sizes for rows of ``tk`` keys: score tiles ``BM x BN`` (D in ``BK`` slices) on ``WARPS`` warps and
+    ``STAGES`` pipeline stages, ``SELECT_WARPS`` per row (overrides: kind ``block_topk`` of ``tiles``)."""
     bt = pow2(tk, 16)
-    bq = max(1, min(16, _ROW_SCORES // bt))
-    return bt, bq, 8 if bq * bt >= _ROW_SCORES else 4
+    tiles = {"BM": 64, "BN": 64, "BK": 16, "WARPS": 4, "STAGES": 3,
+             "SELECT_WARPS": max(1, min(16, bt // _KEYS_PER_WARP))}
+    tiles.update(overrides("block_topk"))
+    return tiles
+
+
+def select_scores(scores: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, row0: int = 0,
+                  warps: int | None = None) -> None:
+    """Write the top / bottom ids of score rows ``scores (B H, R, Tk)`` fp32 contiguous into rows
+    ``[row0, row0 + R)`` of ``top (B, H, Tq, topk)`` and ``bottom (B, H, Tq, bottomk)`` (int32 contiguous;
+    ``bottom`` may be empty). ``1 <= topk``, ``topk + bottomk <= Tk``."""
+    bh, rows, tk = scores.shape
+    topk, bottomk = top.shape[-1], bottom.shape[-1]
+    bt = pow2(tk, 16)
+    warps = warps or topk_tiles(tk)["SELECT_WARPS"]
+    launcher(_select_kernel)[(rows, bh)](
+        scores, top, bottom if bottomk else top, top.shape[2], tk, row0, rows, topk, bottomk,
+        BT=bt, HAS_BOTTOM=bottomk > 0, num_warps=warps)
 
 
 def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, bottomk: int,
-               row_limit: int = ROW_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
+               row_limit: int = ROW_LIMIT, scratch: int = SCRATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top (B, H, Tq, topk), bottom (B, H, Tq, bottomk))`` int32 ascending, from pooled q ``(B, H, Tq, D)``
-    and k ``(B, Hk, Tk, D)`` (any float dtype; scored in fp32). ``1 <= topk``, ``topk + bottomk <= Tk``.
-    Rows longer than ``row_limit`` keys take the streaming kernel."""
+    and k ``(B, Hk, Tk, D)`` (fp16 / bf16 / fp32; scored in fp32). ``1 <= topk``, ``topk + bottomk <= Tk``.
+    Rows longer than ``row_limit`` keys take the streaming kernel; others go through an fp32 score scratch of
+    at most ``scratch`` elements (whole rows, at least one row per head)."""
     bsz, heads, tq, d = q_pooled.shape
     kv_heads, tk = k_pooled.shape[1], k_pooled.shape[2]
-    qp = q_pooled.to(torch.float32).contiguous()
-    kt = k_pooled.to(torch.float32).transpose(-1, -2).contiguous()
-    top = qp.new_empty(bsz, heads, tq, topk, dtype=torch.int32)
-    bottom = qp.new_empty(bsz, heads, tq, bottomk, dtype=torch.int32)
-    bottom_arg = bottom if bottomk else top  # never written then (no null pointer for the kernel)
+    top = q_pooled.new_empty(bsz, heads, tq, topk, dtype=torch.int32)
+    bottom = q_pooled.new_empty(bsz, heads, tq, bottomk, dtype=torch.int32)
     group = heads // kv_heads
-    if pow2(tk, 16) <= row_limit:
-        bt, bq, warps = row_tiles(tk)
-        launcher(_row_topk_kernel)[(cdiv(tq, bq), bsz * heads)](
-            qp, kt, top, bottom_arg, heads, group, tq, tk, topk, bottomk,
-            D=d, BQ=bq, BT=bt, HAS_BOTTOM=bottomk > 0, num_warps=warps)
-    else:
+    if pow2(tk, 16) > row_limit:
+        qp = q_pooled.to(torch.float32).contiguous()
+        kt = k_pooled.to(torch.float32).transpose(-1, -2).contiguous()
         launcher(_stream_topk_kernel)[(cdiv(tq, _STREAM_ROWS), bsz * heads)](
-            qp, kt, top, bottom_arg, heads, group, tq, tk, D=d, BQ=_STREAM_ROWS, BC=_STREAM_CHUNK, KTOP=topk,
-            KBOT=bottomk, KP2=pow2(topk, 2), KBP2=pow2(bottomk, 2))
+            qp, kt, top, bottom if bottomk else top, heads, group, tq, tk, D=d, BQ=_STREAM_ROWS,
+            BC=_STREAM_CHUNK, KTOP=topk, KBOT=bottomk, KP2=pow2(topk, 2), KBP2=pow2(bottomk, 2))
+        return top, bottom
+    qp, kp = q_pooled.contiguous(), k_pooled.contiguous()
+    tiles = topk_tiles(tk)
+    chunk = min(tq, max(1, scratch // (bsz * heads * tk)))
+    for row0 in range(0, tq, chunk):
+        rows = min(chunk, tq - row0)
+        scores = qp.new_empty(bsz * heads, rows, tk, dtype=torch.float32)  # a fresh buffer, never a view
+        launcher(_scores_kernel)[(cdiv(rows, tiles["BM"]), cdiv(tk, tiles["BN"]), bsz * heads)](
+            qp, kp, scores, heads, group, tq, tk, row0, rows, D=d, BK=tiles["BK"], BM=tiles["BM"], BN=tiles["BN"],
+            num_warps=tiles["WARPS"], num_stages=tiles["STAGES"])
+        select_scores(scores, top, bottom, row0, tiles["SELECT_WARPS"])
     return top, bottom

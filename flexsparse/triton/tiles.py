@@ -3,7 +3,9 @@
 Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
 ``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``),
 ``linear`` (SLA's masked linear branch, forward and backward: ``linear_fwd.linear_tiles``, keys ``TQ``, ``TK``,
-``warps``, ``stages``).
+``warps``, ``stages``, ``dense_ratio``),
+``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
+``SELECT_WARPS`` per row).
 Read at every call.
 """
 from __future__ import annotations
@@ -19,6 +21,6 @@ def overrides(kind: str) -> dict:
         return {}
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', 'linear') "
-                         f"to dicts, got {text!r}")
+        raise ValueError("FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', "
+                         f"'linear', 'block_topk') to dicts, got {text!r}")
     return table.get(kind, {})
