@@ -525,3 +525,21 @@ def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_inputs(1000, 2, 1, 64, 64, 64, 4)
     torch.library.opcheck(block_ops.block_attn_fp8, (q, k, v, selection.indices, 64, 64, 0.125))
+
+
+@cpu_only
+def test_kernel_benchmark_script_runs_in_the_interpreter(tmp_path):
+    """benchmarks/gpu_fp8_kernel.py at a tiny size: timings, speedups, errors and a 2-config sweep."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_fp8_kernel.py"
+    spec = importlib.util.spec_from_file_location("gpu_fp8_kernel", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--device", "cpu", "--n", "128", "--batch", "1", "--heads", "1", "--head-dims", "16",
+                         "--block", "32", "--ratio", "0.5", "--sweep", "--out", str(tmp_path / "k.json")])
+    row = report["results"]["D16"]
+    assert 0.01 < row["rel_l2_random"] < 0.08 and 0 < row["rel_l2_structured"] < 0.08
+    assert row["speedup_kernel"] > 0 and row["prepass_ms"]["median_ms"] > 0
+    assert len(row["sweep"]["rows"]) == 2 and row["sweep"]["best"]["speedup_kernel"] > 0
+    assert (tmp_path / "k.json").is_file()
