@@ -1,7 +1,8 @@
 """Tile-size overrides for tuning: ``FLEXSPARSE_TRITON_TILES='{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``.
 
 Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
-``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``).
+``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``),
+``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys).
 Read at every call.
 """
 from __future__ import annotations
@@ -17,6 +18,6 @@ def overrides(kind: str) -> dict:
         return {}
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd') to dicts, "
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', 'block_fwd_fp8') to dicts, "
                          f"got {text!r}")
     return table.get(kind, {})
