@@ -15,7 +15,8 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
 ``--sweep`` times both kernels over ``SWEEP`` (tile settings of ``forward_tiles``: key blocks per step,
-warps, stages) and reports the best of each. Times: ``triton.testing.do_bench`` medians (20th/80th
+warps, stages; for the FP8 kernel also ``fresh_acc=False``, P V accumulated inside the fp8 MMA) and reports
+the best of each. Times: ``triton.testing.do_bench`` medians (20th/80th
 percentiles) in ms on CUDA, perf_counter medians on CPU.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from flexsparse.triton import block_fwd, block_fwd_fp8
 from flexsparse.triton.fp8_quant import quantize_qkv
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
+SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,24 +142,30 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
 
 
 def sweep(args, device, bf16, fp8_kernel, bf16_tiles: dict, fp8_tiles: dict) -> dict:
-    """Both kernels over ``SWEEP`` (on top of their defaults); the best median of each and its speedup."""
-    configs = SWEEP if device.type == "cuda" else SWEEP[:2]
+    """Both kernels over ``SWEEP`` (on top of their defaults); the best median of each (FP8: with the default
+    fresh accumulator, and ``_mma_acc`` with ``fresh_acc=False``) and the speedups over the best bf16."""
+    configs = SWEEP if device.type == "cuda" else [SWEEP[0], SWEEP[-1]]
     rows = []
     for change in configs:
         row = {"tiles": change}
         for name, fn, base in (("bf16", bf16, bf16_tiles), ("fp8_kernel", fp8_kernel, fp8_tiles)):
+            if any(key not in base for key in change):
+                row[f"{name}_ms"] = "n/a"
+                continue
             tiles = {**base, **change}
             row[f"{name}_ms"] = attempt(lambda: timed(lambda: fn(tiles), device)["median_ms"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     best = {}
-    for name in ("bf16", "fp8_kernel"):
-        ok = [r for r in rows if isinstance(r[f"{name}_ms"], float)]
+    for name, key, keep in (("bf16", "bf16", True), ("fp8_kernel", "fp8_kernel", True),
+                            ("fp8_kernel_mma_acc", "fp8_kernel", False)):
+        ok = [r for r in rows if isinstance(r[f"{key}_ms"], float) and r["tiles"].get("fresh_acc", True) == keep]
         if ok:
-            top = min(ok, key=lambda r: r[f"{name}_ms"])
-            best[name] = {"tiles": top["tiles"], "median_ms": top[f"{name}_ms"]}
-    if len(best) == 2:
-        best["speedup_kernel"] = best["bf16"]["median_ms"] / best["fp8_kernel"]["median_ms"]
+            top = min(ok, key=lambda r: r[f"{key}_ms"])
+            best[name] = {"tiles": top["tiles"], "median_ms": top[f"{key}_ms"]}
+    for name in ("fp8_kernel", "fp8_kernel_mma_acc"):
+        if "bf16" in best and name in best:
+            best[f"speedup_{name.removeprefix('fp8_')}"] = best["bf16"]["median_ms"] / best[name]["median_ms"]
     return {"rows": rows, "best": best}
 
 

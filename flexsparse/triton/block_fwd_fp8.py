@@ -48,7 +48,7 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
                           Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-                          STAGES: tl.constexpr, EMULATE: tl.constexpr):
+                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -77,7 +77,10 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP,
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(to_e4m3(p * 448.0, EMULATE), tl.trans(vt))
+        if FRESH_ACC:
+            acc = acc * alpha[:, None] + tl.dot(to_e4m3(p * 448.0, EMULATE), tl.trans(vt))
+        else:
+            acc = tl.dot(to_e4m3(p * 448.0, EMULATE), tl.trans(vt), acc * alpha[:, None])
         m = m_new
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     o = acc / (l[:, None] * (448.0 * v_scale)[None, :])
@@ -92,12 +95,13 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP,
 
 
 def forward_tiles(device: torch.device, d: int) -> dict:
-    """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward, with
-    ``tiles.overrides("block_fwd_fp8")`` (same keys as ``block_fwd``)."""
+    """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward (the keys
+    of ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
+    False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``."""
     if device.type == "cpu":
-        base = dict(BM=16, BN=16, KB=1, warps=4, stages=1)
+        base = dict(BM=16, BN=16, KB=1, warps=4, stages=1, fresh_acc=True)
     else:
-        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2)
+        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2, fresh_acc=True)
     return {**base, **overrides("block_fwd_fp8")}
 
 
@@ -129,6 +133,6 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
     launcher(_block_fwd_fp8_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
         q8, k8, vt8, q_scales, k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk, np_,
         tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
-        SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], EMULATE=emulate, num_warps=warps,
+        SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate, num_warps=warps,
         num_stages=tiles["stages"], **geo)
     return o, lse
