@@ -135,7 +135,8 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     out["rel_l2_random"] = rel_l2(fp8_total()[0], bf16()[0])
     sq, sk, sv = structured_qkv(args.batch, args.heads, args.n, d, gain=1.5, seed=0, device=device, dtype=q.dtype)
     structured_fp8 = block_fwd_fp8.block_forward_fp8(sq, sk, sv, table, block, block, scale)[0]
-    out["rel_l2_structured"] = rel_l2(structured_fp8, block_fwd.block_forward(sq, sk, sv, table, block, block, scale)[0])
+    structured_bf16 = block_fwd.block_forward(sq, sk, sv, table, block, block, scale)[0]
+    out["rel_l2_structured"] = rel_l2(structured_fp8, structured_bf16)
     if args.sweep:
         out["sweep"] = sweep(args, device, bf16, fp8_kernel, bf16_tiles, fp8_tiles)
     return out

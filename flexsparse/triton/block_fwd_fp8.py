@@ -133,6 +133,6 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
     launcher(_block_fwd_fp8_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
         q8, k8, vt8, q_scales, k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk, np_,
         tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
-        SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate, num_warps=warps,
-        num_stages=tiles["stages"], **geo)
+        SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
+        num_warps=warps, num_stages=tiles["stages"], **geo)
     return o, lse

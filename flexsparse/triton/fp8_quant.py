@@ -104,8 +104,8 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = Non
     bb, bd = pow2(block, 16), pow2(d, 16)
     smooth = mean is not None
     launcher(_quant_blocks_kernel)[(t, bsz * heads)](
-        x, mean.contiguous() if smooth else scales, out, scales, x.stride(0), x.stride(1), x.stride(2), heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=smooth, EMULATE=out.dtype != E4M3,
-        num_warps=8 if bb * bd >= 8192 else 4)
+        x, mean.contiguous() if smooth else scales, out, scales, x.stride(0), x.stride(1), x.stride(2), heads, n, t,
+        BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=smooth, EMULATE=out.dtype != E4M3, num_warps=8 if bb * bd >= 8192 else 4)
     return out, scales
 
 
