@@ -18,6 +18,6 @@ def overrides(kind: str) -> dict:
         return {}
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', 'block_fwd_fp8') to dicts, "
-                         f"got {text!r}")
+        raise ValueError("FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', "
+                         f"'block_fwd_fp8') to dicts, got {text!r}")
     return table.get(kind, {})
