@@ -83,7 +83,7 @@ def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, 
     src = V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + rows.to(tl.int64)[:, None] * v_n + dim[None, :]
     x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
-    y = tl.trans(to_e4m3(x * scale[None, :], EMULATE))                        # (BD, TILE), zeros past N
+    y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
     dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]
     tl.store(dst, y, mask=(dim < D)[:, None] & (rows < NP)[None, :])
 
@@ -128,7 +128,7 @@ def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
     ``quantize_v_transposed``); ``k_mean (B, Hk, D)`` fp32 is the smoothing mean ``mean_N(k)``."""
-    k_mean = k.mean(dim=2, dtype=torch.float32)
+    k_mean = k.mean(dim=2, dtype=torch.float32)                               # qat_attention's smoothing mean
     q8, q_scales = quantize_blocks(q, block_q)
     k8, k_scales = quantize_blocks(k, block_k, k_mean)
     vt8, v_scales = quantize_v_transposed(v)
