@@ -2,9 +2,10 @@
 forward"): ``block_fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
 ``fp8_quant``.
 
-Per key tile: ``s = dot(q8, trans(k8)) * scale * log2(e) / (s_q s_k)`` (one Q scale per program, one K scale
-per key column: its block's), online softmax in fp32 (``exp2``) with ``l`` summed from the unquantized
-``p``, ``p8 = e4m3(448 p)`` in registers and ``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts
+Per key tile: ``s = dot(q8, trans(k8)) * (scale * log2(e) / s_q) * (1 / s_k)`` (one Q scale per program, the
+key block's reciprocal K scale: a scalar per step, or per key column with several blocks side by side; no
+division in the loop), online softmax in fp32 (``exp2``) with ``l`` summed from the unquantized ``p``,
+``p8 = e4m3(448 p)`` in registers and ``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts
 from a fresh accumulator each tile (with ``max_num_imprecise_acc`` nonzero, the default of fp8 dots on
 sm90, Triton does not fold the add into the MMA), so the long sum stays out of the fp8 MMA's
 reduced-precision accumulator. Epilogue ``o = acc / (448 s_v l)`` (``s_v`` per channel) in q's dtype; LSE
@@ -43,7 +44,7 @@ def load_columns(base, keys, stride, dim, key_ok, D: tl.constexpr, BD: tl.conste
 
 
 @triton.jit
-def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP, TQ, TK, TOPK,
+def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -60,6 +61,10 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP,
     dim = tl.arange(0, BD)
     q = load_tile(Q8 + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
     q_scale = tl.load(QS + bh.to(tl.int64) * TQ + qblk)
+    q_factor = SCALE2 / q_scale
+    k_descale = KD + hk.to(tl.int64) * TK
+    vt_stride = NP16 * 16                                               # a visible multiple of 16: vector loads
+    vt_head = VT8 + hk.to(tl.int64) * D * vt_stride
     table = IDX + (bh.to(tl.int64) * TQ + qblk) * TOPK
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -67,9 +72,12 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KS, VS, KMEAN, IDX, O, LSE, H, GROUP,
     for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
         keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
         k = load_tile(K8 + k_head, keys, D, dim, key_ok, D, BD, MASK_K)
-        vt = load_columns(VT8 + hk.to(tl.int64) * D * NP, keys, NP, dim, key_ok, D, BD, MASK_K)
-        k_scale = tl.load(KS + hk.to(tl.int64) * TK + keys // BLOCK_K, mask=key_ok, other=1.0)
-        s = tl.dot(q, tl.trans(k)) * (SCALE2 / (q_scale * k_scale))[None, :]
+        vt = load_columns(vt_head, keys, vt_stride, dim, key_ok, D, BD, MASK_K)
+        if K_GROUP == 1:                    # one key block per step: a scalar factor
+            s = tl.dot(q, tl.trans(k)) * (q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT)))
+        else:
+            descale = tl.load(k_descale + keys // BLOCK_K, mask=key_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * (q_factor * descale)[None, :]
         if MASK_K:
             s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -131,8 +139,8 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
     o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
     lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
     launcher(_block_fwd_fp8_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
-        q8, k8, vt8, q_scales, k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk, np_,
-        tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
+        q8, k8, vt8, q_scales, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
+        np_ // 16, tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
         num_warps=warps, num_stages=tiles["stages"], **geo)
     return o, lse

@@ -121,7 +121,7 @@ def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tile = 64
     launcher(_quant_v_kernel)[(cdiv(np_, tile), bsz * heads)](
         v, scales, out, v.stride(0), v.stride(1), v.stride(2), heads, n, np_, TILE=tile, D=d, BD=pow2(d, 16),
-        EMULATE=out.dtype != E4M3, num_warps=4)
+        EMULATE=out.dtype != E4M3, num_warps=8 if tile * pow2(d, 16) >= 8192 else 4)
     return out, scales
 
 
