@@ -74,20 +74,23 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale: float, tiles: dict):
     """The kernel's math in PyTorch fp32 on the pre-pass outputs, with its key tiles in its order (``list_rows``
-    of ``block_fwd``): per step ``s = (q8 k8^T) scale log2(e) / (s_q s_k)``, running max, ``l`` from the
-    unquantized ``p``, ``acc = acc alpha + e4m3(448 p) v8``; ``o = acc / (448 s_v l)``, LSE with the smoothing
-    term. Vectorized over (batch, head, query block). Returns o ``(B, H, Nq, D)`` fp32 and the LSE."""
+    of ``block_fwd``): per step raw ``s = q8 k8^T``, the factor ``c = scale log2(e) / s_q * (1 / s_k)``, running
+    max of ``s c``, ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator), ``l`` summed from the
+    unquantized ``p``, ``acc = acc alpha + e4m3(p) v8``; ``o = acc / (l s_v)``, LSE with the smoothing term.
+    Vectorized over (batch, head, query block). Returns o ``(B, H, Nq, D)`` fp32 and the LSE."""
     q8, qs, k8, ks, k_mean, vt8, vs = [x.float() for x in pre]
     bsz, heads, nq, d = q8.shape
     group, nk, (tq, topk) = heads // k8.shape[1], k8.shape[2], indices.shape[2:]
     device = q8.device
     kb = tiles["KB"] if pre[0].dtype != E4M3 else max(tiles["KB"], 32 // geometry(block_q, block_k, nq, nk, tiles["BM"],
-                                                                      tiles["BN"], topk)["TILE_K"])
+                                                                                tiles["BN"], topk)["TILE_K"])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
     tile, split, kgroup = geo["TILE_K"], geo["K_SPLIT"], geo["K_GROUP"]
     heads_kv = torch.arange(heads, device=device) // group
     k_rows, v_rows = k8[:, heads_kv], vt8[:, heads_kv].transpose(-1, -2)[:, :, :nk]       # (B, H, Nk, D)
-    k_sc = ks[:, heads_kv]                                                               # (B, H, Tk)
+    descale = (1.0 / ks)[:, heads_kv]                                                    # (B, H, Tk)
+    q_factor = (scale * math.log2(math.e)) / qs                                          # (B, H, Tq)
+    log2_448 = math.log2(448)
     rows = torch.arange(tq * block_q, device=device)
     q = torch.where((rows < nq)[:, None], q8[:, :, rows.clamp(max=nq - 1)], 0.0).view(bsz, heads, tq, block_q, d)
     m = torch.full((bsz, heads, tq, block_q), -math.inf, device=device)
@@ -108,18 +111,21 @@ def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale
         flat = keys.flatten(2)                                                               # (B, H, Tq * BN)
         kk = torch.gather(k_rows, 2, flat[..., None].expand(-1, -1, -1, d)).view(*keys.shape, d)
         vv = torch.gather(v_rows, 2, flat[..., None].expand(-1, -1, -1, d)).view(*keys.shape, d)
-        col = scale * math.log2(math.e) / (qs[..., None] * torch.gather(k_sc, 2, flat // block_k).view(keys.shape))
-        s = torch.einsum("bhiqd,bhikd->bhiqk", q, kk) * col[..., None, :]
-        s = s.masked_fill(~ok[..., None, :], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1))
+        s = torch.einsum("bhiqd,bhikd->bhiqk", q, kk).masked_fill(~ok[..., None, :], -math.inf)
+        if kgroup == 1:
+            factor = (q_factor * descale.gather(2, idx[..., e // split]))[..., None, None]
+            m_new = torch.maximum(m, s.amax(-1) * factor[..., 0])
+        else:
+            factor = (q_factor[..., None] * descale.gather(2, flat // block_k).view(keys.shape))[..., None, :]
+            m_new = torch.maximum(m, (s * factor).amax(-1))
         m_use = torch.where(m_new == -math.inf, 0.0, m_new)
         alpha = torch.exp2(m - m_use)
-        p = torch.exp2(s - m_use[..., None])
+        p = torch.exp2(s * factor - (m_use - log2_448)[..., None])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("bhiqk,bhikd->bhiqd", e4m3(448 * p), vv)
+        acc = acc * alpha[..., None] + torch.einsum("bhiqk,bhikd->bhiqd", e4m3(p), vv)
         m = m_new
-    o = acc / (l[..., None] * 448 * vs[:, heads_kv, None, None, :])
-    lse = (m + torch.log2(l)) * math.log(2) + torch.einsum("bhiqd,bhd->bhiq", q, k_mean[:, heads_kv]) * (
+    o = acc / (l[..., None] * vs[:, heads_kv, None, None, :])
+    lse = (m + torch.log2(l) - log2_448) * math.log(2) + torch.einsum("bhiqd,bhd->bhiq", q, k_mean[:, heads_kv]) * (
         scale / qs[..., None])
     return o.flatten(2, 3)[:, :, :nq], lse.flatten(2)[:, :, :nq]
 

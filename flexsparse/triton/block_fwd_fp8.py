@@ -2,17 +2,21 @@
 forward"): ``block_fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
 ``fp8_quant``.
 
-Per key tile: ``s = dot(q8, trans(k8)) * (scale * log2(e) / s_q) * (1 / s_k)`` (one Q scale per program, the
-key block's reciprocal K scale: a scalar per step, or per key column with several blocks side by side; no
-division in the loop), online softmax in fp32 (``exp2``) with ``l`` summed from the unquantized ``p``,
-``p8 = e4m3(448 p)`` in registers and ``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts
-from a fresh accumulator each tile (with ``max_num_imprecise_acc`` nonzero, the default of fp8 dots on
-sm90, Triton does not fold the add into the MMA), so the long sum stays out of the fp8 MMA's
-reduced-precision accumulator. Epilogue ``o = acc / (448 s_v l)`` (``s_v`` per channel) in q's dtype; LSE
-``(m + log2 l) ln 2 + scale (q8 . k_mean) / s_q`` (natural log of the unsmoothed logits). The first operand
-of both dots is a loaded or register tile (the triton 3.6 Hopper miscompile of a transposed shared-memory
-first operand). GQA reads KV head ``h // GROUP``. fp8 dots need a reduction of at least 32: head dims are
-padded to ``pow2(D, 32)`` and key tiles of fewer than 32 keys take several blocks side by side.
+Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
+scale per program, the key block's reciprocal K scale: a scalar per step, so the running max is ``max(s) c``
+exactly and ``s c - m`` one FMA; per key column when several blocks go side by side), online softmax in fp32
+with ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator: the e4m3 grid of ``P^``, no extra
+multiply) and ``l`` summed from the unquantized ``p``, ``p8 = e4m3(p)`` in registers and
+``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts from a fresh accumulator each tile (with
+``max_num_imprecise_acc`` nonzero, the default of fp8 dots on sm90, Triton does not fold the add into the
+MMA), so the long sum stays out of the fp8 MMA's reduced-precision accumulator (tile setting
+``fresh_acc=False`` accumulates inside the MMA instead). Epilogue ``o = acc / (l s_v)`` (``s_v`` per channel)
+in q's dtype; LSE ``(m + log2 l - log2 448) ln 2 + scale (q8 . k_mean) / s_q`` (natural log of the unsmoothed
+logits). The first operand of both dots is a loaded or register tile (the triton 3.6 Hopper miscompile of a
+transposed shared-memory first operand). GQA reads KV head ``h // GROUP``. fp8 dots need a reduction of at
+least 32: head dims are padded to ``pow2(D, 32)`` and key tiles of fewer than 32 keys take several blocks
+side by side. V^T rows are a visible multiple of 16 bytes apart (``NP16``), so its loads are 16-byte
+``cp.async`` copies, pipelined with K's.
 
 In the interpreter the operands are ``fp8_quant``'s fp16 stand-in and P is rounded by ``e4m3_round``
 (``EMULATE``); the products of e4m3 values are exact in fp16 dots, so only the accumulation differs.
@@ -28,6 +32,8 @@ from .common import LN2, LOG2E, launcher, load_tile, store_tile
 from .fp8_quant import E4M3, quantize_qkv, to_e4m3
 from .layout import pow2
 from .tiles import overrides
+
+LOG2_448 = tl.constexpr(8.807354922057604)
 
 
 @triton.jit
@@ -73,33 +79,35 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
         keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
         k = load_tile(K8 + k_head, keys, D, dim, key_ok, D, BD, MASK_K)
         vt = load_columns(vt_head, keys, vt_stride, dim, key_ok, D, BD, MASK_K)
-        if K_GROUP == 1:                    # one key block per step: a scalar factor
-            s = tl.dot(q, tl.trans(k)) * (q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT)))
-        else:
-            descale = tl.load(k_descale + keys // BLOCK_K, mask=key_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * (q_factor * descale)[None, :]
+        s = tl.dot(q, tl.trans(k))                                      # raw e4m3 products, fp32
         if MASK_K:
             s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        if K_GROUP == 1:                    # one key block per step: a scalar factor c > 0, max(s c) = max(s) c
+            c = q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT))
+            m_new = tl.maximum(m, tl.max(s, axis=1) * c)
+        else:                               # several blocks side by side: a factor per key column
+            s = s * (q_factor * tl.load(k_descale + keys // BLOCK_K, mask=key_ok, other=1.0))[None, :]
+            c = 1.0
+            m_new = tl.maximum(m, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * c - (m_use - LOG2_448)[:, None])               # 448 exp2(s c - m): the fp8 grid of P
         l = l * alpha + tl.sum(p, axis=1)
         if FRESH_ACC:
-            acc = acc * alpha[:, None] + tl.dot(to_e4m3(p * 448.0, EMULATE), tl.trans(vt))
+            acc = acc * alpha[:, None] + tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt))
         else:
-            acc = tl.dot(to_e4m3(p * 448.0, EMULATE), tl.trans(vt), acc * alpha[:, None])
+            acc = tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt), acc * alpha[:, None])
         m = m_new
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
-    o = acc / (l[:, None] * (448.0 * v_scale)[None, :])
+    o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
     store_tile(O + q_head, o, rows, D, dim, row_ok, D, BD, MASK_Q)
     k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
     shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)
     lse = LSE + bh.to(tl.int64) * NQ + rows
     if MASK_Q:
-        tl.store(lse, (m + tl.log2(l)) * LN2 + shift, mask=row_ok)
+        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift, mask=row_ok)
     else:
-        tl.store(lse, (m + tl.log2(l)) * LN2 + shift)
+        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift)
 
 
 def forward_tiles(device: torch.device, d: int) -> dict:

@@ -36,10 +36,11 @@ def e4m3_round(x):
 
 
 @triton.jit
-def to_e4m3(x, EMULATE: tl.constexpr):
+def to_e4m3(x, EMULATE: tl.constexpr, CLAMP: tl.constexpr = True):
     """Saturating e4m3 of fp32 ``x``: ``float8e4nv`` (round to nearest even), or with ``EMULATE`` the fp16
-    stand-in holding the same value."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    stand-in holding the same value. ``CLAMP=False``: ``x`` is known to lie in [-448, 448]."""
+    if CLAMP:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     if EMULATE:
         return e4m3_round(x).to(tl.float16)
     else:
