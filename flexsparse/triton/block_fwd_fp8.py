@@ -16,7 +16,8 @@ logits). The first operand of both dots is a loaded or register tile (the triton
 transposed shared-memory first operand). GQA reads KV head ``h // GROUP``. fp8 dots need a reduction of at
 least 32: head dims are padded to ``pow2(D, 32)`` and key tiles of fewer than 32 keys take several blocks
 side by side. V^T rows are a visible multiple of 16 bytes apart (``NP16``), so its loads are 16-byte
-``cp.async`` copies, pipelined with K's.
+``cp.async`` copies, pipelined with K's. Query tiles of at least 64 rows use Hopper's fp8 ``wgmma``
+(QGMMA); smaller ones (``block_q < 64``) take Triton's ``mma.sync`` path on fp16 (an exact upcast).
 
 In the interpreter the operands are ``fp8_quant``'s fp16 stand-in and P is rounded by ``e4m3_round``
 (``EMULATE``); the products of e4m3 values are exact in fp16 dots, so only the accumulation differs.
@@ -68,6 +69,8 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
     q = load_tile(Q8 + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
     q_scale = tl.load(QS + bh.to(tl.int64) * TQ + qblk)
     q_factor = SCALE2 / q_scale
+    k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
+    shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)   # the smoothing's LSE term
     k_descale = KD + hk.to(tl.int64) * TK
     vt_stride = NP16 * 16                                               # a visible multiple of 16: vector loads
     vt_head = VT8 + hk.to(tl.int64) * D * vt_stride
@@ -101,8 +104,6 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
     store_tile(O + q_head, o, rows, D, dim, row_ok, D, BD, MASK_Q)
-    k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
-    shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)
     lse = LSE + bh.to(tl.int64) * NQ + rows
     if MASK_Q:
         tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift, mask=row_ok)

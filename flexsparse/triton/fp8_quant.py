@@ -21,6 +21,7 @@ from ..quant.formats import E4M3, amax_to_scale
 from .common import launcher
 from .layout import cdiv, pow2
 
+
 @triton.jit
 def e4m3_round(x):
     """``x`` (fp32, ``|x| <= 448``) rounded to nearest even onto the e4m3 grid, in fp32, without fp8 casts:
@@ -38,7 +39,8 @@ def e4m3_round(x):
 @triton.jit
 def to_e4m3(x, EMULATE: tl.constexpr, CLAMP: tl.constexpr = True):
     """Saturating e4m3 of fp32 ``x``: ``float8e4nv`` (round to nearest even), or with ``EMULATE`` the fp16
-    stand-in holding the same value. ``CLAMP=False``: ``x`` is known to lie in [-448, 448]."""
+    stand-in holding the same value. ``CLAMP=False`` for ``x`` in [0, 448] up to fp32 rounding (P): the
+    hardware cast saturates and ``e4m3_round`` takes anything below 464 to 448."""
     if CLAMP:
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     if EMULATE:
