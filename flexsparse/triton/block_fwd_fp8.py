@@ -89,7 +89,8 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
             c = q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT))
             m_new = tl.maximum(m, tl.max(s, axis=1) * c)
         else:                               # several blocks side by side: a factor per key column
-            s = s * (q_factor * tl.load(k_descale + keys // BLOCK_K, mask=key_ok, other=1.0))[None, :]
+            blk = tl.minimum(keys // BLOCK_K, TK - 1)                   # masked keys: any block, s is -inf
+            s = s * (q_factor * tl.load(k_descale + blk))[None, :]
             c = 1.0
             m_new = tl.maximum(m, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
