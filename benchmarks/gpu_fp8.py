@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_fp8.py --backend torch --out fp8_torch.json       # B=2 H=8 D=64 N=65536, sla 95 %
     python benchmarks/gpu_fp8.py --backend flex                             # only p="none" variants run
-    python benchmarks/gpu_fp8.py --backend triton                           # the FP8 kernel (issue 6 phase 2)
+    python benchmarks/gpu_fp8.py --backend triton                           # the FP8 kernel (variant fp8 only)
     python benchmarks/gpu_fp8.py --backend torch --qkv dit_qkv.pt           # recorded q, k, v (B, H, N, D)
     python benchmarks/gpu_fp8.py --device cpu --n 4096 --batch 1 --heads 2  # smoke run of the script on CPU
 
@@ -133,7 +133,7 @@ def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict
     n, d, heads = q.shape[2], q.shape[3], q.shape[1]
     cfg = method_config(args, n, quant)
     result = {"config": cfg}
-    reason = unsupported_reason(args.backend, Config.from_dict(cfg).quant)
+    reason = unsupported_reason(args.backend, Config.from_dict(cfg).quant, args.method)
     if reason is not None:
         result["skipped"] = reason
         return result

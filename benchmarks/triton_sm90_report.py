@@ -1,5 +1,6 @@
-"""Compile the LLSA, block-sparse and block top-K kernels for sm_90 without a GPU and report registers, spills, shared memory and
-the matrix instructions in the SASS (HGMMA = Hopper wgmma; HMMA = the older mma.sync path).
+"""Compile the LLSA, block-sparse, FP8, block top-K and masked linear kernels for sm_90 without a GPU and report
+registers, spills, shared memory and the matrix instructions in the SASS (HGMMA = Hopper wgmma, QGMMA its fp8
+form; HMMA = the older mma.sync path).
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
 [--d 64] [--dtype bf16] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
@@ -17,8 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import (block_bwd, block_fwd, block_topk, csc, linear_bwd, linear_dense, linear_fwd,
-                               llsa_bwd, llsa_fwd, pool, select)
+from flexsparse.triton import (block_bwd, block_fwd, block_fwd_fp8, block_topk, csc, fp8_quant, linear_bwd,
+                               linear_dense, linear_fwd, llsa_bwd, llsa_fwd, pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -46,7 +47,7 @@ def report(name, kernel, sass: bool):
         code = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     mma = {}
-    for op in re.findall(r"\b(HGMMA\.[\w.]+|HMMA\.[\w.]+|LDL|STL)\b", code):
+    for op in re.findall(r"\b(HGMMA\.[\w.]+|QGMMA\.[\w.]+|HMMA\.[\w.]+|LDL|STL)\b", code):
         mma[op] = mma.get(op, 0) + 1
     print(f"{name:34s} regs {regs.group(1):>4s} stack {regs.group(2):>4s} local {regs.group(4):>4s} "
           f"smem {kernel.metadata.shared:>6d}  {mma}")
@@ -151,6 +152,21 @@ def main():
     for tk in (256, 1024, 2048, 8192, 16384):
         jobs.append((f"topk select Tk={tk}", block_topk._select_kernel, dict(S="*fp32", TOP="*i32", BOTTOM="*i32"),
                      dict(BT=pow2(tk, 16), HAS_BOTTOM=True), block_topk.topk_tiles(tk)["SELECT_WARPS"], 1))
+    ff = block_fwd_fp8.forward_tiles(dev, d)
+    kb = max(ff["KB"], 32 // block_fwd.tile_split(block_k, ff["BN"])[0])
+    geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, ff["BM"], ff["BN"], 50, k_group=kb)
+    f8 = "*fp8e4nv"
+    jobs.append(("fp8 quant blocks", fp8_quant._quant_blocks_kernel,
+                 dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32"),
+                 dict(BLOCK=block_k, BB=pow2(block_k, 16), D=d, BD=pow2(d, 16), SMOOTH=True, EMULATE=False),
+                 8 if pow2(block_k, 16) * pow2(d, 16) >= 8192 else 4, 1))
+    jobs.append(("fp8 quant v", fp8_quant._quant_v_kernel, dict(V=q, SCALE="*fp32", OUT=f8),
+                 dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
+    jobs.append(("block fwd fp8", block_fwd_fp8._block_fwd_fp8_kernel,
+                 dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                      LSE="*fp32"),
+                 dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
+                      EMULATE=False, **geo), ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)

@@ -67,6 +67,27 @@ def random_qkv(batch, heads, n, dim, dtype, device, requires_grad):
             for _ in range(3)]
 
 
+def structured_qkv(batch, heads, n, dim, *, gain=1.5, seed=0, device="cpu", dtype=torch.float32):
+    """q, k, v ``(B, H, N, D)`` with the structure of image-token attention (docs/methods.md "FP8 QAT"):
+    low-rank smooth token signals (8 sinusoids along the sequence) plus noise, q and k RMS-normalised with
+    ``gain`` (the logit spread), k with a per-head offset, v with a per-head mean and low rank."""
+    import math
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0, 1, n)
+    freq, phase = torch.rand(8, generator=gen) * 20, torch.rand(8, generator=gen) * 6
+    basis = torch.sin(2 * math.pi * freq * t[:, None] + phase)
+
+    def tokens(offset):
+        x = basis @ torch.randn(batch, heads, 8, dim, generator=gen)
+        x = x + 0.5 * torch.randn(batch, heads, n, dim, generator=gen)
+        x = x + offset * torch.randn(1, heads, 1, dim, generator=gen)
+        return x / x.pow(2).mean(-1, keepdim=True).sqrt() * gain
+
+    v = basis @ torch.randn(batch, heads, 8, dim, generator=gen) + torch.randn(1, heads, 1, dim, generator=gen)
+    v = v + 0.3 * torch.randn(batch, heads, n, dim, generator=gen)
+    return [x.to(device, dtype) for x in (tokens(0.0), tokens(1.0), v)]
+
+
 def build(config: dict, backend: str, dim: int, heads: int, n: int, device, dtype) -> SparseAttention:
     """A ``SparseAttention`` for the config with its parameters perturbed away from their init."""
     module = SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend=backend).to(device)

@@ -263,7 +263,7 @@ def test_error_of_quantized_attention_is_within_the_stated_bound(inputs):
 
 def test_backends_that_cannot_run_quant_refuse_it_and_auto_avoids_them():
     qkv, params, cfg = _method_inputs("llsa", torch.float32, requires_grad=False)
-    with pytest.raises(ValueError, match="backend 'triton' cannot run method 'llsa' with config key 'quant'.*phase 2"):
+    with pytest.raises(ValueError, match="backend 'triton' cannot run method 'llsa' with config key 'quant'.*not llsa"):
         flexsparse.attention(*qkv, {**cfg, "quant": {}}, backend="triton")
     with pytest.raises(ValueError, match="backend 'flex' cannot run method 'topk' with config key 'quant'.*p='none'"):
         flexsparse.attention(*qkv, {**METHODS["topk"][0], "quant": {}}, backend="flex")
@@ -346,7 +346,7 @@ def test_importing_flexsparse_needs_no_torchao_and_quant_says_how_to_get_it():
 
 def test_fp8_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/gpu_fp8.py at a tiny size: errors and speedups for the torch backend; a backend that
-    cannot run a variant (triton today) is recorded with the reason, not a crash."""
+    cannot run a variant (triton with int8 Q, K) is recorded with the reason, not a crash."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_fp8.py"
@@ -360,8 +360,8 @@ def test_fp8_benchmark_script_runs_on_cpu(tmp_path):
     assert 0.01 < fp8["rel_l2_branch"] < 0.08 and fp8["rel_l2_method"] == fp8["rel_l2_branch"]   # zero-init proj
     assert fp8["speedup_branch_fwd"] > 0 and isinstance(fp8["method_fwd_bwd"], dict)
     assert (tmp_path / "fp8.json").is_file()
-    report = bench.main([*common, "--backend", "triton", "--variants", "fp8", "--no-backward"])
-    assert "phase 2" in report["results"]["fp8"]["skipped"]
+    report = bench.main([*common, "--backend", "triton", "--variants", "fp8_int8qk", "--no-backward"])
+    assert "qk_dtype='fp8_e4m3'" in report["results"]["fp8_int8qk"]["skipped"]
 
 
 # ------------------------------------------------------------------------------------------ GPU

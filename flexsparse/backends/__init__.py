@@ -29,14 +29,14 @@ def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch
     call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks)
     if backend == "auto":
         for candidate in ("triton", "flex", "torch"):
-            if (candidate in supported and quant_unsupported_reason(candidate, quant) is None
+            if (candidate in supported and quant_unsupported_reason(candidate, quant, method) is None
                     and runs_on(candidate, device, needs_grad, **call)):
                 return candidate
         return "reference"
     if backend not in supported:
         raise ValueError(f"backend {backend!r} is not available for method {method!r}; "
                          f"available: {list(supported) + ['auto']}")
-    reason = quant_unsupported_reason(backend, quant)
+    reason = quant_unsupported_reason(backend, quant, method)
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run method {method!r} with config key 'quant': {reason}")
     if backend == "flex":

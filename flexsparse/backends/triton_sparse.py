@@ -1,7 +1,8 @@
 """The ``triton`` backend: LLSA and block-sparse attention through the ``flexsparse::`` ops.
 
 ``block_sparse_attention`` has the contract of ``torch_sparse.block_sparse_attention`` (the sparse
-branch of ``topk``, ``vsa``, ``sla`` and ``sla2``).
+branch of ``topk``, ``vsa``, ``sla`` and ``sla2``); ``fp8_block_sparse_attention`` is its FP8 forward
+(``quant``, the fused kernel; no gradient).
 ``llsa`` is the whole method (pool, select, attend; gradients of k and v include the pooling).
 ``llsa_attention`` has the signature of ``torch_sparse.llsa_attention`` (pooled levels as their own
 inputs, with their own gradients), for comparisons on identical selections.
@@ -62,12 +63,27 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     int32, ascending, distinct. Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32
     (fp64 for fp64 inputs). ``deterministic``: bitwise-reproducible dK/dV.
     """
+    indices = _checked_indices(q, k, selection)
+    return block_ops.block_attn(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k, scale,
+                                deterministic)
+
+
+def fp8_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection,
+                               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward of ``block_sparse_attention`` (``flexsparse::block_attn_fp8``: K smoothed, e4m3 Q and K
+    per block, V per channel, P static; docs/methods.md "FP8 QAT"). Same arguments; returns ``o`` in q's dtype
+    and the LSE of the unsmoothed logits, without gradients (``flexsparse.quant.qat_attention`` adds them)."""
+    indices = _checked_indices(q, k, selection)
+    return block_ops.block_attn_fp8(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k,
+                                    scale)
+
+
+def _checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
+    """The selection's index table as contiguous int32, after checking that it fits q and k."""
     bsz, heads, nq = q.shape[:3]
     expected = (bsz, heads, selection.num_q_blocks)
     if (selection.n_q, selection.n_k) != (nq, k.shape[2]) or tuple(selection.indices.shape[:3]) != expected:
         raise ValueError(f"selection does not fit q {tuple(q.shape)} and k {tuple(k.shape)}: it covers "
                          f"n_q={selection.n_q}, n_k={selection.n_k} with indices {tuple(selection.indices.shape)}; "
                          f"expected n_q={nq}, n_k={k.shape[2]} and indices (B, H, Tq, K) with (B, H, Tq) = {expected}")
-    indices = selection.indices.to(torch.int32).contiguous()
-    return block_ops.block_attn(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k, scale,
-                                deterministic)
+    return selection.indices.to(torch.int32).contiguous()

@@ -2,13 +2,15 @@
 ``sla2``)."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .._checks import check_topk_fits
 from ..backends import sparse_primitives
 from ..config import QuantConfig
 from ..masks import BlockSelection, block_topk, mean_pool, num_blocks
-from ..quant import qat_attention, quantize_kv, quantizes_p
+from ..quant import qat_attention, quantize_kv, quantizes_p, unsupported_reason
 from ..reference import topk_dense
 
 
@@ -25,7 +27,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
                     quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of each query block over its selected key blocks on ``backend`` (``reference``:
     the dense spec); with ``quant`` an FP8 fake-quantized forward and straight-through backward
-    (``flexsparse.quant.qat_attention``). ``deterministic`` (the config key) makes the ``triton`` backward
+    (``flexsparse.quant.qat_attention``; ``triton``: the quantized forward in one FP8 kernel, the gradients of
+    its bf16 kernels). ``deterministic`` (the config key) makes the ``triton`` backward
     bitwise reproducible; the other backends ignore it. Returns ``o (B, H, N, D)`` and ``lse (B, H, N)``."""
     if backend == "reference":
         return topk_dense(q, k, v, selection, scale, quant=quant)
@@ -43,4 +46,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return primitives.block_sparse_attention(q, k, v, selection, scale, quantize_p=quantizes_p(quant))
 
-    return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale)
+    fused = None
+    if backend == "triton":                 # one FP8 kernel runs the whole quantized forward (it reads no quant key)
+        reason = unsupported_reason(backend, quant)
+        if reason is not None:              # resolve() checks it too; this guards direct calls
+            raise ValueError(f"backend 'triton' cannot run config key 'quant': {reason}")
+        fused = partial(primitives.fp8_block_sparse_attention, selection=selection, scale=scale)
+    return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale, fused=fused)

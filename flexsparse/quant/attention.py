@@ -22,6 +22,7 @@ from .formats import P_SCALE, channel_scales, fake_quant, fake_quant_blocks, hea
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "QuantConfig | None"],
                   "tuple[torch.Tensor, torch.Tensor | None]"]
+Fused = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 def quantize_qk(x: torch.Tensor, quant: QuantConfig, block: int) -> torch.Tensor:
@@ -68,7 +69,7 @@ def straight_through(exact: torch.Tensor, quantized: torch.Tensor) -> torch.Tens
 
 
 def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig | None, *,
-                  block_q: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  block_q: int, scale: float, fused: Fused | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A softmax branch with an FP8 fake-quantized forward and the unquantized gradient
     (``quant=None``: just ``attend(q, k, v, None)``).
 
@@ -76,6 +77,9 @@ def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     fake-quantizes its own K and V (``quantize_qk``/``quantize_v`` with its key-block layout) and,
     with ``quant.p == "static"``, its P (``quantized_softmax``); with None it is the plain branch.
     q: ``(B, H, N, D)`` (quantized here per block of ``block_q`` tokens); k, v: ``(B, Hk, N, D)``.
+    fused(q, k, v) -> (o, lse): a kernel of the whole quantized forward (smoothing, quantization of Q, K,
+    V and P, the LSE of the unsmoothed logits; the ``triton`` backend's FP8 kernel), run instead of
+    ``attend(q^, k_s, v, quant)``.
     Returns o in q's dtype and the LSE (or None when ``attend`` gives none) of the quantized forward,
     whose gradients (when q, k or v need them) are those of ``attend(q, k, v, None)``.
     """
@@ -83,13 +87,7 @@ def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return attend(q, k, v, None)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     with torch.no_grad():
-        acc = accumulation_dtype(q.dtype)
-        k_mean = k.to(acc).mean(dim=2, keepdim=True)
-        q_hat = quantize_qk(q, quant, block_q)
-        o_q, lse_q = attend(q_hat, k.to(acc) - k_mean, v, quant)
-        if lse_q is not None:                   # smoothing shifted each row's logits by scale * q^ . mean(k)
-            k_mean = k_mean[:, kv_head_index(q.shape[1], k.shape[1], q.device)]
-            lse_q = lse_q + scale * (q_hat @ k_mean.transpose(-1, -2)).squeeze(-1).to(lse_q.dtype)
+        o_q, lse_q = fused(q, k, v) if fused is not None else _quantized_forward(attend, q, k, v, quant, block_q, scale)
         o_q = o_q.to(q.dtype)
     if not needs_grad:
         return o_q, lse_q
@@ -97,13 +95,38 @@ def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return straight_through(o, o_q), (None if lse is None or lse_q is None else straight_through(lse, lse_q))
 
 
-def unsupported_reason(backend: str, quant: QuantConfig | None) -> str | None:
-    """Why ``backend`` cannot run a branch quantized with ``quant``, or None when it can."""
+def _quantized_forward(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig,
+                       block_q: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fake-quantized forward of ``qat_attention``: smooth K, quantize Q, ``attend(q^, k_s, v, quant)``,
+    LSE shifted back to the unsmoothed logits."""
+    acc = accumulation_dtype(q.dtype)
+    k_mean = k.mean(dim=2, keepdim=True, dtype=acc)       # as the Triton pre-pass: the same bits
+    q_hat = quantize_qk(q, quant, block_q)
+    o_q, lse_q = attend(q_hat, k.to(acc) - k_mean, v, quant)
+    if lse_q is not None:                   # smoothing shifted each row's logits by scale * q^ . mean(k)
+        k_mean = k_mean[:, kv_head_index(q.shape[1], k.shape[1], q.device)]
+        lse_q = lse_q + scale * (q_hat @ k_mean.transpose(-1, -2)).squeeze(-1).to(lse_q.dtype)
+    return o_q, lse_q
+
+
+# the quant config the FP8 Triton kernel runs (flexsparse/triton/block_fwd_fp8.py), field by field
+_TRITON_QUANT = {"qk_dtype": ("fp8_e4m3", "e4m3 Q and K"), "qk": ("per_block", "Q and K scales per block"),
+                 "v": ("per_channel", "V scales per channel"), "p": ("static", "P quantized in the kernel")}
+
+
+def unsupported_reason(backend: str, quant: QuantConfig | None, method: str | None = None) -> str | None:
+    """Why ``backend`` cannot run ``method``'s branch quantized with ``quant``, or None when it can."""
     if quant is None:
         return None
     if backend == "triton":
-        return ("the FP8 Triton forward kernel is not implemented yet (issue 6, phase 2); use backend='torch' "
-                "or 'reference', or 'flex' with quant p='none'")
+        if method == "llsa":
+            return ("the FP8 Triton kernel runs the block-sparse branch (topk, sla, sla2), not llsa's levels; "
+                    "use backend='torch' or 'reference' for llsa with quant")
+        for key, (value, what) in _TRITON_QUANT.items():
+            if getattr(quant, key) != value:
+                return (f"the FP8 Triton kernel runs quant {key}={value!r} only ({what}), got {getattr(quant, key)!r}; "
+                        f"use backend='torch' or 'reference'" + (", or 'flex' for p='none'" if key == "p" else ""))
+        return None
     if backend == "flex" and quant.p != "none":
         return ("FlexAttention applies score_mod before its softmax, so it cannot quantize P; use quant "
                 "p='none' (Q, K, V quantized, P in the input precision) or backend='torch'")

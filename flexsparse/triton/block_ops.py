@@ -1,10 +1,13 @@
 """``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
-differentiable) and ``flexsparse::block_attn_bwd``.
+differentiable), ``flexsparse::block_attn_bwd`` and ``flexsparse::block_attn_fp8`` (the FP8 forward of the
+quantized branch, not differentiable: ``flexsparse.quant.qat_attention`` pairs it with ``block_attn``'s
+gradients).
 
 Registered like ``ops`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
 kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
 kernels, CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1`` is set (eager only),
-else falls back to ``torch_sparse.block_sparse_attention`` and its written-out backward. fp64 always
+else falls back to ``torch_sparse.block_sparse_attention`` and its written-out backward (``block_attn_fp8``:
+to the ``torch`` backend's fake-quantized branch). fp64 always
 takes the fallback. The index table is ``(B, H, Tq, K)`` int32, ascending key-block ids per row.
 """
 from __future__ import annotations
@@ -53,6 +56,32 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
     offsets, rows = block_csc(indices, num_blocks(k.shape[2], block_k), deterministic)
     dlse = None if dlse is None else dlse.contiguous()
     return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale)
+
+
+@torch.library.triton_op("flexsparse::block_attn_fp8", mutates_args=())
+def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and
+    smoothed K per block, V per channel, P with the static scale 448): ``o (B, H, Nq, D)`` (q's dtype) and
+    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``. No gradient.
+    """
+    if not use_kernels(q):
+        return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
+    from .block_fwd_fp8 import block_forward_fp8
+    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale)
+
+
+def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float):
+    """The ``torch`` backend's fake-quantized branch (``qat_attention`` with the default ``QuantConfig``)."""
+    from ..config import QuantConfig
+    from ..quant import qat_attention, quantize_kv
+
+    def attend(q, k, v, quant):
+        k, v = quantize_kv(k, v, quant, selection.block_k)
+        return torch_sparse.block_sparse_attention(q, k, v, selection, scale, quantize_p=True)
+
+    with torch.no_grad():
+        return qat_attention(attend, q, k, v, QuantConfig(), block_q=selection.block_q, scale=scale)
 
 
 def _setup(ctx, inputs, output):

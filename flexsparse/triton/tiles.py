@@ -5,7 +5,8 @@ Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``lls
 ``linear`` (SLA's masked linear branch, forward and backward: ``linear_fwd.linear_tiles``, keys ``TQ``, ``TK``,
 ``warps``, ``stages``, ``dense_ratio``),
 ``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
-``SELECT_WARPS`` per row).
+``SELECT_WARPS`` per row),
+``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys).
 Read at every call.
 """
 from __future__ import annotations
@@ -22,5 +23,5 @@ def overrides(kind: str) -> dict:
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
         raise ValueError("FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', "
-                         f"'linear', 'block_topk') to dicts, got {text!r}")
+                         f"'linear', 'block_topk', 'block_fwd_fp8') to dicts, got {text!r}")
     return table.get(kind, {})

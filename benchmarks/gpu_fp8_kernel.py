@@ -1,0 +1,191 @@
+"""FP8 Triton forward (``block_fwd_fp8``) against the bf16 block-sparse forward (``block_fwd``) on one selection.
+
+    python benchmarks/gpu_fp8_kernel.py --out fp8_kernel.json                  # B=2 H=8 N=65536, D=64 and 128
+    python benchmarks/gpu_fp8_kernel.py --sweep --out fp8_kernel_sweep.json    # + tile configs of both kernels
+    python benchmarks/gpu_fp8_kernel.py --device cpu --n 256 --batch 1 --heads 1 --head-dims 16   # smoke
+                                                                  # (CPU needs TRITON_INTERPRET=1)
+
+Selection: a random index table keeping ``--ratio`` (5 %) of the ``--block`` (64)-token key blocks of every
+query block, ascending (the kernels' work does not depend on which blocks). For each head dim:
+``bf16_ms``        ``block_fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
+``prepass_ms``     ``fp8_quant.quantize_qkv`` (K mean, Q and K per block, V per channel transposed);
+``fp8_kernel_ms``  ``block_fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
+``fp8_total_ms``   pre-pass + kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
+``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
+``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
+per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
+``--sweep`` times both kernels over ``SWEEP`` (tile settings of ``forward_tiles``: key blocks per step,
+warps, stages; for the FP8 kernel also ``fresh_acc=False``, P V accumulated inside the fp8 MMA) and reports
+the best of each. Times: ``triton.testing.do_bench`` medians (20th/80th
+percentiles) in ms on CUDA, perf_counter medians on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import time
+import traceback
+
+import torch
+
+from flexsparse.bench import structured_qkv
+from flexsparse.masks import num_blocks
+from flexsparse.triton import block_fwd, block_fwd_fp8
+from flexsparse.triton.fp8_quant import quantize_qkv
+
+SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
+SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--n", type=int, default=65536)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--block", type=int, default=64, help="query and key block size")
+    p.add_argument("--ratio", type=float, default=0.05, help="kept fraction of key blocks (0.05: 95 %% sparse)")
+    p.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP for both kernels")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", help="write the results as JSON")
+    return p.parse_args(argv)
+
+
+def timed(fn, device: torch.device) -> dict[str, float]:
+    """Median and 20th/80th percentile ms of ``fn``."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return {"median_ms": median, "p20_ms": low, "p80_ms": high}
+    fn()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append(1e3 * (time.perf_counter() - start))
+    runs.sort()
+    return {"median_ms": statistics.median(runs), "p20_ms": runs[0], "p80_ms": runs[-1]}
+
+
+def random_inputs(args, d: int, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.batch, args.heads, args.n, d)
+    q, k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, args.heads, 1, d, generator=gen, device=device)
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def random_table(args, device: torch.device) -> torch.Tensor:
+    """``(B, H, Tq, K)`` int32: K = max(1, floor(ratio * Tk)) distinct random key blocks per row, ascending."""
+    t = num_blocks(args.n, args.block)
+    topk = max(1, int(round(args.ratio * t, 9)))
+    gen = torch.Generator(device=device).manual_seed(1)
+    scores = torch.rand(args.batch, args.heads, t, t, generator=gen, device=device)
+    return scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def attempt(work):
+    """``work()``, or its error as a string (an invalid tile choice must not lose the other measurements)."""
+    try:
+        return work()
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        traceback.print_exc()
+        return f"error: {type(err).__name__}: {err}"[:300]
+
+
+def head_dim_results(args, d: int, device: torch.device) -> dict:
+    q, k, v = random_inputs(args, d, device)
+    if device.type == "cpu":                       # the interpreter multiplies fp16, not bf16
+        q, k, v = (x.half() for x in (q, k, v))
+    table = random_table(args, device)
+    block, scale = args.block, d**-0.5
+    pre = quantize_qkv(q, k, v, block, block)
+    bf16_tiles = block_fwd.forward_tiles(device, d, q.dtype)
+    fp8_tiles = block_fwd_fp8.forward_tiles(device, d)
+
+    def bf16(tiles=bf16_tiles):
+        return block_fwd.block_forward(q, k, v, table, block, block, scale, tiles)
+
+    def fp8_kernel(tiles=fp8_tiles):
+        return block_fwd_fp8.block_attend_fp8(*pre, table, block, block, scale, q.dtype, tiles)
+
+    def fp8_total():
+        return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale)
+
+    keys = table.shape[-1] * block
+    flops = 4 * args.batch * args.heads * args.n * keys * d
+    out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
+    for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
+                     ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total)):
+        out[f"{name}_ms"] = attempt(lambda: timed(fn, device))
+    base = out["bf16_ms"]
+    for name in ("fp8_kernel", "fp8_total", "bf16"):
+        mine = out[f"{name}_ms"]
+        if isinstance(mine, dict):
+            out[f"tflops_{name}"] = flops / mine["median_ms"] / 1e9
+            if isinstance(base, dict) and name != "bf16":
+                out[f"speedup_{name.removeprefix('fp8_')}"] = base["median_ms"] / mine["median_ms"]
+    out["rel_l2_random"] = rel_l2(fp8_total()[0], bf16()[0])
+    sq, sk, sv = structured_qkv(args.batch, args.heads, args.n, d, gain=1.5, seed=0, device=device, dtype=q.dtype)
+    structured_fp8 = block_fwd_fp8.block_forward_fp8(sq, sk, sv, table, block, block, scale)[0]
+    structured_bf16 = block_fwd.block_forward(sq, sk, sv, table, block, block, scale)[0]
+    out["rel_l2_structured"] = rel_l2(structured_fp8, structured_bf16)
+    if args.sweep:
+        out["sweep"] = sweep(args, device, bf16, fp8_kernel, bf16_tiles, fp8_tiles)
+    return out
+
+
+def sweep(args, device, bf16, fp8_kernel, bf16_tiles: dict, fp8_tiles: dict) -> dict:
+    """Both kernels over ``SWEEP`` (on top of their defaults); the best median of each (FP8: with the default
+    fresh accumulator, and ``_mma_acc`` with ``fresh_acc=False``) and the speedups over the best bf16."""
+    configs = SWEEP if device.type == "cuda" else [SWEEP[0], SWEEP[-1]]
+    rows = []
+    for change in configs:
+        row = {"tiles": change}
+        for name, fn, base in (("bf16", bf16, bf16_tiles), ("fp8_kernel", fp8_kernel, fp8_tiles)):
+            if any(key not in base for key in change):
+                row[f"{name}_ms"] = "n/a"
+                continue
+            tiles = {**base, **change}
+            row[f"{name}_ms"] = attempt(lambda: timed(lambda: fn(tiles), device)["median_ms"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    best = {}
+    for name, key, keep in (("bf16", "bf16", True), ("fp8_kernel", "fp8_kernel", True),
+                            ("fp8_kernel_mma_acc", "fp8_kernel", False)):
+        ok = [r for r in rows if isinstance(r[f"{key}_ms"], float) and r["tiles"].get("fresh_acc", True) == keep]
+        if ok:
+            top = min(ok, key=lambda r: r[f"{key}_ms"])
+            best[name] = {"tiles": top["tiles"], "median_ms": top[f"{key}_ms"]}
+    for name in ("fp8_kernel", "fp8_kernel_mma_acc"):
+        if "bf16" in best and name in best:
+            best[f"speedup_{name.removeprefix('fp8_')}"] = best["bf16"]["median_ms"] / best[name]["median_ms"]
+    return {"rows": rows, "best": best}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    results = {}
+    for d in args.head_dims:
+        results[f"D{d}"] = head_dim_results(args, d, device)
+        print(f"D={d}", json.dumps({k: v for k, v in results[f"D{d}"].items() if k != "sweep"}, indent=1,
+                                   default=str), flush=True)
+    report = {"args": vars(args), "torch": torch.__version__, "platform": platform.platform(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()
