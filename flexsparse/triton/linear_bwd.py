@@ -28,7 +28,7 @@ from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, featur
 
 
 @triton.jit
-def _query_grad_kernel(Q, DO, ROWS, DQ, DHQ, DZQ, EPS, NQ, TQ, D: tl.constexpr, BD: tl.constexpr,
+def _query_grad_kernel(Q, DO, ROWS, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr, BD: tl.constexpr,
                        BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr,
                        BF16: tl.constexpr):
     i = tl.program_id(0)
@@ -123,8 +123,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
-        q, do, rows, dq, d_hq, d_zq, eps, nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap,
-        BF16=bf16, num_warps=tiles["warps"])
+        q, do, rows, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split,
+        FMAP=fmap, BF16=bf16, num_warps=tiles["warps"])
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
     if not gather:
         from .linear_dense import keep_map, key_sums

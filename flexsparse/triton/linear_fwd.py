@@ -99,7 +99,7 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS, NQ, TQ, TK, S, H, GROUP, D: tl.constexpr,
+def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS: tl.constexpr, NQ, TQ, TK, S, H, GROUP, D: tl.constexpr,
                     BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
     i = tl.program_id(0)
@@ -217,7 +217,7 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
         rows = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs, bf16)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_forward_kernel)[(tq, bsz * heads)](
-        q, hs, zs, ht, zt, skipped, o, rows, eps, nq, tq, hs.shape[2], width, heads, heads // k.shape[1], D=d,
+        q, hs, zs, ht, zt, skipped, o, rows, float(eps), nq, tq, hs.shape[2], width, heads, heads // k.shape[1], D=d,
         BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
         GATHER=gather, STAGES=tiles["stages"], num_warps=tiles["warps"])
     return o, rows
