@@ -86,9 +86,10 @@ def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
 @triton.jit
 def _ordered(x):
     """int32 keys with the order of the fp32 values ``x``: ``-0.0`` as ``+0.0``, every NaN above ``+inf`` as
-    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements."""
+    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements.
+    Zero is tested on the bits: a float compare flushes subnormals to zero on the GPU."""
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    key = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
     return tl.where(x != x, 2147483646, key)
 
 
