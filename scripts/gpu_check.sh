@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On a GPU machine (e.g. through the device tool): the GPU tests of the given test files, then each
+# benchmark command, with logs and a device line under $OUT. torchao is installed from a carried .whl/.
+#   OUT=/tmp/out bash scripts/gpu_check.sh "tests/test_a.py tests/test_b.py" 'python benchmarks/x.py --out $OUT/x.json'
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+if ! python3 -c "import torchao" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
+tests=$1
+shift
+if [ -n "$tests" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pytest $tests -m gpu -q -p no:cacheprovider -p no:logging 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log"
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+fi
+for cmd in "$@"; do
+  echo "== $cmd"
+  eval "$cmd" 2>&1 | grep -v DEBUG | tail -30
+done | tee "$OUT/bench.log"
