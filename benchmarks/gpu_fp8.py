@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 import traceback
 
 import torch
 
 import flexsparse
+from flexsparse.bench import time_spread
 from flexsparse.config import Config
 from flexsparse.methods import method_module
 from flexsparse.methods._blocks import block_attention, select_blocks
@@ -63,22 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the results as JSON")
     return p.parse_args(argv)
-
-
-def timed(fn, device: torch.device) -> dict[str, float]:
-    """Median and 20th/80th percentile ms of ``fn``."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-        median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-        return {"median_ms": median, "p20_ms": low, "p80_ms": high}
-    fn()
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        runs.append(1e3 * (time.perf_counter() - start))
-    runs.sort()
-    return {"median_ms": statistics.median(runs), "p20_ms": runs[1], "p80_ms": runs[3]}
 
 
 def attempt(work):
@@ -161,13 +144,13 @@ def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict
         if isinstance(out, str):
             result[f"{key}_fwd"] = out
             continue
-        result[f"{key}_fwd"] = attempt(lambda: timed(fn, device))
+        result[f"{key}_fwd"] = attempt(lambda: time_spread(fn, device))
         if name == "bf16":
             baseline[key] = out
         elif key in baseline:
             result[f"rel_l2_{key}"] = rel_l2(out, baseline[key])
     if args.backward:
-        result["method_fwd_bwd"] = attempt(lambda: timed(train_step, device))
+        result["method_fwd_bwd"] = attempt(lambda: time_spread(train_step, device))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

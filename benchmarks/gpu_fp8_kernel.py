@@ -25,13 +25,11 @@ import argparse
 import itertools
 import json
 import platform
-import statistics
-import time
 import traceback
 
 import torch
 
-from flexsparse.bench import structured_qkv
+from flexsparse.bench import structured_qkv, time_spread
 from flexsparse.masks import num_blocks
 from flexsparse.triton import block_fwd, block_fwd_fp8
 from flexsparse.triton.fp8_quant import quantize_qkv
@@ -52,22 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the results as JSON")
     return p.parse_args(argv)
-
-
-def timed(fn, device: torch.device) -> dict[str, float]:
-    """Median and 20th/80th percentile ms of ``fn``."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-        median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-        return {"median_ms": median, "p20_ms": low, "p80_ms": high}
-    fn()
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        runs.append(1e3 * (time.perf_counter() - start))
-    runs.sort()
-    return {"median_ms": statistics.median(runs), "p20_ms": runs[0], "p80_ms": runs[-1]}
 
 
 def random_inputs(args, d: int, device: torch.device) -> list[torch.Tensor]:
@@ -124,7 +106,7 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
     for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total)):
-        out[f"{name}_ms"] = attempt(lambda: timed(fn, device))
+        out[f"{name}_ms"] = attempt(lambda: time_spread(fn, device))
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]
@@ -154,7 +136,7 @@ def sweep(args, device, bf16, fp8_kernel, bf16_tiles: dict, fp8_tiles: dict) -> 
                 row[f"{name}_ms"] = "n/a"
                 continue
             tiles = {**base, **change}
-            row[f"{name}_ms"] = attempt(lambda: timed(lambda: fn(tiles), device)["median_ms"])
+            row[f"{name}_ms"] = attempt(lambda: time_spread(lambda: fn(tiles), device)["median_ms"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     best = {}

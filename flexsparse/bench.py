@@ -61,6 +61,24 @@ def time_ms(fn, device: torch.device, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def time_spread(fn, device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Median, 20th and 80th percentile milliseconds of ``fn()``: do_bench quantiles on CUDA, wall-clock
+    repeats on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        median, low, high = do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return {"median_ms": median, "p20_ms": low, "p80_ms": high}
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(1e3 * (time.perf_counter() - start))
+    cuts = statistics.quantiles(runs, n=5)
+    return {"median_ms": statistics.median(runs), "p20_ms": cuts[0], "p80_ms": cuts[-1]}
+
+
 def random_qkv(batch, heads, n, dim, dtype, device, requires_grad):
     gen = torch.Generator(device="cpu").manual_seed(n)
     return [torch.randn(batch, heads, n, dim, generator=gen).to(device, dtype).requires_grad_(requires_grad)

@@ -22,7 +22,7 @@ import flexsparse  # noqa: E402
 from flexsparse import backends  # noqa: E402
 from flexsparse.backends import flex, torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.config import Config  # noqa: E402
-from flexsparse.masks import BlockSelection, csr_to_csc, num_blocks  # noqa: E402
+from flexsparse.masks import csr_to_csc  # noqa: E402
 from flexsparse.methods import sla as sla_method  # noqa: E402
 from flexsparse.methods import sla2 as sla2_method  # noqa: E402
 from flexsparse.reference import topk_dense  # noqa: E402
@@ -40,16 +40,12 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not ts.HAS_CUDA, reason="needs a CUDA GPU")(test))
 
 
+random_selection = ts.random_selection
+
+
 @cpu_parent
 def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
-
-
-def random_selection(bsz, heads, nq, nk, block_q, block_k, topk, device="cpu") -> BlockSelection:
-    """``topk`` distinct random key blocks per query block, ascending, int32."""
-    tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
-    ids = torch.rand(bsz, heads, tq, tk, device=device).argsort(-1)[..., :topk].sort(-1).values
-    return BlockSelection(ids.to(torch.int32), block_q, block_k, nq, nk)
 
 
 def make_qkv(bsz, heads, kv_heads, nq, nk, d, dtype=torch.float32, device="cpu"):

@@ -43,18 +43,12 @@ from flexsparse.triton.common import launcher  # noqa: E402
 from flexsparse.triton.fp8_quant import quantize_blocks, quantize_qkv, quantize_v_transposed, to_e4m3  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
+random_selection = ts.random_selection
 
 
 @cpu_parent
 def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
-
-
-def random_selection(bsz, heads, nq, nk, block_q, block_k, topk, device="cpu") -> BlockSelection:
-    """``topk`` distinct random key blocks per query block, ascending, int32."""
-    tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
-    ids = torch.rand(bsz, heads, tq, tk, device=device).argsort(-1)[..., :topk].sort(-1).values
-    return BlockSelection(ids.to(torch.int32).contiguous(), block_q, block_k, nq, nk)
 
 
 def make_qkv(bsz, heads, kv_heads, n, d, dtype=torch.float32, device="cpu"):

@@ -71,3 +71,11 @@ def grid_values(*shape) -> torch.Tensor:
     """Random multiples of 1/4 in [-1, 1] (fp32): pooled means and raw dots are exact, so every
     summation order gives the same scores, and exact ties exercise the tie-break."""
     return torch.randint(-4, 5, shape) / 4
+
+
+def random_selection(bsz, heads, nq, nk, block_q, block_k, topk, device="cpu"):
+    """A ``BlockSelection`` of ``topk`` distinct random key blocks per query block, ascending, int32."""
+    from flexsparse.masks import BlockSelection, num_blocks   # after the interpreter switch of the test module
+    tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
+    ids = torch.rand(bsz, heads, tq, tk, device=device).argsort(-1)[..., :topk].sort(-1).values
+    return BlockSelection(ids.to(torch.int32).contiguous(), block_q, block_k, nq, nk)
