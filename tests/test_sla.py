@@ -66,8 +66,10 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, line
     torch.manual_seed(seed)
     q, k, v = leaf_qkv(1, heads[0], heads[1], n, 8, seed=seed)
     params = params_for(cfg, 8)
+    # fp64, but the torch backend's masked branch is "global sum minus skipped blocks": with relu features a
+    # row can keep a tiny fraction of the mass and lose digits to cancellation (seen: 2.8e-9 relative)
     assert_all_close(run(q, k, v, cfg, params, "torch"), run(q, k, v, cfg, params, "reference"),
-                     rtol=1e-10, atol=1e-10)
+                     rtol=1e-8, atol=1e-9)
 
 
 @pytest.mark.parametrize("linear", ["masked", "full"])

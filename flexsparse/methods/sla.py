@@ -6,8 +6,9 @@ select: mean-pooled Q and smoothed K (``k - mean_N k``) per block, raw-dot score
 attend: softmax attention over the critical blocks (FP8 fake-quantized with ``quant``); linear attention
 (feature map phi over the head dim) over the remaining ("marginal") blocks with ``linear="masked"`` (paper,
 SLA-1) or over every key with ``linear="full"`` (the official main branch).
-combine: ``O = O_s + O_l W^T + b`` in fp32 (fp64 for fp64 inputs), W and b zero-initialised, so a fresh
-module returns the sparse branch. The returned LSE is the sparse branch's.
+combine: ``O = O_s + O_l W^T + b`` in the input dtype (W and b, fp32 parameters, cast to it; bf16 / fp16
+matmuls accumulate in fp32, as autocast's ``Linear`` does), W and b zero-initialised, so a fresh module
+returns the sparse branch. The returned LSE is the sparse branch's.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 
 from ..backends import torch_linear
 from ..masks import BlockSelection, block_topk, num_blocks, pooled_qk, sla_block_counts
-from ..masks.pooling import accumulation_dtype
 from ..reference import sla_dense
 from ._blocks import block_attention
 from ._params import require_params
@@ -52,6 +52,5 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
         o_l = torch_linear.linear_attention(q, k, v, feature_map=cfg.feature_map, eps=cfg.eps)
-    acc = accumulation_dtype(q.dtype)
-    out = o_s.to(acc) + F.linear(o_l.to(acc), p["proj_weight"].to(acc), p["proj_bias"].to(acc))
-    return out.to(q.dtype), lse
+    dtype = q.dtype                # bf16 / fp16: one matmul with fp32 accumulation, like autocast's Linear
+    return o_s + F.linear(o_l, p["proj_weight"].to(dtype), p["proj_bias"].to(dtype)), lse
