@@ -12,7 +12,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.dit import data, study, train  # noqa: E402
+from examples.dit import data, record_qkv, study, train  # noqa: E402
 from examples.dit.model import DiT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -77,6 +77,29 @@ def test_fp8_linear_layers_and_fp8_attention_train_on_cpu(tmp_path, image_dir, m
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match=r"--fp8-linear needs torchao"):
         train.float8_linear_layers(DiT(16, {"method": "full"}, hidden=32, heads=2, depth=1), "cpu")
+
+
+def test_recorded_qkv_feed_the_fp8_benchmark(tmp_path, image_dir):
+    """A trained layer's q, k, v on held-out crops, then benchmarks/gpu_fp8.py's FP8 error on them (CPU)."""
+    pytest.importorskip("torchao")
+    import importlib.util
+    sla = '{"method": "sla", "block_size": 4, "topk_ratio": 0.25}'
+    out, _, _ = run(tmp_path, "sla", image_dir, "--image-size", "16", "--steps", "2", "--attn", sla)
+    path = tmp_path / "qkv.pt"
+    saved = record_qkv.main([str(out / "checkpoints" / "last.pt"), "--layer", "1", "--crops", "3", "--out", str(path),
+                             "--device", "cpu"])
+    assert saved["layer"] == "blocks.1.attn.attention" and saved["config"]["attn"]["method"] == "sla"
+    assert saved["q"].shape == (3, 2, 256, 16) and saved["v"].shape == (3, 2, 256, 16)
+    assert all(saved[name].std() > 0.1 for name in ("q", "k", "v"))
+    with pytest.raises(ValueError, match="--layer"):
+        record_qkv.record(str(out / "checkpoints" / "last.pt"), 2, 1, torch.device("cpu"))
+    spec = importlib.util.spec_from_file_location("gpu_fp8", Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                  "gpu_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--device", "cpu", "--qkv", str(path), "--topk-ratio", "0.25", "--variants", "fp8",
+                         "--no-backward"])
+    assert report["shape"] == [3, 2, 256, 16] and 0 < report["results"]["fp8"]["rel_l2_branch"] < 0.1
 
 
 def test_resume_checks_the_architecture(tmp_path, image_dir):
