@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import traceback
 
 import torch
 
 import flexsparse
-from flexsparse.bench import time_spread
+from flexsparse.bench import bench_report, time_spread
 from flexsparse.config import Config
 from flexsparse.methods import method_module
 from flexsparse.methods._blocks import block_attention, select_blocks
@@ -173,13 +172,7 @@ def main(argv=None) -> dict:
             if name != "bf16" and isinstance(mine, dict) and isinstance(ref, dict):
                 results[name][f"speedup_{key}"] = ref["median_ms"] / mine["median_ms"]
         print(name, json.dumps(results[name], indent=1, default=str))
-    report = {"args": vars(args), "shape": list(q.shape), "torch": torch.__version__, "platform": platform.platform(),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-              "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return report
+    return bench_report(args, results, device, shape=list(q.shape))
 
 
 if __name__ == "__main__":

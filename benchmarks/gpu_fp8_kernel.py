@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import traceback
 
 import torch
 
-from flexsparse.bench import structured_qkv, time_spread
+from flexsparse.bench import bench_report, structured_qkv, time_spread
 from flexsparse.masks import num_blocks
 from flexsparse.triton import block_fwd, block_fwd_fp8
 from flexsparse.triton.fp8_quant import quantize_qkv
@@ -160,13 +159,7 @@ def main(argv=None) -> dict:
         results[f"D{d}"] = head_dim_results(args, d, device)
         print(f"D={d}", json.dumps({k: v for k, v in results[f"D{d}"].items() if k != "sweep"}, indent=1,
                                    default=str), flush=True)
-    report = {"args": vars(args), "torch": torch.__version__, "platform": platform.platform(),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-              "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return report
+    return bench_report(args, results, device)
 
 
 if __name__ == "__main__":

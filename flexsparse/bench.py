@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -77,6 +78,18 @@ def time_spread(fn, device: torch.device, repeats: int = 5) -> dict[str, float]:
         runs.append(1e3 * (time.perf_counter() - start))
     cuts = statistics.quantiles(runs, n=5)
     return {"median_ms": statistics.median(runs), "p20_ms": cuts[0], "p80_ms": cuts[-1]}
+
+
+def bench_report(args, results: dict, device: torch.device, **extra) -> dict:
+    """A benchmark script's report: its arguments, ``extra``, versions, device and ``results``; written as JSON
+    to ``args.out`` when given."""
+    report = {"args": vars(args), **extra, "torch": torch.__version__, "platform": platform.platform(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
 
 
 def random_qkv(batch, heads, n, dim, dtype, device, requires_grad):
