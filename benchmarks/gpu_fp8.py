@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import traceback
 
 import torch
 
 import flexsparse
-from flexsparse.bench import bench_report, time_spread
+from flexsparse.bench import attempt, bench_report, offset_qkv, rel_l2, time_spread
 from flexsparse.config import Config
 from flexsparse.methods import method_module
 from flexsparse.methods._blocks import block_attention, select_blocks
@@ -63,28 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def attempt(work):
-    """``work()``, or its error as a string (one failing measurement must not lose the others)."""
-    try:
-        return work()
-    except Exception as err:  # noqa: BLE001 - recorded in the results
-        traceback.print_exc()
-        return f"error: {type(err).__name__}: {err}"
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 def inputs(args, device: torch.device) -> list[torch.Tensor]:
     """bf16 q, k, v: recorded ones (``--qkv``) or random with a per-head key offset like real keys."""
     if args.qkv:
         saved = torch.load(args.qkv, map_location="cpu")
         return [saved[name].to(device, torch.bfloat16) for name in ("q", "k", "v")]
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (args.batch, args.heads, args.n, args.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(3))
-    k = k + 0.5 * torch.randn(1, args.heads, 1, args.head_dim, generator=gen, device=device)
-    return [x.to(torch.bfloat16) for x in (q, k, v)]
+    return offset_qkv(args.batch, args.heads, args.n, args.head_dim, device)
 
 
 def method_config(args, n: int, quant) -> dict:
@@ -105,10 +88,6 @@ def branch_selection(args, q, k, module):
             keys = k.float() - k.float().mean(2, keepdim=True) if cfg.smooth_k == "all" else k
             return method_module("sla2").route(q, keys, cfg, params["proj_q"], params["proj_k"])
         return select_blocks(q, k, cfg)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict:

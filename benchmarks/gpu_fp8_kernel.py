@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import traceback
 
 import torch
 
-from flexsparse.bench import bench_report, structured_qkv, time_spread
+from flexsparse.bench import attempt, bench_report, offset_qkv, rel_l2, structured_qkv, time_spread
 from flexsparse.masks import num_blocks
 from flexsparse.triton import block_fwd, block_fwd_fp8
 from flexsparse.triton.fp8_quant import quantize_qkv
@@ -51,14 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def random_inputs(args, d: int, device: torch.device) -> list[torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (args.batch, args.heads, args.n, d)
-    q, k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(3))
-    k = k + 0.5 * torch.randn(1, args.heads, 1, d, generator=gen, device=device)
-    return [x.to(torch.bfloat16) for x in (q, k, v)]
-
-
 def random_table(args, device: torch.device) -> torch.Tensor:
     """``(B, H, Tq, K)`` int32: K = max(1, floor(ratio * Tk)) distinct random key blocks per row, ascending."""
     t = num_blocks(args.n, args.block)
@@ -68,21 +59,8 @@ def random_table(args, device: torch.device) -> torch.Tensor:
     return scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def attempt(work):
-    """``work()``, or its error as a string (an invalid tile choice must not lose the other measurements)."""
-    try:
-        return work()
-    except Exception as err:  # noqa: BLE001 - recorded in the results
-        traceback.print_exc()
-        return f"error: {type(err).__name__}: {err}"[:300]
-
-
 def head_dim_results(args, d: int, device: torch.device) -> dict:
-    q, k, v = random_inputs(args, d, device)
+    q, k, v = offset_qkv(args.batch, args.heads, args.n, d, device)
     if device.type == "cpu":                       # the interpreter multiplies fp16, not bf16
         q, k, v = (x.half() for x in (q, k, v))
     table = random_table(args, device)

@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
@@ -49,17 +50,7 @@ class Row:
 
 def time_ms(fn, device: torch.device, repeats: int = 5) -> float:
     """Median milliseconds of ``fn()``: do_bench on CUDA, wall-clock repeats on CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return float(time_spread(fn, device, repeats)["median_ms"])
 
 
 def time_spread(fn, device: torch.device, repeats: int = 5) -> dict[str, float]:
@@ -78,6 +69,34 @@ def time_spread(fn, device: torch.device, repeats: int = 5) -> dict[str, float]:
         runs.append(1e3 * (time.perf_counter() - start))
     cuts = statistics.quantiles(runs, n=5)
     return {"median_ms": statistics.median(runs), "p20_ms": cuts[0], "p80_ms": cuts[-1]}
+
+
+def attempt(work):
+    """``work()``, or its error as a string (one failing measurement must not lose the others); frees the CUDA
+    cache either way."""
+    try:
+        return work()
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        traceback.print_exc()
+        return f"error: {type(err).__name__}: {err}"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def offset_qkv(batch: int, heads: int, n: int, dim: int, device, seed: int = 0) -> list[torch.Tensor]:
+    """bf16 iid normal q, k, v ``(B, H, N, D)``, the keys with a per-head offset like real keys (drawn on
+    ``device`` from ``seed``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, heads, n, dim)
+    q, k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, heads, 1, dim, generator=gen, device=device)
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
 
 
 def bench_report(args, results: dict, device: torch.device, **extra) -> dict:

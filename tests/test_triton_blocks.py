@@ -40,19 +40,12 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not ts.HAS_CUDA, reason="needs a CUDA GPU")(test))
 
 
-random_selection = ts.random_selection
+random_selection, make_qkv = ts.random_selection, ts.make_qkv
 
 
 @cpu_parent
 def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
-
-
-def make_qkv(bsz, heads, kv_heads, nq, nk, d, dtype=torch.float32, device="cpu"):
-    q = torch.randn(bsz, heads, nq, d)
-    k = torch.randn(bsz, kv_heads, nk, d) + 0.3 * torch.randn(1, kv_heads, 1, d)
-    v = torch.randn(bsz, kv_heads, nk, d)
-    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
 def grad_run(fn, q, k, v, selection, scale, **kw):

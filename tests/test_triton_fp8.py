@@ -53,10 +53,7 @@ def test_interpreter_suite():
 
 def make_qkv(bsz, heads, kv_heads, n, d, dtype=torch.float32, device="cpu"):
     """Fresh random q, k (with a per-head offset, as real keys: the smoothing removes it), v."""
-    q = torch.randn(bsz, heads, n, d)
-    k = torch.randn(bsz, kv_heads, n, d) + torch.randn(1, kv_heads, 1, d)
-    v = torch.randn(bsz, kv_heads, n, d)
-    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    return ts.make_qkv(bsz, heads, kv_heads, n, n, d, dtype, device, key_offset=1.0)
 
 
 # ------------------------------------------------------------------------------------ references
@@ -152,10 +149,6 @@ def spec_bound(pre, selection: BlockSelection, scale: float) -> torch.Tensor:
     return 0.125 * 1.03 * pv + 2.0**-9 / 448 * (mask.double() @ v_hat.abs()) / l + 1e-6
 
 
-def rel_l2(a, b) -> float:
-    return ts.rel_err(a.float(), b.float())
-
-
 # ----------------------------------------------------------------------------------------------- CPU
 
 @triton.jit
@@ -235,10 +228,10 @@ def test_kernel_matches_its_emulation_and_the_fake_quant_spec(bsz, n, block_q, b
     o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
     assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == q.shape[:3]
-    assert rel_l2(o, want_o) < 5e-3 and rel_l2(lse, want_lse) < 1e-5
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
     spec_o, spec_lse = fake_quant_branch(q, k, v, selection, scale)
     assert ((o - spec_o).abs() <= spec_bound(pre, selection, scale)).all()
-    assert rel_l2(o, spec_o) < 0.05 and rel_l2(lse, spec_lse) < 1e-5
+    assert ts.rel_err(o, spec_o) < 0.05 and ts.rel_err(lse, spec_lse) < 1e-5
     got_o, got_lse = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, scale)      # the op, end to end
     assert torch.equal(got_o, o) and torch.equal(got_lse, lse)
 
@@ -262,7 +255,7 @@ def test_tile_overrides(name, monkeypatch):
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, 0.3, q.dtype)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, 0.3, forward_tiles(q.device, 16))
-    assert rel_l2(o, want_o) < 5e-3 and rel_l2(lse, want_lse) < 1e-5
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
 
 
 @cpu_only
@@ -275,7 +268,7 @@ def test_half_precision_inputs(dtype):
     assert o.dtype == dtype and lse.dtype == torch.float32
     pre = quantize_qkv(q, k, v, 16, 16)
     want_o, want_lse = emulate_kernel(pre, selection.indices, 16, 16, 0.25, forward_tiles(q.device, 16))
-    assert rel_l2(o, want_o) < 5e-3 and rel_l2(lse, want_lse) < 1e-5
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
 
 
 METHOD_CONFIGS = [
@@ -313,7 +306,7 @@ def test_methods_forward_is_the_kernel_and_gradients_are_the_unquantized_ones(cf
         spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
         plain_out = flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
     assert torch.equal(out, frozen) and torch.equal(lse, frozen_lse)
-    assert rel_l2(out, spec) < 0.05 and rel_l2(out, plain_out) > 1e-2
+    assert ts.rel_err(out, spec) < 0.05 and ts.rel_err(out, plain_out) > 1e-2
     leaves = [q, k, v, *params.values()]
     grads = _loss_grads(out, lse, leaves)
     plain = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True, params=params)
@@ -444,15 +437,15 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
     assert o.dtype == torch.bfloat16
     # LSE: the fp8 MMA accumulates Q K^T with ~14 bits, so logits carry ~1e-4 absolute error
-    assert rel_l2(o, want_o) < 5e-3 and rel_l2(lse, want_lse) < 1e-4
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
     spec_o, spec_lse = fake_quant_branch(q, k, v, selection, scale)
     spec_o = spec_o.float()
-    assert rel_l2(o, spec_o) < 0.04 and rel_l2(lse, spec_lse) < 1e-4
+    assert ts.rel_err(o, spec_o) < 0.04 and ts.rel_err(lse, spec_lse) < 1e-4
     if n <= 4096:
         bound = spec_bound(pre, selection, scale) + 2.0**-7 * spec_o.abs()           # + both outputs' bf16 rounding
         assert ((o.float() - spec_o).abs() <= bound).all()
     plain_o, plain_lse = triton_sparse.block_sparse_attention(q, k, v, selection, scale)
-    assert 1e-3 < rel_l2(o, plain_o) < 0.07 and rel_l2(lse, plain_lse) < 1e-2
+    assert 1e-3 < ts.rel_err(o, plain_o) < 0.07 and ts.rel_err(lse, plain_lse) < 1e-2
 
 
 @gpu
@@ -462,7 +455,7 @@ def test_gpu_structured_inputs_error_against_bf16():
     selection = random_selection(1, 2, 4096, 4096, 64, 64, 16, "cuda")
     o, _ = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, 0.125)
     plain, _ = triton_sparse.block_sparse_attention(q, k, v, selection, 0.125)
-    assert rel_l2(o, plain) < 0.03
+    assert ts.rel_err(o, plain) < 0.03
 
 
 GPU_METHODS = [
@@ -485,7 +478,7 @@ def test_gpu_methods_quantized_forward_and_exact_gradients(cfg):
     out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
     with torch.no_grad():
         spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
-    assert rel_l2(out, spec) < 0.04
+    assert ts.rel_err(out, spec) < 0.04
     leaves = [q, k, v, *params.values()]
     grads = _loss_grads(out, lse, leaves)
     plain = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True, params=params)
@@ -520,9 +513,9 @@ def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
             eager = [x.detach().clone().requires_grad_() for x in leaves]
             eager_loss, eager_out = step(*eager)
             eager_loss.backward()
-            assert rel_l2(out, eager_out) < 1e-2
+            assert ts.rel_err(out, eager_out) < 1e-2
             for a, b in zip(leaves, eager):
-                assert rel_l2(a.grad, b.grad) < 2e-2
+                assert ts.rel_err(a.grad, b.grad) < 2e-2
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
 

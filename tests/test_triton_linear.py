@@ -39,10 +39,7 @@ def test_interpreter_suite():
 
 
 def _inputs(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu"):
-    q = torch.randn(b, h, nq, d)
-    k = torch.randn(b, hk, nk, d) + 0.5 * torch.randn(1, hk, 1, d)
-    v = torch.randn(b, hk, nk, d)
-    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    return ts.make_qkv(b, h, hk, nq, nk, d, dtype, device, key_offset=0.5)
 
 
 def _selection(q, k, block_q, block_k, topk_ratio, negligible_ratio):
@@ -112,12 +109,6 @@ def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
     assert torch.equal(out, torch.zeros_like(q))
 
 
-def _random_skipped(b, h, tq, tk, width, device="cpu"):
-    """``(B, H, Tq, width)`` int32: distinct random key blocks per row, ascending."""
-    rows = torch.rand(b * h * tq, tk).argsort(-1)[:, :width].sort(-1).values
-    return rows.view(b, h, tq, width).int().to(device)
-
-
 def _op_run(q, k, v, skipped, bq, bk, fmap, eps=1e-5):
     """``flexsparse::masked_linear``: output, query-block states and the gradients of q, k, v of a fixed
     random loss (torch.autograd through the registered backward)."""
@@ -143,20 +134,21 @@ OP_CASES = [
 STRATEGIES = {"gather": {"dense_ratio": 2.0}, "dense": {"dense_ratio": 0.0}}   # linear_fwd.dense
 
 
-def _strategy(monkeypatch, name):
-    """Force the gather or the dense block-sum strategy (``FLEXSPARSE_TRITON_TILES``, read at every call)."""
-    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[name]}))
+@pytest.fixture(params=list(STRATEGIES))
+def strategy(request, monkeypatch):
+    """Each test runs with the gather and with the dense block-sum strategy forced (``FLEXSPARSE_TRITON_TILES``,
+    read at every call)."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[request.param]}))
+    return request.param
 
 
 @cpu_only
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES)
-def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap, strategy, monkeypatch):
+def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap, strategy):
     """fp32 kernels (interpreter) against the ops' PyTorch path on fp64 copies of the same inputs."""
-    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(b, h, hk, n, n, d)
-    tq, tk = num_blocks(n, bq), num_blocks(n, bk)
-    skipped = _random_skipped(b, h, tq, tk, tk - 1 if width < 0 else width)
+    tk = num_blocks(n, bk)
+    skipped = ts.random_selection(b, h, n, n, bq, bk, tk - 1 if width < 0 else width).indices
     got = _op_run(q, k, v, skipped, bq, bk, fmap)
     want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
@@ -171,8 +163,8 @@ def test_kernels_match_torch_linear_reference(fmap):
     with nothing skipped against full linear attention."""
     b, h, hk, n, d, bq, bk = 1, 4, 2, 193, 16, 32, 16
     q, k, v = _inputs(b, h, hk, n, n, d)
-    skipped = _random_skipped(b, h, num_blocks(n, bq), num_blocks(n, bk), 4)
-    selection = BlockSelection(skipped, bq, bk, n, n)
+    selection = ts.random_selection(b, h, n, n, bq, bk, 4)
+    skipped = selection.indices
     got = _op_run(q, k, v, skipped, bq, bk, fmap)
     want = _run(torch_linear.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
     for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], want):
@@ -186,12 +178,10 @@ def test_kernels_match_torch_linear_reference(fmap):
 
 
 @cpu_only
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_fp16_kernels(strategy, monkeypatch):
+def test_fp16_kernels(strategy):
     """fp16 inputs: fp32 states and exact fp32 dots, output and gradients in fp16."""
-    _strategy(monkeypatch, strategy)
     q, k, v = _inputs(1, 4, 2, 100, 100, 16)
-    skipped = _random_skipped(1, 4, 7, 4, 2)
+    skipped = ts.random_selection(1, 4, 100, 100, 16, 32, 2).indices
     got = _op_run(q.half(), k.half(), v.half(), skipped, 16, 32, "softmax")
     want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 32, "softmax")
     assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
@@ -203,7 +193,7 @@ def test_fp16_kernels(strategy, monkeypatch):
 def test_unknown_feature_map_and_wide_heads():
     """A feature map the kernels do not know raises naming the argument; D > 128 keeps the PyTorch path."""
     q, k, v = _inputs(1, 2, 1, 40, 40, 16)
-    skipped = _random_skipped(1, 2, 3, 3, 1)
+    skipped = ts.random_selection(1, 2, 40, 40, 16, 16, 1).indices
     with pytest.raises(ValueError, match="feature_map"):
         sla_ops.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
     q, k, v = _inputs(1, 2, 1, 40, 40, 136)
@@ -226,11 +216,9 @@ def test_strategy_rule():
 
 
 @cpu_only
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_opcheck_kernels(strategy, monkeypatch):
-    _strategy(monkeypatch, strategy)
+def test_opcheck_kernels(strategy):
     q, k, v = _inputs(1, 4, 2, 50, 50, 16)
-    skipped = _random_skipped(1, 4, 4, 4, 2)
+    skipped = ts.random_selection(1, 4, 50, 50, 16, 16, 2).indices
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
     utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
     torch.library.opcheck(sla_ops.masked_linear, args, test_utils=utils)
@@ -282,12 +270,10 @@ GPU_CASES = [  # (H, Hk, N, D, block_q, block_k, topk_ratio, negligible_ratio, f
 
 
 @gpu
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("h,hk,n,d,bq,bk,ratio,negligible,fmap,dtype", GPU_CASES)
-def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype, strategy, monkeypatch):
+def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, dtype, strategy):
     """bf16 / fp32 kernels, both strategies, against the ops' PyTorch path on fp64 copies (the same skipped
     table): o, the saved query-block states and dq, dk, dv."""
-    _strategy(monkeypatch, strategy)
     torch.manual_seed(0)
     q, k, v = _inputs(1, h, hk, n, n, d, dtype, "cuda")
     skipped = skipped_blocks(_selection(q, k, bq, bk, ratio, negligible))
@@ -321,10 +307,8 @@ def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, c
 
 
 @gpu
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_gpu_gradients_are_reproducible(strategy, monkeypatch):
+def test_gpu_gradients_are_reproducible(strategy):
     """No atomics: two backward passes give bitwise equal dq, dk, dv."""
-    _strategy(monkeypatch, strategy)
     torch.manual_seed(0)
     q, k, v = _inputs(2, 8, 2, 8192, 8192, 64, torch.bfloat16, "cuda")
     skipped = skipped_blocks(_selection(q, k, 64, 64, 0.1, 0.05))
@@ -334,9 +318,7 @@ def test_gpu_gradients_are_reproducible(strategy, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_gpu_opcheck(strategy, monkeypatch):
-    _strategy(monkeypatch, strategy)
+def test_gpu_opcheck(strategy):
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda")
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",

@@ -79,3 +79,12 @@ def random_selection(bsz, heads, nq, nk, block_q, block_k, topk, device="cpu"):
     tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
     ids = torch.rand(bsz, heads, tq, tk, device=device).argsort(-1)[..., :topk].sort(-1).values
     return BlockSelection(ids.to(torch.int32).contiguous(), block_q, block_k, nq, nk)
+
+
+def make_qkv(bsz, heads, kv_heads, nq, nk, d, dtype=torch.float32, device="cpu", key_offset=0.3):
+    """Fresh random q ``(B, H, Nq, D)``, k and v ``(B, Hk, Nk, D)``; k with a per-head offset of scale
+    ``key_offset``, as real keys (drawn on the CPU, then moved)."""
+    q = torch.randn(bsz, heads, nq, d)
+    k = torch.randn(bsz, kv_heads, nk, d) + key_offset * torch.randn(1, kv_heads, 1, d)
+    v = torch.randn(bsz, kv_heads, nk, d)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]

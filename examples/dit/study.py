@@ -21,12 +21,12 @@ import argparse
 import json
 import shutil
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from flexsparse import Config
+from flexsparse.bench import attempt
 from flexsparse.methods import MODULES
 
 from . import train
@@ -160,18 +160,6 @@ def earlier_results(out: Path) -> dict:
     """The per-method results of an earlier study in ``out`` (empty when there is none)."""
     path = out / "study.json"
     return json.loads(path.read_text())["methods"] if path.exists() else {}
-
-
-def attempt(work):
-    """``work()``, or its error as a string (one failing method or size must not lose the others)."""
-    try:
-        return work()
-    except Exception as err:
-        traceback.print_exc()
-        return f"error: {type(err).__name__}: {err}"
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def plot(results: dict, out: Path, args) -> None:

@@ -61,7 +61,8 @@ def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: 
 
 
 def sparse_primitives(backend: str):
-    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``) of ``backend``
+    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``; optionally
+    ``fp8_block_sparse_attention``, a fused FP8 forward used for ``quant``) of ``backend``
     (``triton``'s is imported on first use, so flexsparse imports without triton installed)."""
     if backend == "triton":
         from . import triton_sparse

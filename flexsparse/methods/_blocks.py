@@ -46,10 +46,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return primitives.block_sparse_attention(q, k, v, selection, scale, quantize_p=quantizes_p(quant))
 
-    fused = None
-    if backend == "triton":                 # one FP8 kernel runs the whole quantized forward (it reads no quant key)
+    fused = getattr(primitives, "fp8_block_sparse_attention", None)   # one FP8 kernel of the quantized forward
+    if fused is not None:
         reason = unsupported_reason(backend, quant)
         if reason is not None:              # resolve() checks it too; this guards direct calls
-            raise ValueError(f"backend 'triton' cannot run config key 'quant': {reason}")
-        fused = partial(primitives.fp8_block_sparse_attention, selection=selection, scale=scale)
+            raise ValueError(f"backend {backend!r} cannot run config key 'quant': {reason}")
+        fused = partial(fused, selection=selection, scale=scale)
     return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale, fused=fused)

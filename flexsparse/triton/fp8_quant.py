@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..masks.pooling import num_blocks
-from ..quant.formats import E4M3, amax_to_scale
+from ..quant.formats import E4M3, channel_scales
 from .common import launcher
 from .layout import cdiv, pow2
 
@@ -117,8 +117,7 @@ def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``(B, Hk, D, NP)`` with ``NP = N`` rounded up to a multiple of 16 (zeros past N; the keys of ``P V`` are
     contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``."""
     bsz, heads, n, d = v.shape
-    amax = torch.linalg.vector_norm(v, float("inf"), dim=2)                   # max |v| without an |v| copy
-    scales = amax_to_scale(amax).contiguous()                                # = channel_scales(v), (B, Hk, D)
+    scales = channel_scales(v).squeeze(2)                                     # (B, Hk, D), contiguous
     np_ = cdiv(n, 16) * 16
     out = torch.empty(bsz, heads, d, np_, device=v.device, dtype=storage_dtype(v.device))
     tile = 64

@@ -131,8 +131,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads, tk, bf16)
         offsets = lists = skipped                          # not read without GATHER
     else:
-        d_ht = d_hq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
-        d_zt = d_zq.sum(2, dtype=torch.float32).unflatten(1, (kv_heads, group)).sum(2)
+        d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq
+        d_zt = d_zq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)
         offsets, lists = block_csc(skipped, tk, deterministic=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tile, n_split = split(block_k, tiles["TK"])

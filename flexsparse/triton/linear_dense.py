@@ -79,7 +79,7 @@ def block_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_div: int, c
 
 def pad16(n: int) -> int:
     """``n`` rounded up to a multiple of 16 (row length of the keep maps: 16-byte aligned rows for any dtype)."""
-    return -(-n // 16) * 16
+    return cdiv(n, 16) * 16
 
 
 def keep_map(skipped: torch.Tensor, tk: int, dtype: torch.dtype) -> torch.Tensor:

@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import FEATURE_MAPS
 from .common import launcher
 from .layout import cdiv, pow2
 from .tiles import overrides
 
-FEATURE_MAPS = {"softmax": 0, "elu": 1, "relu": 2}
 DENSE_NEVER = 2.0  # a dense_ratio no skipped table reaches (S <= Tk)
 
 
@@ -140,10 +140,10 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS: tl.constexpr, NQ, TQ, 
 
 
 def feature_code(name: str) -> int:
-    """The in-kernel code of feature map ``name`` (``FEATURE_MAPS``)."""
+    """The in-kernel code of feature map ``name``: its index in ``config.FEATURE_MAPS`` (``feature``'s ``FMAP``)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; valid: {sorted(FEATURE_MAPS)}")
-    return FEATURE_MAPS[name]
+    return FEATURE_MAPS.index(name)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
