@@ -264,3 +264,24 @@ def test_dense_block_form_of_the_masked_linear_branch_matches_the_gather_form():
             a = torch_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
             b = torch_linear.masked_linear_attention_dense_blocks(q, k, v, selection, feature_map=fmap, eps=1e-5)
             assert rel_err(b, a) < 1e-10
+
+
+def test_dense_block_form_in_bf16_is_close_to_fp64_with_gradients():
+    """bf16 inputs: the block-level state matmuls run in bf16 (fp32 accumulation); output and gradients stay
+    within bf16 tolerance of the fp64 gather form."""
+    from helpers import qkv
+
+    q, k, v = qkv(heads=4, kv_heads=2, n=333, d=16)
+    cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3})
+    selection = sla_method.select(q, k, cfg)
+    grad = torch.randn_like(q)
+    results = []
+    for dtype, form in ((torch.float64, torch_linear.masked_linear_attention),
+                        (torch.bfloat16, torch_linear.masked_linear_attention_dense_blocks)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = form(*leaves, selection, feature_map="softmax", eps=1e-5)
+        assert out.dtype == dtype
+        out.backward(grad.to(dtype))
+        results.append([out.double(), *(x.grad.double() for x in leaves)])
+    for name, want, got in zip(("out", "dq", "dk", "dv"), *results):
+        assert 0 < rel_err(got, want) < 2e-2, name

@@ -190,14 +190,24 @@ def test_gpu_selection_bit_identical_to_sort(tk):
     from flexsparse.triton.block_topk import topk_tiles
     gen = torch.Generator().manual_seed(tk)
     rows = max(8, min(1024, (1 << 22) // tk))
-    scores = _special_scores(2 * rows, tk, gen).view(2, rows, tk).cuda()
+    scores = _special_scores(2 * rows, tk, gen).view(2, rows, tk)
     default = topk_tiles(tk)["SELECT_WARPS"]
     warp_counts = sorted({w for w in (default // 2, default, 2 * default) if 1 <= w <= 16 and tk <= 64 * 32 * w})
     for topk, bottomk in [(max(1, tk // 20), tk // 10), (1, 0), (tk, 0), (1, tk - 1)]:
-        want = _sorted_ids(scores, topk, bottomk)
+        want = _sorted_ids(scores, topk, bottomk)    # the spec: the CPU's comparison sort (IEEE compares)
         for warps in warp_counts:
-            got = _select(scores, topk, bottomk, warps=warps)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (topk, bottomk, warps)
+            got = _select(scores.cuda(), topk, bottomk, warps=warps)
+            for name, g, w in zip(("top", "bottom"), got, want):
+                g = g.cpu()
+                assert torch.equal(g, w), f"K={topk} Kb={bottomk} warps={warps} {name}: {_difference(g, w, scores)}"
+
+
+def _difference(got, want, scores):
+    """The first row where two id sets differ: the ids and scores taken and missed."""
+    row = tuple((got != want).any(-1).nonzero()[0].tolist())
+    taken, missed = set(got[row].tolist()), set(want[row].tolist())
+    extra, lost = sorted(taken - missed)[:4], sorted(missed - taken)[:4]
+    return f"row {row} took {extra} = {scores[row][extra].tolist()} instead of {lost} = {scores[row][lost].tolist()}"
 
 
 @gpu

@@ -94,21 +94,25 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Linear attention with a weight per (query block, key block): ``H_i = sum_j w_ij h_j``.
 
     Dense over blocks (O(Tq * Tk * D^2) work, ``(B, H, Tq, D, D)`` memory): SLA2's stage-1 soft
-    router, where ``w = 1 - M``. q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``;
+    router, where ``w = 1 - M``. Per-block states and the normaliser in fp32 (fp64); for bf16 inputs
+    the two ``D x D`` state matmuls run in bf16 with fp32 accumulation (bf16 states, as the Triton
+    kernels keep them). q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``;
     weights: ``(B, H, Tq, Tk)`` (differentiable). Returns ``(B, H, Nq, D)`` in q's dtype.
     """
     acc = accumulation_dtype(q.dtype)
+    states = torch.bfloat16 if q.dtype == torch.bfloat16 else acc
     bsz, heads, tq, tk = weights.shape
     kv_heads, d = k.shape[1], q.shape[-1]
     phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * block_q).unflatten(2, (tq, block_q))
     phi_k = _pad_tokens(apply_feature_map(k, feature_map), tk * block_k).unflatten(2, (tk, block_k))
     values = _pad_tokens(v.to(acc), tk * block_k).unflatten(2, (tk, block_k))
-    h = (phi_k.transpose(-1, -2) @ values).flatten(-2)                         # (B, Hk, Tk, D*D)
+    h = (phi_k.transpose(-1, -2) @ values).flatten(-2).to(states)              # (B, Hk, Tk, D*D)
     z = phi_k.sum(-2)                                                           # (B, Hk, Tk, D)
     w = weights.to(acc).unflatten(1, (kv_heads, heads // kv_heads))             # (B, Hk, G, Tq, Tk)
-    h_rows = (w @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)           # (B, H, Tq, D, D)
+    h_rows = (w.to(states) @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)  # (B, H, Tq, D, D)
     z_rows = (w @ z.unsqueeze(2)).flatten(1, 2)                                 # (B, H, Tq, D)
-    out = (phi_q @ h_rows) / (eps + phi_q @ z_rows.unsqueeze(-1))
+    num = (phi_q.to(states) @ h_rows).to(acc)
+    out = num / (eps + phi_q @ z_rows.unsqueeze(-1))
     return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
 
 

@@ -10,8 +10,8 @@ the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 cali
 attend: softmax attention over the selected blocks and linear attention over the others (hard), or
 ``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft); ``quant`` (hard
 router only) fake-quantizes the sparse branch's forward in FP8.
-combine: ``O = alpha * O_s + (1 - alpha) * O_l``, ``alpha = sigmoid(alpha_logit)`` per query block
-(and per head with ``alpha_per_head``). The returned LSE is the sparse branch's.
+combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dtype), ``alpha =
+sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``). The returned LSE is the sparse branch's.
 """
 from __future__ import annotations
 
@@ -96,5 +96,4 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)
-    out = alpha * o_s.to(acc) + (1 - alpha) * o_l.to(acc)
-    return out.to(q.dtype), lse
+    return torch.lerp(o_l, o_s, alpha.to(q.dtype)), lse      # one pass, fp32 math inside for bf16 / fp16
