@@ -25,7 +25,7 @@ from triton.testing import do_bench
 import flexsparse
 from flexsparse.backends import flex
 from flexsparse.config import Config
-from flexsparse.masks import pool_pyramid
+from flexsparse.masks import llsa_topk, pool_pyramid
 from flexsparse.masks.block_mask import block_selection_to_block_mask, llsa_block_mask
 from flexsparse.methods import llsa
 from flexsparse.methods._blocks import select_blocks
@@ -65,7 +65,7 @@ def breakdown(q, k, v, cfg) -> tuple[dict, dict, dict, float]:
         levels, topk = llsa.plan(cfg, q.shape[2])
 
         def select():
-            return llsa.select(q, pool_pyramid(k, cfg.block_size, levels), cfg, levels, topk)
+            return llsa_topk(q, k, topk, cfg.block_size)
 
         selection = select()
         mask, layout = llsa_block_mask(selection)

@@ -12,7 +12,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.dit import data, record_qkv, study, train  # noqa: E402
+from examples.dit import compare_runs, data, record_qkv, study, train  # noqa: E402
 from examples.dit.model import DiT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -172,6 +172,22 @@ def test_study_runs_merge_into_one_study(tmp_path, image_dir):
     assert results["full"]["val_loss"] == trained["val_loss"] and "val_loss" not in results["llsa"]
     assert all(isinstance(v, float) for r in results.values() for v in r["throughput"].values())
     assert json.loads((tmp_path / "study.json").read_text())["methods"].keys() == {"full", "llsa"}
+
+
+def test_compare_runs_reads_studies_and_histories(tmp_path):
+    curves = {"val_step": [0, 10, 20], "val_loss": [1.0, 0.5, 0.4], "val_loss_ema": [1.0, 0.8, 0.6]}
+    (tmp_path / "study.json").write_text(json.dumps({"methods": {"sla": curves}}))
+    (tmp_path / "history.json").write_text(json.dumps({**curves, "val_loss": [1.0, 0.6, 0.44]}))
+    runs = [compare_runs.load_curves(f"a={tmp_path / 'study.json'}:sla"),
+            compare_runs.load_curves(f"b={tmp_path / 'history.json'}")]
+    rows = compare_runs.summary(runs, tail=2)
+    assert rows[0]["val_loss last"] == 0.4 and rows[0]["val_loss mean of last 2"] == pytest.approx(0.45)
+    assert rows[1]["val_loss last vs a %"] == pytest.approx(10.0)
+    assert rows[1]["val_loss_ema last vs a %"] == pytest.approx(0.0)
+    compare_runs.plot(runs, tmp_path / "curves.png", "t")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="not 'vsa'"):
+        compare_runs.load_curves(f"a={tmp_path / 'study.json'}:vsa")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import flexsparse
 from flexsparse import backends
 from flexsparse.backends import flex, torch_sparse
 from flexsparse.config import Config
-from flexsparse.masks import BlockSelection, block_topk, mean_pool, pool_pyramid
+from flexsparse.masks import BlockSelection, block_topk, llsa_topk, mean_pool, pool_pyramid
 from flexsparse.masks.block_mask import block_selection_to_block_mask, block_tables, llsa_block_mask
 from flexsparse.methods import llsa
 from flexsparse.methods._blocks import select_blocks
@@ -82,7 +82,7 @@ def test_eager_flex_honours_the_selection():
 
     levels, topk = 2, (3, 2)
     k_levels, v_levels = pool_pyramid(k, 16, levels), pool_pyramid(v, 16, levels)
-    sel = llsa.select(q, k_levels, Config.from_dict({"method": "llsa", "topk": list(topk)}), levels, topk)
+    sel = llsa_topk(q, k, topk, 16)
     mask, layout = llsa_block_mask(sel)
     k_ext = flex.extended_kv([k, *k_levels], layout.segment_blocks, 16, q.dtype)
     v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
@@ -136,10 +136,9 @@ def test_llsa_forward_cpu(case):
     n, block, topk, h, hk = case
     q, k, v = _qkv(1, h, hk, n, n, 32, seed=1)
     cfg = Config.from_dict({"method": "llsa", "block_size": block, "topk": list(topk)})
-    levels = len(topk)
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg, backend="flex")
-        selection = llsa.select(q, pool_pyramid(k, block, levels), cfg, levels, topk)
+        selection = llsa_topk(q, k, topk, block)
         ref, _ = llsa_dense(*_f64(q, k, v), selection, q.shape[-1] ** -0.5)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out, flexsparse.attention(q, k, v, cfg, backend="torch"), atol=2e-5, rtol=2e-5)
@@ -261,7 +260,7 @@ def _reference_of(method, cfg, q, k, v, scale):
     """fp64 reference on the method's own selection (computed from the same inputs)."""
     if method == "llsa":
         levels, topk = llsa.plan(cfg, q.shape[2])
-        selection = llsa.select(q, pool_pyramid(k, cfg.block_size, levels), cfg, levels, topk)
+        selection = llsa_topk(q, k, topk, cfg.block_size)
         return lambda q64, k64, v64: llsa_dense(q64, k64, v64, selection, scale)
     selection = select_blocks(q, k, cfg)
     if method == "vsa":
@@ -303,8 +302,7 @@ def test_gpu_llsa_levels(case, dtype):
     n, topk = case
     cfg = Config.from_dict({"method": "llsa", "block_size": 16, "topk": list(topk)})
     q, k, v = _cuda_qkv(4, 1, n, 64, dtype, seed=3)
-    levels = len(topk)
-    selection = llsa.select(q.detach(), pool_pyramid(k.detach(), 16, levels), cfg, levels, topk)
+    selection = llsa_topk(q, k, topk, 16)
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
     _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype)
 

@@ -4,7 +4,7 @@ import torch
 
 import flexsparse as fs
 from flexsparse.backends import torch_sparse
-from flexsparse.masks import auto_levels, num_blocks, pool_pyramid
+from flexsparse.masks import auto_levels, llsa_topk, num_blocks, pool_pyramid
 from flexsparse.methods import llsa as llsa_method
 from flexsparse.reference import llsa_dense, llsa_select_bruteforce, span_means
 
@@ -27,7 +27,7 @@ def config(n, block, levels, want=3):
 def selection_for(q, k, cfg):
     cfg = fs.Config.from_dict(cfg)
     levels, topk = llsa_method.plan(cfg, q.shape[2])
-    return llsa_method.select(q, pool_pyramid(k, cfg.block_size, levels), cfg, levels, topk)
+    return llsa_topk(q, k, topk, cfg.block_size)
 
 
 CASES = [  # (N, block, levels, heads, kv_heads, D)

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import flexsparse  # noqa: E402
 from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
-from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, pool_pyramid  # noqa: E402
+from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, llsa_topk, pool_pyramid  # noqa: E402
 from flexsparse.triton import ops  # noqa: E402
 from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
 
@@ -215,7 +215,7 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
     q, k, v = _gpu_inputs(n, heads, kv_heads, d, dtype)
     block, levels = 16, len(topk)
-    selection = triton_sparse.llsa_select(q, k, block, topk)
+    selection = llsa_topk(q, k, topk, block)             # the Triton kernels on CUDA
     got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
     want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5, q.dtype)
     names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]

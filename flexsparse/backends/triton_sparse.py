@@ -14,17 +14,7 @@ import torch
 from ..masks import BlockSelection, LLSASelection
 from ..masks.pooling import accumulation_dtype
 from ..triton import block_ops, ops
-from ..triton.layout import level_table, pack
-
-
-def llsa_select(q: torch.Tensor, k: torch.Tensor, block: int, topk: tuple[int, ...]) -> LLSASelection:
-    """Hierarchical top-K selection of LLSA from q ``(B, H, N, D)`` and k ``(B, Hk, N, D)`` (no gradient)."""
-    n, levels = q.shape[2], len(topk)
-    with torch.no_grad():
-        q_pyr = ops.llsa_pool(q.detach(), block, levels)
-        k_pyr = ops.llsa_pool(k.detach(), block, levels)
-        sel = ops.llsa_select(q_pyr, k_pyr, n, block, list(topk))
-    return level_table(n, block, topk).unpack(sel)
+from ..triton.layout import pack
 
 
 def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tuple[int, ...], scale: float,

@@ -2,7 +2,7 @@
 inputs, SoftTop-k, CSR->CSC, FlexAttention BlockMasks of selections, token orders (Z-order, 3D tiles)."""
 from .block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask, llsa_layout
 from .csc import CSC, csr_to_csc
-from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index
+from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index, llsa_topk
 from .pooling import (accumulation_dtype, auto_levels, block_sums, log_token_weights, mean_pool, num_blocks,
                       pool_pyramid, token_counts)
 from .reorder import TokenOrder, morton_order_2d, tile_order_3d
@@ -13,7 +13,7 @@ from .topk import block_topk, grouped_scores, sorted_block_topk, stable_topk
 
 __all__ = [
     "LLSALayout", "block_selection_to_block_mask", "llsa_block_mask", "llsa_layout",
-    "CSC", "csr_to_csc", "children", "children_topk", "hierarchical_topk", "kv_head_index",
+    "CSC", "csr_to_csc", "children", "children_topk", "hierarchical_topk", "kv_head_index", "llsa_topk",
     "accumulation_dtype", "auto_levels", "block_sums", "log_token_weights", "mean_pool", "num_blocks",
     "pool_pyramid", "token_counts", "BlockSelection", "LLSASelection", "block_topk", "grouped_scores",
     "sorted_block_topk", "stable_topk", "SoftBlockMask", "pooled_qk", "ratio_count", "router_scores",

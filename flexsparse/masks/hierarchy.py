@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .pooling import accumulation_dtype
+from .pooling import accumulation_dtype, pool_pyramid
 from .selection import LLSASelection
-from .topk import block_topk, stable_topk
+from .topk import HAS_TRITON, block_topk, stable_topk
 
 
 def kv_head_index(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
@@ -71,3 +71,23 @@ def hierarchical_topk(q_levels: list[torch.Tensor], k_levels: list[torch.Tensor]
             selected[level - 1] = children_topk(q_levels[level - 1], k_levels[level - 1], selected[level],
                                                 topk[level - 1], block)
     return LLSASelection(indices=tuple(selected), block=block, n=n)
+
+
+def llsa_topk(q: torch.Tensor, k: torch.Tensor, topk: tuple[int, ...], block: int, *,
+              k_levels: list[torch.Tensor] | None = None) -> LLSASelection:
+    """LLSA selection of q ``(B, H, N, D)`` against k ``(B, Hk, N, D)``: fp32 pooling pyramids, then
+    ``hierarchical_topk``. CUDA tensors go to the Triton kernels (``flexsparse::llsa_pool`` and
+    ``flexsparse::llsa_select``, the same selection up to fp32 rounding of the scores) when triton is
+    installed; elsewhere ``k_levels`` (``pool_pyramid(k)``, if the caller has it) saves pooling k again.
+    No gradient."""
+    levels = len(topk)
+    with torch.no_grad():
+        if HAS_TRITON and q.is_cuda:
+            from ..triton import ops
+            from ..triton.layout import level_table
+            q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, levels) for x in (q, k))
+            packed = ops.llsa_select(q_pyr, k_pyr, q.shape[2], block, list(topk))
+            return level_table(q.shape[2], block, topk).unpack(packed)
+        k_levels = k_levels if k_levels is not None else pool_pyramid(k, block, levels)
+        return hierarchical_topk(pool_pyramid(q, block, levels), [x.detach() for x in k_levels], topk, block,
+                                 q.shape[2])

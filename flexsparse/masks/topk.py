@@ -13,7 +13,7 @@ import torch
 
 from .pooling import accumulation_dtype
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, *, bot
     if topk < 1 or bottomk < 0 or topk + bottomk > tk:
         raise ValueError(f"block_topk: topk={topk} (>= 1) plus bottomk={bottomk} (>= 0) must fit in the {tk} key "
                          "blocks of k_pooled")
-    if _HAS_TRITON and q_pooled.is_cuda:
+    if HAS_TRITON and q_pooled.is_cuda:
         from ..triton.sla_ops import block_topk as block_topk_op
         top, bottom = block_topk_op(q_pooled, k_pooled, topk, bottomk)
         return top, (bottom if bottomk else None)

@@ -1,7 +1,7 @@
 """``llsa``: log-linear sparse attention.
 
 select: pooling pyramid of Q and K (block b, L levels), dense raw-dot top-K at level L, then at each
-finer level top-K among the children of the parent's selection (``flexsparse.masks.hierarchical_topk``).
+finer level top-K among the children of the parent's selection (``flexsparse.masks.llsa_topk``).
 attend: one softmax over the fine children of the level-1 selection, the whole candidate set at every
 level 1..L-1, and all level-L tokens; a level-l token adds ``ln(count)`` (``ln b^l`` for full spans)
 to its logit; with ``quant`` an FP8 fake-quantized forward (Q per block of b tokens, every level's K per
@@ -10,11 +10,9 @@ combine: nothing, the output is that softmax's.
 """
 from __future__ import annotations
 
-import torch
-
 from .._checks import check_topk_fits
 from ..backends import sparse_primitives
-from ..masks import LLSASelection, auto_levels, hierarchical_topk, num_blocks, pool_pyramid
+from ..masks import auto_levels, llsa_topk, num_blocks, pool_pyramid
 from ..quant import qat_attention, quantize_kv, quantizes_p
 from ..reference import llsa_dense
 
@@ -44,13 +42,6 @@ def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
     return levels, topk
 
 
-def select(q: torch.Tensor, k_levels: list[torch.Tensor], cfg, levels: int, topk: tuple[int, ...]) -> LLSASelection:
-    """Hierarchical top-K from the pooled pyramid of q and the given K pyramid (levels 1..L)."""
-    with torch.no_grad():
-        q_levels = pool_pyramid(q, cfg.block_size, levels)
-        return hierarchical_topk(q_levels, [x.detach() for x in k_levels], topk, cfg.block_size, q.shape[2])
-
-
 def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: bool = True):
     levels, topk = plan(cfg, q.shape[2])
     if backend == "triton":
@@ -58,7 +49,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         return triton_sparse.llsa(q, k, v, cfg.block_size, topk, scale, deterministic=cfg.deterministic)
     b = cfg.block_size
     k_levels = pool_pyramid(k, b, levels)
-    selection = select(q, k_levels, cfg, levels, topk)
+    selection = llsa_topk(q, k, topk, b, k_levels=k_levels)
     if backend == "reference":
         return llsa_dense(q, k, v, selection, scale, quant=cfg.quant)
     primitives, dtype = sparse_primitives(backend), q.dtype
