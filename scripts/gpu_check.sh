@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (e.g. through the device tool): the GPU tests of the given test files, then each
 # benchmark command, with logs and a device line under $OUT. torchao is installed from a carried .whl/.
+# The device tool returns at most 8 files: with more under $OUT, all of them go into $OUT/all.tgz and only
+# that archive and the three logs stay.
 #   OUT=/tmp/out bash scripts/gpu_check.sh "tests/test_a.py tests/test_b.py" 'python benchmarks/x.py --out $OUT/x.json'
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +27,8 @@ for cmd in "$@"; do
   echo "== $cmd"
   eval "$cmd" 2>&1 | grep -v DEBUG | tail -30
 done | tee "$OUT/bench.log"
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/all.tgz -C "$OUT" .
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name device.txt ! -name gpu_tests.log ! -name bench.log -exec rm -rf {} +
+  mv /tmp/all.tgz "$OUT/all.tgz"
+fi
