@@ -94,9 +94,9 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Linear attention with a weight per (query block, key block): ``H_i = sum_j w_ij h_j``.
 
     Dense over blocks (O(Tq * Tk * D^2) work, ``(B, H, Tq, D, D)`` memory): SLA2's stage-1 soft
-    router, where ``w = 1 - M``. Per-block states and the normaliser in fp32 (fp64); for bf16 inputs
-    the two ``D x D`` state matmuls run in bf16 with fp32 accumulation (bf16 states, as the Triton
-    kernels keep them). q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``;
+    router, where ``w = 1 - M``. The normaliser in fp32 (fp64); for bf16 inputs the ``D x D`` state
+    matmuls run in bf16 with fp32 accumulation (bf16 states, as the Triton kernels keep them), the
+    others in fp32 (fp64). q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``;
     weights: ``(B, H, Tq, Tk)`` (differentiable). Returns ``(B, H, Nq, D)`` in q's dtype.
     """
     acc = accumulation_dtype(q.dtype)
@@ -105,8 +105,8 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_heads, d = k.shape[1], q.shape[-1]
     phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * block_q).unflatten(2, (tq, block_q))
     phi_k = _pad_tokens(apply_feature_map(k, feature_map), tk * block_k).unflatten(2, (tk, block_k))
-    values = _pad_tokens(v.to(acc), tk * block_k).unflatten(2, (tk, block_k))
-    h = (phi_k.transpose(-1, -2) @ values).flatten(-2).to(states)              # (B, Hk, Tk, D*D)
+    values = _pad_tokens(v.to(states), tk * block_k).unflatten(2, (tk, block_k))
+    h = (phi_k.to(states).transpose(-1, -2) @ values).flatten(-2)              # (B, Hk, Tk, D*D)
     z = phi_k.sum(-2)                                                           # (B, Hk, Tk, D)
     w = weights.to(acc).unflatten(1, (kv_heads, heads // kv_heads))             # (B, Hk, G, Tq, Tk)
     h_rows = (w.to(states) @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)  # (B, H, Tq, D, D)
