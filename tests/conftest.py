@@ -32,3 +32,21 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Largest error per dtype and quantity over the tests that recorded ``errors`` (``record_property``),
+    with the test holding it: the numbers a GPU run's summary reports."""
+    worst = {}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        for key, errors in getattr(report, "user_properties", ()):
+            if key != "errors" or report.when != "call":
+                continue
+            for name, value in errors.items():
+                slot = (errors["dtype"], name)
+                if name != "dtype" and value > worst.get(slot, (-1.0, ""))[0]:
+                    worst[slot] = (value, report.nodeid)
+    if worst:
+        terminalreporter.write_sep("-", "largest recorded errors")
+        for (dtype, name), (value, test) in sorted(worst.items()):
+            terminalreporter.write_line(f"{dtype:9} {name:12} {value:.2e}  {test}")

@@ -230,19 +230,23 @@ TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}        # relative L2 error of 
 LSE_TOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}    # max abs error of the LSE
 
 
-def _check_fwd_bwd(method_out, method_lse, ref_fn, q, k, v, dtype):
-    """Compare flex output/LSE/grads with the fp64 reference ``ref_fn(q64, k64, v64) -> (o, lse)``."""
+def _check_fwd_bwd(method_out, method_lse, ref_fn, q, k, v, dtype, record):
+    """Compare flex output/LSE/grads with the fp64 reference ``ref_fn(q64, k64, v64) -> (o, lse)``; the errors
+    go to ``record`` (pytest's ``record_property``), summed up at the end of the run (conftest)."""
     q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     ref, ref_lse = ref_fn(q64, k64, v64)
     grad = torch.randn_like(ref)
     ref.backward(grad)
     method_out.backward(grad.to(dtype))
-    tol = TOL[dtype]
-    assert rel_err(method_out, ref) < tol
+    errors = {"out rel L2": rel_err(method_out, ref)}
     if method_lse is not None:
-        assert (method_lse.double() - ref_lse).abs().max().item() < LSE_TOL[dtype]
-    for name, x, x64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
-        assert rel_err(x.grad, x64.grad) < 2 * tol, name
+        errors["lse max abs"] = (method_lse.double() - ref_lse).abs().max().item()
+    errors.update({f"{name} rel L2": rel_err(x.grad, x64.grad) for name, x, x64 in (("dq", q, q64), ("dk", k, k64),
+                                                                                   ("dv", v, v64))})
+    record("errors", {"dtype": str(dtype).removeprefix("torch."), **errors})
+    tol = TOL[dtype]
+    for name, err in errors.items():
+        assert err < (LSE_TOL[dtype] if name.startswith("lse") else tol if name.startswith("out") else 2 * tol), name
 
 
 def _cuda_qkv(h, hk, n, d, dtype, seed=0):
@@ -272,39 +276,40 @@ def _reference_of(method, cfg, q, k, v, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("method", sorted(METHOD_CASES))
-def test_gpu_forward_backward_vs_reference(method, head_dim, dtype):
+def test_gpu_forward_backward_vs_reference(method, head_dim, dtype, record_property):
     config, n = METHOD_CASES[method]
     cfg = Config.from_dict(config)
     q, k, v = _cuda_qkv(4, 2, n, head_dim, dtype)
     scale = head_dim ** -0.5
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-    _check_fwd_bwd(out, lse, _reference_of(method, cfg, q.detach(), k.detach(), v.detach(), scale), q, k, v, dtype)
+    _check_fwd_bwd(out, lse, _reference_of(method, cfg, q.detach(), k.detach(), v.detach(), scale), q, k, v, dtype,
+                   record_property)
 
 
 @gpu
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 32), (64, 64), (128, 128), (128, 64), (64, 128), (32, 16)],
                          ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_block_sizes_bf16(blocks, head_dim):
+def test_gpu_block_sizes_bf16(blocks, head_dim, record_property):
     bq, bk = blocks
     cfg = Config.from_dict({"method": "topk", "block_q": bq, "block_k": bk, "topk": 3})
     q, k, v = _cuda_qkv(4, 2, 1000, head_dim, torch.bfloat16, seed=2)
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
     ref_fn = _reference_of("topk", cfg, q.detach(), k.detach(), v.detach(), head_dim ** -0.5)
-    _check_fwd_bwd(out, lse, ref_fn, q, k, v, torch.bfloat16)
+    _check_fwd_bwd(out, lse, ref_fn, q, k, v, torch.bfloat16, record_property)
 
 
 @gpu
 @pytest.mark.parametrize("case", [(1000, (8,)), (4097, (8, 4)), (5000, (8, 4, 2))], ids=["L1", "L2", "L3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_llsa_levels(case, dtype):
+def test_gpu_llsa_levels(case, dtype, record_property):
     n, topk = case
     cfg = Config.from_dict({"method": "llsa", "block_size": 16, "topk": list(topk)})
     q, k, v = _cuda_qkv(4, 1, n, 64, dtype, seed=3)
     selection = llsa_topk(q, k, topk, 16)
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
-    _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype)
+    _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype, record_property)
 
 
 @gpu
