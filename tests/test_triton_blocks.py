@@ -289,16 +289,8 @@ def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, bl
             assert ts.rel_err(a, b) < tol, f"reference {name}"
 
 
-GPU_METHODS = [
-    {"method": "topk", "block_size": 64, "topk": 6},
-    {"method": "vsa", "block_size": 64, "topk": 6},
-    {"method": "sla", "block_size": 64, "topk_ratio": 0.1},
-    {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.1},
-]
-
-
 @gpu
-@pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
+@pytest.mark.parametrize("cfg", ts.GPU_METHODS, ids=lambda c: c["method"])
 def test_gpu_methods_match_torch_backend(cfg):
     n, d, heads = 4096, 64, 4
     q, k, v = make_qkv(1, heads, 2, n, n, d, torch.bfloat16, "cuda")
@@ -313,7 +305,7 @@ def test_gpu_methods_match_torch_backend(cfg):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [GPU_METHODS[0], GPU_METHODS[2]], ids=["topk", "sla"])
+@pytest.mark.parametrize("cfg", [ts.GPU_METHODS[0], ts.GPU_METHODS[2]], ids=["topk", "sla"])
 def test_gpu_compiled_training_no_recompiles(cfg):
     """fullgraph compile of forward + backward, 3 steps with new inputs (new selections): one graph, no
     breaks, no recompiles; matches eager."""

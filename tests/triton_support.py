@@ -17,6 +17,12 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+GPU_METHODS = [  # the block-sparse methods of the GPU end-to-end tests (sparse branch on Triton)
+    {"method": "topk", "block_size": 64, "topk": 6},
+    {"method": "vsa", "block_size": 64, "topk": 6},
+    {"method": "sla", "block_size": 64, "topk_ratio": 0.1},
+    {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.1},
+]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -75,19 +75,18 @@ def hierarchical_topk(q_levels: list[torch.Tensor], k_levels: list[torch.Tensor]
 
 def llsa_topk(q: torch.Tensor, k: torch.Tensor, topk: tuple[int, ...], block: int, *,
               k_levels: list[torch.Tensor] | None = None) -> LLSASelection:
-    """LLSA selection of q ``(B, H, N, D)`` against k ``(B, Hk, N, D)``: fp32 pooling pyramids, then
-    ``hierarchical_topk``. CUDA tensors go to the Triton kernels (``flexsparse::llsa_pool`` and
-    ``flexsparse::llsa_select``, the same selection up to fp32 rounding of the scores) when triton is
-    installed; elsewhere ``k_levels`` (``pool_pyramid(k)``, if the caller has it) saves pooling k again.
-    No gradient."""
-    levels = len(topk)
+    """LLSA selection of q ``(B, H, N, D)`` against k ``(B, Hk, N, D)``: pooling pyramids (fp32, fp64 for
+    fp64), then ``hierarchical_topk``. ``k_levels``: ``pool_pyramid(k)`` when the caller has it (k is not
+    pooled again). On CUDA, when triton is installed, q is pooled and the selection made by the Triton
+    kernels (``flexsparse::llsa_pool``, ``flexsparse::llsa_select``: the same selection up to fp32 rounding of
+    the scores). No gradient."""
+    levels, n = len(topk), q.shape[2]
     with torch.no_grad():
+        k_levels = k_levels if k_levels is not None else pool_pyramid(k, block, levels)
         if HAS_TRITON and q.is_cuda:
             from ..triton import ops
             from ..triton.layout import level_table
-            q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, levels) for x in (q, k))
-            packed = ops.llsa_select(q_pyr, k_pyr, q.shape[2], block, list(topk))
-            return level_table(q.shape[2], block, topk).unpack(packed)
-        k_levels = k_levels if k_levels is not None else pool_pyramid(k, block, levels)
-        return hierarchical_topk(pool_pyramid(q, block, levels), [x.detach() for x in k_levels], topk, block,
-                                 q.shape[2])
+            packed = ops.llsa_select(ops.llsa_pool(q, block, levels), torch.cat(k_levels, dim=2), n, block,
+                                     list(topk))
+            return level_table(n, block, topk).unpack(packed)
+        return hierarchical_topk(pool_pyramid(q, block, levels), k_levels, topk, block, n)
