@@ -31,7 +31,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
     chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
-                              dtype=q.dtype, blocks=blocks, quant=getattr(cfg, "quant", None))
+                              dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
     with _without_autocast(q.device.type):
         out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params, need_lse=return_lse)
     if not return_lse:

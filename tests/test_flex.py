@@ -165,6 +165,22 @@ def test_cpu_flex_refuses_backward_and_lse_and_auto_falls_back():
     assert q.grad is not None
 
 
+def test_cpu_flex_refuses_the_block_sizes_its_kernel_gets_wrong():
+    """torch's C++ FlexAttention is wrong for KV blocks of 8 mod 16 tokens at head dim 8 or 16: flex says so,
+    auto runs torch (which agrees with the reference)."""
+    q, k, v = _qkv(1, 2, 2, 75, 75, 16)
+    cfg = {"method": "topk", "block_q": 16, "block_k": 8, "topk": 3}
+    with torch.no_grad(), pytest.raises(ValueError, match="wrong results for head dim 16 with blocks of \\[8\\]"):
+        flexsparse.attention(q, k, v, cfg, backend="flex")
+    cpu, supported = torch.device("cpu"), ("reference", "torch", "flex")
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, blocks=(16, 24), head_dim=8) == "torch"
+    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, blocks=(16, 8), head_dim=32) == "flex"
+    with torch.no_grad():
+        out = flexsparse.attention(q, k, v, cfg)
+        ref, _ = topk_dense(*_f64(q, k, v), select_blocks(q, k, Config.from_dict(cfg)), q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
 # ---------------------------------------------------------------- torch.compile of a DiT block
 
 class DiTBlock(nn.Module):

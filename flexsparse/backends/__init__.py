@@ -20,13 +20,13 @@ _PRIMITIVES = {"torch": torch_sparse, "flex": flex}
 
 def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch.device, needs_grad: bool, *,
             needs_lse: bool = False, dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (),
-            quant=None) -> str:
+            head_dim: int | None = None, quant=None) -> str:
     """Concrete backend for ``method``: the preference order for ``"auto"`` is triton, flex, torch
-    (each where it is supported and can run this call). ``blocks``: the config's block sizes;
+    (each where it is supported and can run this call). ``blocks``: the config's block sizes; ``head_dim``: q's D;
     ``quant``: the config's ``QuantConfig`` (FP8 QAT), which not every backend runs."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {list(BACKENDS)}")
-    call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks)
+    call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks, head_dim=head_dim)
     if backend == "auto":
         for candidate in ("triton", "flex", "torch"):
             if (candidate in supported and quant_unsupported_reason(candidate, quant, method) is None
@@ -40,19 +40,19 @@ def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run method {method!r} with config key 'quant': {reason}")
     if backend == "flex":
-        reason = flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks)
+        reason = flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks, head_dim)
         if reason is not None:
             raise ValueError(f"backend 'flex' cannot run this call for method {method!r}: {reason}")
     return backend
 
 
 def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
-            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = ()) -> bool:
+            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None) -> bool:
     """Whether ``backend`` can run this call (forward, backward if ``needs_grad``, LSE if ``needs_lse``)."""
     if backend in ("reference", "torch"):
         return True
     if backend == "flex":
-        return flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks) is None
+        return flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks, head_dim) is None
     if backend == "triton":
         if importlib.util.find_spec("triton") is None:
             return False

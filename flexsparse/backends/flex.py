@@ -26,6 +26,9 @@ from ..masks.block_mask import LLSALayout, block_selection_to_block_mask, llsa_b
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be a multiple of it
+# torch 2.13's C++ FlexAttention template (CPU) is wrong (errors ~1, NaN) for these head dims with KV blocks
+# of 8 mod 16 tokens, on any mask (measured against SDPA for head dims 4..128 and KV blocks 2..56).
+CPU_WRONG_HEAD_DIMS = (8, 16)
 
 _FLEX_CPU = torch.compile(flex_attention, dynamic=False)
 _FLEX_CUDA = torch.compile(flex_attention)
@@ -46,8 +49,8 @@ def _compiled_flex(fn, *args, **kwargs):
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
-                       blocks: tuple[int, ...]) -> str | None:
-    """Why the flex backend cannot run a call, or ``None`` when it can."""
+                       blocks: tuple[int, ...], head_dim: int | None = None) -> str | None:
+    """Why the flex backend cannot run a call, or ``None`` when it can (``head_dim``: D of q, if known)."""
     if device.type not in ("cpu", "cuda"):
         return f"flex runs on CPU and CUDA, got device {device.type!r}"
     if dtype not in DTYPES:
@@ -57,6 +60,10 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: boo
                 "for training on CPU, or run under torch.no_grad()")
     if device.type == "cpu" and needs_lse:
         return "compiled FlexAttention on CPU returns no LSE; use backend='torch' (or 'auto') with return_lse=True"
+    wrong = [b for b in blocks if b % 16 == 8]
+    if device.type == "cpu" and head_dim in CPU_WRONG_HEAD_DIMS and wrong:
+        return (f"torch's compiled CPU FlexAttention gives wrong results for head dim {head_dim} with blocks of "
+                f"{sorted(set(wrong))} tokens (block % 16 == 8; even on a dense mask); use backend='torch' (or 'auto')")
     bad = [b for b in blocks if b % CUDA_BLOCK_MULTIPLE]
     if device.type == "cuda" and bad:
         return f"flex on CUDA needs block sizes that are multiples of {CUDA_BLOCK_MULTIPLE}, got {sorted(set(bad))}"
@@ -65,7 +72,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: boo
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, ...]) -> None:
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    reason = unsupported_reason(q.device, q.dtype, needs_grad, False, blocks)
+    reason = unsupported_reason(q.device, q.dtype, needs_grad, False, blocks, q.shape[-1])
     if reason is not None:
         raise RuntimeError(f"backend 'flex': {reason}")
 
