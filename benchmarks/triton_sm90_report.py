@@ -73,10 +73,8 @@ def main():
     jobs = [
         ("pool", pool._pool_level_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
          dict(D=d, BD=pow2(d), BLOCK=block, BB=16, TT=max(1, 4096 // (16 * pow2(d))), FROM_SUMS=False), 4, 1),
-        ("select(dense)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
-         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, KP2=8, DENSE=True), 4, 1),
-        ("select(children)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
-         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, KP2=8, DENSE=False), 4, 1),
+        ("select(children)", select._children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
+         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8), 4, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
         ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
          dict(Q=q, KC=q, VC=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),

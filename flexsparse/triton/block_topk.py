@@ -13,7 +13,8 @@ that the second kernel reads the scores from L2 rather than HBM; whole rows, at 
    slices of D (fp32 FMAs in D order; 168 registers, no spills at 64 x 64 on 4 warps for sm_90), stored to an
    fp32 scratch ``(B H, rows, Tk)``.
 2. ``_select_kernel``: one program (``Tk / 1024`` warps, at least 1) per row, the row in registers (32 keys
-   per lane). The scores become int32 keys with the order of the floats (``-0.0`` as ``+0.0``, NaN on top);
+   per lane), selected by ``bisect.first_k_rows``. The scores become int32 keys with the order of the floats
+   (``-0.0`` as ``+0.0``, NaN on top);
    the ``topk``-th largest key is found exactly by a bisection over ``[min, max]`` (one count of
    ``key >= mid`` per pass) that stops as soon as a count is exactly ``topk``. The first 24 passes split at
    the halfway *value* (when its key lies inside the interval), later ones at the halfway key: on scores
@@ -37,7 +38,7 @@ Cost at B H = 16, Tq = Tk = 1024, D = 64, K = 51 (the H200 numbers are estimates
   + ~0.1 ms selection; 4096: 34 GFLOP, ~0.6-0.8 ms): exact fp32 dots are the floor of this design.
 
 Rows longer than ``ROW_LIMIT`` keys (more than 16 warps of 32 keys per lane) stream through in chunks with
-the K-pass merge of ``select.merge_topk`` (slow for large K).
+the K-pass merge of ``merge_topk`` (slow for large K).
 """
 from __future__ import annotations
 
@@ -45,16 +46,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .bisect import INT_MIN, first_k_rows, ordered_key, store_taken
 from .common import launcher
 from .layout import cdiv, pow2
-from .select import merge_topk
 from .tiles import overrides
 
 ROW_LIMIT = 16384
 SCRATCH = 1 << 23  # fp32 scores per launch pair (32 MB: meant to stay in L2 between the two kernels)
 _KEYS_PER_WARP = 1024
 _STREAM_ROWS, _STREAM_CHUNK = 16, 128
-_VALUE_PASSES = tl.constexpr(24)  # bisection passes at halfway values before halfway keys (see _first_k)
 
 
 @triton.jit
@@ -84,95 +84,6 @@ def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
 
 
 @triton.jit
-def _ordered(x):
-    """int32 keys with the order of the fp32 values ``x``: ``-0.0`` as ``+0.0``, every NaN above ``+inf`` as
-    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements.
-    Zero is tested on the bits: a float compare flushes subnormals to zero on the GPU."""
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-    return tl.where(x != x, 2147483646, key)
-
-
-@triton.jit
-def _value(key):
-    """The fp32 value of an ordered key (inverse of ``_ordered`` on non-NaN keys)."""
-    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
-    """A split point in ``(lo, hi]`` (int64, ``lo < hi``): the halfway key, or with ``VALUE`` the key of the
-    halfway fp32 value when that one lies inside (fewer passes on scores spread around zero, whose keys crowd
-    into a few exponents). Keys are read as ``~key`` with ``SMALLEST``."""
-    mid = lo + (hi - lo + 1) // 2
-    if VALUE:
-        a = lo.to(tl.int32)
-        b = hi.to(tl.int32)
-        if SMALLEST:
-            a, b = ~a, ~b
-        m = _ordered(_value(a) * 0.5 + _value(b) * 0.5)
-        if SMALLEST:
-            m = ~m
-        m = m.to(tl.int64)
-        mid = tl.where((m > lo) & (m <= hi), m, mid)
-    return mid
-
-
-@triton.jit
-def _first_k(key, count, pad, SMALLEST: tl.constexpr):
-    """Mask of the ``count`` largest ``key`` ``(BT,)``, ties at the threshold to the smallest columns; with
-    ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search over ``~key``, with
-    reversed compares instead of a second array). ``pad`` keys hold ``INT_MIN`` (padding, never taken);
-    ``1 <= count <=`` the number of other keys."""
-    least = tl.min(tl.where(key == -2147483648, 2147483647, key))
-    most = tl.max(key)
-    if SMALLEST:
-        lo, hi = (~most).to(tl.int64), (~least).to(tl.int64)
-    else:
-        lo, hi = least.to(tl.int64), most.to(tl.int64)
-    # invariant: at least count keys >= lo; fewer than count keys > hi, or exactly count keys >= hi = lo
-    # (keys read as ~key with SMALLEST: ~key >= m is key <= ~m, which counts the padding too). The first
-    # _VALUE_PASSES passes split at halfway values, the rest at halfway keys: at most _VALUE_PASSES + 32.
-    passes = 0
-    while lo < hi:
-        if passes < _VALUE_PASSES:
-            mid = _midpoint(lo, hi, True, SMALLEST)
-        else:
-            mid = _midpoint(lo, hi, False, SMALLEST)
-        if SMALLEST:
-            n = tl.sum((key <= ~mid.to(tl.int32)).to(tl.int32)) - pad
-        else:
-            n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
-        hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
-        lo = tl.where(n >= count, mid, lo)
-        passes += 1
-    threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
-    if SMALLEST:
-        threshold = ~threshold
-        need = count - tl.sum((key < threshold).to(tl.int32)) + pad
-    else:
-        need = count - tl.sum((key > threshold).to(tl.int32))
-    tied = tl.sum((key == threshold).to(tl.int32))
-    # the ties taken: columns <= cut (top) or >= cut (SMALLEST); a prefix sum finds the cut when some are left out
-    cols = tl.arange(0, key.shape[0])
-    cut = tl.where(SMALLEST, 0, key.shape[0])
-    if need < tied:
-        seen = tl.cumsum((key == threshold).to(tl.int32), 0)
-        cut = tl.min(tl.where(seen == tl.where(SMALLEST, tied - need + 1, need), cols, key.shape[0]))
-    if SMALLEST:
-        return ((key < threshold) & (key != -2147483648)) | ((key == threshold) & (cols >= cut))
-    else:
-        return (key > threshold) | ((key == threshold) & (cols <= cut))
-
-
-@triton.jit
-def _store_columns(out, taken, BT: tl.constexpr):
-    """The columns of ``taken`` ``(BT,)`` into the row ``out``, ascending."""
-    slot = tl.cumsum(taken.to(tl.int32), 0) - 1
-    tl.store(out + slot, tl.arange(0, BT), mask=taken)
-
-
-@triton.jit
 def _select_kernel(S, TOP, BOTTOM, TQ, TK, ROW0, ROWS, KTOP, KBOT, BT: tl.constexpr, HAS_BOTTOM: tl.constexpr):
     """Top (and bottom) ids of score row ``program_id(0)`` of ``S (B H, ROWS, TK)`` into row ``ROW0 + r``
     of ``TOP (B H, TQ, KTOP)`` (``BOTTOM (B H, TQ, KBOT)``)."""
@@ -180,11 +91,43 @@ def _select_kernel(S, TOP, BOTTOM, TQ, TK, ROW0, ROWS, KTOP, KBOT, BT: tl.conste
     bh = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BT)
     valid = cols < TK
-    key = tl.where(valid, _ordered(tl.load(S + (bh * ROWS + r) * TK + cols, mask=valid, other=0.0)), -2147483648)
-    out_row = bh * TQ + ROW0 + r
-    _store_columns(TOP + out_row * KTOP, _first_k(key, KTOP, BT - TK, False), BT)
+    key = tl.where(valid, ordered_key(tl.load(S + (bh * ROWS + r) * TK + cols, mask=valid, other=0.0)), INT_MIN)
+    key = key[None, :]
+    out_row = tl.zeros([1], tl.int64) + bh * TQ + ROW0 + r
+    store_taken(TOP + out_row * KTOP, first_k_rows(key, KTOP, BT - TK, False), cols)
     if HAS_BOTTOM:
-        _store_columns(BOTTOM + out_row * KBOT, _first_k(key, KBOT, BT - TK, True), BT)
+        store_taken(BOTTOM + out_row * KBOT, first_k_rows(key, KBOT, BT - TK, True), cols)
+
+
+@triton.jit
+def _take_best(v, i):
+    """Largest value of each row and, among equal values, the smallest id (empty slots: id 2^31 - 1)."""
+    best = tl.max(v, axis=1)
+    return best, tl.min(tl.where(v == best[:, None], i, 2147483647), axis=1)
+
+
+@triton.jit
+def merge_topk(best_v, best_i, cv, ci, KSEL: tl.constexpr, KP2: tl.constexpr):
+    """One streaming step of a per-row top-K: the ``KSEL`` best of a running top-K ``(best_v, best_i)``
+    ``(R, KP2)`` and a chunk of candidates ``(cv, ci)`` ``(R, C)``, ordered by largest value, then smallest
+    id (K passes). Empty slots and masked candidates hold ``(-inf, 2^31 - 1)``. Returns the new running
+    top-K ``(R, KP2)``, best first."""
+    slot = tl.arange(0, KP2)
+    new_v = tl.zeros_like(best_v) + float("-inf")
+    new_i = tl.zeros_like(best_i) + 2147483647
+    for r in range(KSEL):
+        v1, i1 = _take_best(best_v, best_i)
+        v2, i2 = _take_best(cv, ci)
+        first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+        new_v = tl.where(slot[None, :] == r, tl.where(first, v1, v2)[:, None], new_v)
+        new_i = tl.where(slot[None, :] == r, tl.where(first, i1, i2)[:, None], new_i)
+        gone = first[:, None] & (best_i == i1[:, None])
+        best_v = tl.where(gone, float("-inf"), best_v)
+        best_i = tl.where(gone, 2147483647, best_i)
+        gone = (~first)[:, None] & (ci == i2[:, None])
+        cv = tl.where(gone, float("-inf"), cv)
+        ci = tl.where(gone, 2147483647, ci)
+    return new_v, new_i
 
 
 @triton.jit

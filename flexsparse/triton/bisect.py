@@ -1,0 +1,111 @@
+"""Exact per-row top-K of fp32 scores by bisection on order-preserving int32 keys.
+
+Shared by the single-level block top-K (``block_topk``: one row of up to 16K keys per program) and LLSA's
+hierarchical selection (``select``: the ``b`` child rows of a parent, ``K * b`` candidates each). A row's
+order is (largest score, then smallest column); callers lay columns out in id order, so ties go to the
+smallest id. Scores become int32 keys with the order of the floats (``ordered_key``); the K-th largest key
+of every row is found exactly by bisection (one count of ``key >= mid`` per row and pass, all rows in
+lock-step), then a prefix sum takes the ties at the threshold by column.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INT_MIN = tl.constexpr(-2147483648)  # the key of padding: never taken
+INT_MAX = tl.constexpr(2147483647)
+VALUE_PASSES = tl.constexpr(24)  # bisection passes at halfway values before halfway keys (see first_k_rows)
+
+
+@triton.jit
+def ordered_key(x):
+    """int32 keys with the order of the fp32 values ``x``: ``-0.0`` as ``+0.0``, every NaN above ``+inf`` as
+    ``2^31 - 2`` (``torch.sort``'s order). Keys lie in ``(INT_MIN, INT_MAX)``, and so do their complements.
+    Zero is tested on the bits: a float compare flushes subnormals to zero on the GPU."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    return tl.where(x != x, 2147483646, key)
+
+
+@triton.jit
+def key_value(key):
+    """The fp32 value of an ordered key (inverse of ``ordered_key`` on non-NaN keys)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
+    """Split points in ``(lo, hi]`` (int64, ``lo <= hi``; ``lo`` where they are equal): the halfway key, or
+    with ``VALUE`` the key of the halfway fp32 value when that one lies inside (fewer passes on scores spread
+    around zero, whose keys crowd into a few exponents). Keys are read as ``~key`` with ``SMALLEST``."""
+    mid = lo + (hi - lo + 1) // 2
+    if VALUE:
+        a = lo.to(tl.int32)
+        b = hi.to(tl.int32)
+        if SMALLEST:
+            a, b = ~a, ~b
+        m = ordered_key(key_value(a) * 0.5 + key_value(b) * 0.5)
+        if SMALLEST:
+            m = ~m
+        m = m.to(tl.int64)
+        mid = tl.where((m > lo) & (m <= hi), m, mid)
+    return mid
+
+
+@triton.jit
+def first_k_rows(key, count, pad, SMALLEST: tl.constexpr):
+    """Mask ``(R, C)`` of the ``count`` largest keys of each row of ``key (R, C)``, ties at the threshold to the
+    smallest columns; with ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search
+    over ``~key``, with reversed compares instead of a second array). Padding keys hold ``INT_MIN`` (never
+    taken; ``pad`` of them per row, counted only with ``SMALLEST``); ``1 <= count <=`` the real keys of a row.
+
+    Invariant per row: at least ``count`` keys >= lo; fewer than ``count`` keys > hi, or exactly ``count``
+    keys >= hi = lo (keys read as ``~key`` with ``SMALLEST``: ``~key >= m`` is ``key <= ~m``, which counts the
+    padding too). The first ``VALUE_PASSES`` passes split at halfway values, the rest at halfway keys: at most
+    ``VALUE_PASSES + 32``. A finished row (lo == hi) stays put: its split point is lo itself."""
+    least = tl.min(tl.where(key == INT_MIN, INT_MAX, key), axis=1)
+    most = tl.max(key, axis=1)
+    if SMALLEST:
+        lo, hi = (~most).to(tl.int64), (~least).to(tl.int64)
+    else:
+        lo, hi = least.to(tl.int64), most.to(tl.int64)
+    passes = 0
+    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
+        if passes < VALUE_PASSES:
+            mid = midpoint(lo, hi, True, SMALLEST)
+        else:
+            mid = midpoint(lo, hi, False, SMALLEST)
+        if SMALLEST:
+            n = tl.sum((key <= ~mid.to(tl.int32)[:, None]).to(tl.int32), axis=1) - pad
+        else:
+            n = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
+        hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
+        lo = tl.where(n >= count, mid, lo)
+        passes += 1
+    threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
+    if SMALLEST:
+        threshold = ~threshold
+        need = count - tl.sum((key < threshold[:, None]).to(tl.int32), axis=1) + pad
+    else:
+        need = count - tl.sum((key > threshold[:, None]).to(tl.int32), axis=1)
+    ties = key == threshold[:, None]
+    tied = tl.sum(ties.to(tl.int32), axis=1)
+    # the ties taken: columns <= cut (top) or >= cut (SMALLEST); a prefix sum finds the cut where some are left out
+    cols = tl.arange(0, key.shape[1])
+    cut = tl.zeros_like(need) + (0 if SMALLEST else key.shape[1])
+    if tl.max((need < tied).to(tl.int32), axis=0) > 0:
+        seen = tl.cumsum(ties.to(tl.int32), 1)
+        target = tied - need + 1 if SMALLEST else need
+        cut = tl.where(need < tied, tl.min(tl.where(seen == target[:, None], cols[None, :], key.shape[1]), axis=1),
+                       cut)
+    if SMALLEST:
+        return ((key < threshold[:, None]) & (key != INT_MIN)) | (ties & (cols[None, :] >= cut[:, None]))
+    else:
+        return (key > threshold[:, None]) | (ties & (cols[None, :] <= cut[:, None]))
+
+
+@triton.jit
+def store_taken(out_rows, taken, values):
+    """Store ``values (C,)`` where ``taken (R, C)``, row r packed from ``out_rows[r]`` in column order."""
+    slot = tl.cumsum(taken.to(tl.int32), 1) - 1
+    tl.store(out_rows[:, None] + slot, values[None, :] + tl.zeros_like(slot), mask=taken)
