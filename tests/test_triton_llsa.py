@@ -36,6 +36,7 @@ CASES = [
     (100, 8, (4, 2), 2, 2, 32),
     (259, 16, (2, 2), 2, 1, 16),
     (300, 4, (3, 2, 2), 2, 1, 16),
+    (1024, 8, (4, 2), 2, 1, 16),    # even: no ragged token, whole key chunks per level (kernels without masks)
 ]
 
 

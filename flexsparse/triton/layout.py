@@ -61,6 +61,29 @@ class Levels:
             _META[key] = torch.tensor(self.rows, dtype=torch.int32, device=like.device)
         return _META[key]
 
+    @property
+    def coarse_keys(self) -> int:
+        """Keys per ancestor in ``coarse_rows``: ``b * (K_2 + ... + K_L)``."""
+        return self.block * sum(self.topk[1:])
+
+    def log2_counts(self, like: torch.Tensor) -> torch.Tensor:
+        """``log2`` of the fine tokens under each pyramid row ``(T_1 + ... + T_L,)`` fp32 (``b^l`` but on a
+        ragged tail), on ``like``'s device; cached as ``meta``."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+            return self._log2_counts(like.device)
+        key = ("log2", self.rows, str(like.device))
+        if key not in _META:
+            _META[key] = self._log2_counts(like.device)
+        return _META[key]
+
+    def _log2_counts(self, device) -> torch.Tensor:
+        parts = []
+        for level in range(1, self.levels + 1):
+            span = self.block**level
+            tokens = torch.arange(self.tokens(level), device=device)
+            parts.append((self.n - tokens * span).clamp(max=span).float().log2())
+        return torch.cat(parts)
+
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
         """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""
         return list(pyramid.split([self.tokens(level) for level in range(1, self.levels + 1)], dim=2))
@@ -73,6 +96,32 @@ class Levels:
             rows, k, off = self.tokens(level + 1), self.topk[level], self.rows[level][SEL_OFF]
             parts.append(sel[:, :, off:off + rows * k].unflatten(2, (rows, k)))
         return LLSASelection(indices=tuple(parts), block=self.block, n=self.n)
+
+
+def coarse_tile_blocks(block: int, rows_cap: int) -> int:
+    """Query blocks per tile of the coarse kernels: the largest divisor ``t`` of ``block`` with
+    ``t * block <= rows_cap`` (at least 1). The ``t`` blocks of a tile share their level-2 ancestor, so one
+    key list (``coarse_rows``) serves every row of the tile."""
+    return max([t for t in range(1, block + 1) if block % t == 0 and t * block <= rows_cap] or [1])
+
+
+def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:
+    """Coarse keys below the top level of every level-2 ancestor: ``(B, H, T_2, S)`` int32 rows of the pyramid
+    ``(T_1 + ... + T_L)``, ``S = b * (K_2 + ... + K_L)``: for l = 1..L-1 the level-l children of
+    ``S_{l+1}`` of the ancestor at level l+1, in selection order; -1 for children past ``T_l``. For L = 1 (no
+    such level) a ``(B, H, 1, 1)`` table of -1. The top level is not listed (every query attends all of it)."""
+    bsz, heads = sel.shape[:2]
+    if levels.levels == 1:
+        return sel.new_full((bsz, heads, 1, 1), -1)
+    block, indices = levels.block, levels.unpack(sel).indices
+    ancestors = torch.arange(levels.tokens(2), device=sel.device)
+    children = torch.arange(block, device=sel.device)
+    parts = []
+    for level in range(1, levels.levels):
+        parents = indices[level][:, :, ancestors // block ** (level - 1)].long()   # S_{l+1} of each ancestor
+        tok = (parents.unsqueeze(-1) * block + children).flatten(-2)
+        parts.append(torch.where(tok < levels.tokens(level), tok + levels.rows[level][KV_OFF], -1))
+    return torch.cat(parts, dim=-1).to(torch.int32).contiguous()
 
 
 def pack(selection: LLSASelection) -> torch.Tensor:

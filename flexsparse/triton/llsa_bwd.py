@@ -25,28 +25,27 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, coarse_level_keys, launcher, load_rows,
-                     log2_count, mm, sparse_keys, store_rows)
-from .layout import Levels, cdiv, pow2
-from .llsa_fwd import fine_keys
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_tile, log2_count, mm,
+                     sparse_keys, store_rows, store_tile)
+from .layout import Levels, cdiv, coarse_rows, pow2
+from .llsa_fwd import coarse_keys, coarse_launch, even_fine_keys, fine_launch
 from .tiles import overrides
 
 
 @triton.jit
-def _dq_step(q, do, lse2, delta, bias, valid, k, v, dq, SCALE2: tl.constexpr, IEEE: tl.constexpr):
-    """``dq += dS @ K`` (unscaled) for logits ``q k^T * SCALE2 + bias`` (log2), kept where ``valid (BM, BN)``."""
-    s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
-    p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
-    dp = mm(do, tl.trans(v), IEEE)
-    ds = p * (dp - delta[:, None])
+def _dq_step(s, lse2, do, delta, k, v, dq, IEEE: tl.constexpr):
+    """``dq += dS @ K`` (unscaled) for log2 logits ``s (BM, BN)`` (-inf where a key is not attended)."""
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
     return dq + mm(ds.to(k.dtype), k, IEEE)
 
 
 @triton.jit
-def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h,
-                      H, GROUP, N, LEVELS, S_TOTAL,
-                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                      SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DLSE: tl.constexpr,
+def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h, l_bh,
+                      H, GROUP, N, TOP_OFF, TOP_T,
+                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
                       IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -55,11 +54,11 @@ def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_
     hk = h // GROUP
     kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
     vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    sel = SEL + bh.to(tl.int64) * S_TOTAL
+    lst = LIST + bh.to(tl.int64) * l_bh + ((pid * TB) // BLOCK) * N_SPARSE
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    start = pid * BM
-    rows = start + tl.arange(0, BM)
-    row_ok = rows < N
+    local = tl.arange(0, BM)
+    rows = pid * TB * BLOCK + local
+    row_ok = (local < TB * BLOCK) & (rows < N)
     dim = tl.arange(0, BD)
     q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
     do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
@@ -69,28 +68,17 @@ def _coarse_dq_kernel(Q, KC, VC, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
     dq = tl.zeros([BM, BD], tl.float32)
-    for level in range(1, LEVELS):
-        tokens, off, topk, span, n_keys, first_row, row_group = coarse_level_keys(META, level, sel, start, rows, N,
-                                                                                 BM, BLOCK)
-        for c in range(0, n_keys, BN):
-            g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
-            ok = ok & (tok < tokens)
-            k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
-            v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
-            valid = row_ok[:, None] & ok[None, :] & (row_group[:, None] == g[None, :])
-            dq = _dq_step(q, do, lse2, delta, log2_count(tok, span, N), valid, k, v, dq, SCALE2, IEEE)
-    tokens = tl.load(META + LEVELS * 6 + T)
-    off = tl.load(META + LEVELS * 6 + KV_OFF)
-    span = tl.load(META + LEVELS * 6 + SPAN)
-    for c in range(0, tokens, BN):
-        tok = c + tl.arange(0, BN)
-        ok = tok < tokens
-        k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
-        v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
-        dq = _dq_step(q, do, lse2, delta, log2_count(tok, span, N), row_ok[:, None] & ok[None, :], k, v, dq,
-                      SCALE2, IEEE)
-    ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
-    tl.store(ptr, (dq * SCALE).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+    n_total = N_SPARSE + TOP_T
+    for c in tl.range(0, n_total, BN, num_stages=STAGES):
+        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
+        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
+        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
+        if EVEN:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
+        else:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
+        dq = _dq_step(s, lse2, do, delta, k, v, dq, IEEE)
+    store_rows(DQ + head, dq * SCALE, rows, q_n, dim, row_ok, D)
 
 
 @triton.jit
@@ -98,7 +86,7 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
                     H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
-                    SINGLE: tl.constexpr, IEEE: tl.constexpr):
+                    EVEN: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -110,36 +98,34 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
-    for sub in range(SUB):  # with SINGLE the innermost loop: the next rows' gathers overlap this math
+    for sub in range(SUB):  # with EVEN the innermost loop: the next rows' gathers overlap this math
         start = (pid * SUB + sub) * FQ
         rows = start + tl.arange(0, FQ)
         row_ok = rows < N
-        q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
-        do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+        q = load_tile(Q + head, rows, q_n, dim, row_ok, D, BD, not EVEN)
+        do = load_tile(DO + head, rows, q_n, dim, row_ok, D, BD, not EVEN)
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([FQ, BD], tl.float32)
         qb0 = start // BLOCK
-        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
-        row_block = rows // BLOCK - qb0
-        zero = tl.zeros([FN], tl.float32)
-        if SINGLE:
-            g, tok, ok = sparse_keys(sel + qb0 * topk, tl.arange(0, FN), n_keys, topk, BLOCK)
-            ok = ok & (tok < N)
-            valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
-            dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
-                          load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
+        if EVEN:  # one whole query block, its K_1 * b keys in whole chunks: no masks
+            for c in tl.static_range(0, KEYS, FN):
+                tok = even_fine_keys(sel + qb0 * topk, c, FN, BLOCK)
+                k = load_tile(kb, tok, k_n, dim, row_ok, D, BD, False)
+                dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
+                              load_tile(vb, tok, k_n, dim, row_ok, D, BD, False), dq, IEEE)
         else:
+            n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+            row_block = rows // BLOCK - qb0
             for c in range(0, n_keys, FN):
                 g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
                 ok = ok & (tok < N)
-                valid = row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :])
-                dq = _dq_step(q, do, lse2, delta, zero, valid, load_rows(kb, tok, k_n, dim, ok, D),
-                              load_rows(vb, tok, k_n, dim, ok, D), dq, SCALE2, IEEE)
-        ptr = DQ + head + rows.to(tl.int64)[:, None] * q_n + dim[None, :]
-        mask = row_ok[:, None] & (dim[None, :] < D)
-        dq = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) + dq * SCALE
-        tl.store(ptr, dq.to(DQ.dtype.element_ty), mask=mask)
+                k = load_rows(kb, tok, k_n, dim, ok, D)
+                s = mm(q, tl.trans(k), IEEE) * SCALE2
+                s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
+                dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
+        dq = load_tile(DQ + head, rows, q_n, dim, row_ok, D, BD, not EVEN).to(tl.float32) + dq * SCALE
+        store_tile(DQ + head, dq, rows, q_n, dim, row_ok, D, BD, not EVEN)
 
 
 @triton.jit
@@ -299,18 +285,18 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
                   IEEE=q.dtype == torch.float32)
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
-    launcher(_coarse_dq_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
-        q, kc, vc, sel, meta, o, do, lse, dlse if dlse is not None else lse, delta, dq,
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
-        heads, group, n, levels.levels, levels.selection_size, BLOCK=levels.block, BM=tiles["BM"], BN=tiles["BN"],
-        HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
-    keys = fine_keys(levels.block, levels.topk[0], tiles["FQ"])
-    fn = min(tiles["FN"], pow2(keys, 16))
+    key_list = coarse_rows(sel, levels)
+    grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
+    launcher(_coarse_dq_kernel)[grid](
+        q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3],
+        heads, group, n, STAGES=tiles["stages"], HAS_DLSE=dlse is not None,
+        num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
     launcher(_fine_dq_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
         q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size,
-        BLOCK=levels.block, FQ=tiles["FQ"], FN=fn, SUB=tiles["SUB"], SINGLE=keys <= fn,
-        num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"], **common)
+        k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size, BLOCK=levels.block,
+        num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"],
+        **fine_launch(levels, tiles["FQ"], tiles["FN"], tiles["SUB"]), **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
     dvc = torch.empty_like(dkc)

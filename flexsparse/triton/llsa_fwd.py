@@ -20,17 +20,36 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, SPAN, T, TOPK, coarse_level_keys, launcher, load_rows, log2_count,
-                     mm, softmax_step, sparse_keys)
-from .layout import Levels, cdiv, pow2
+from . import layout
+from .common import (LN2, LOG2E, SEL_OFF, TOPK, launcher, load_rows, load_tile, mm, softmax_step, sparse_keys, store_rows,
+                     store_tile)
+from .layout import Levels, cdiv, coarse_rows, coarse_tile_blocks, pow2
 from .tiles import overrides
 
 
 @triton.jit
-def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_b, o_h, o_n,
-                       H, GROUP, N, LEVELS, S_TOTAL,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+def coarse_keys(lst, LOG2C, c, BN: tl.constexpr, N_SPARSE: tl.constexpr, n_total, top_off, EVEN: tl.constexpr):
+    """Coarse key slots ``c .. c + BN``: their pyramid rows (the ancestor's list ``lst``, ``layout.coarse_rows``,
+    for the first ``N_SPARSE`` slots, then the top level's tokens in order; -1 past ``n_total`` or for a listed
+    child past its level's end) and their logit bias ``log2(count)`` (-inf where the row is -1). With ``EVEN``
+    (no ragged token, whole chunks of one level) the bias is the chunk's first key's, a scalar."""
+    e = c + tl.arange(0, BN)
+    listed = e < N_SPARSE
+    rows = tl.where(listed, tl.load(lst + e, mask=listed, other=-1), tl.where(e < n_total, top_off + e - N_SPARSE, -1))
+    if EVEN:
+        first = tl.load(lst + c, mask=c < N_SPARSE, other=0)
+        bias = tl.load(LOG2C + tl.where(c < N_SPARSE, first, top_off + c - N_SPARSE))
+    else:
+        bias = tl.load(LOG2C + rows, mask=rows >= 0, other=float("-inf"))
+    return rows, bias
+
+
+@triton.jit
+def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, l_bh,
+                       H, GROUP, N, TOP_OFF, TOP_T,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -38,49 +57,43 @@ def _coarse_fwd_kernel(Q, KC, VC, SEL, META, O, LSE, q_b, q_h, q_n, c_b, c_h, o_
     hk = h // GROUP
     kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
     vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    sel = SEL + bh.to(tl.int64) * S_TOTAL
-    start = pid * BM
-    rows = start + tl.arange(0, BM)
-    row_ok = rows < N
+    lst = LIST + bh.to(tl.int64) * l_bh + ((pid * TB) // BLOCK) * N_SPARSE
+    local = tl.arange(0, BM)
+    rows = pid * TB * BLOCK + local
+    row_ok = (local < TB * BLOCK) & (rows < N)
     dim = tl.arange(0, BD)
     q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for level in range(1, LEVELS):
-        tokens, off, topk, span, n_keys, first_row, row_group = coarse_level_keys(META, level, sel, start, rows, N,
-                                                                                 BM, BLOCK)
-        for c in range(0, n_keys, BN):
-            g, tok, ok = sparse_keys(first_row, c + tl.arange(0, BN), n_keys, topk, BLOCK)
-            ok = ok & (tok < tokens)
-            k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
-            v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
-            s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
-            s = tl.where(ok[None, :] & (row_group[:, None] == g[None, :]), s, float("-inf"))
-            m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
-    tokens = tl.load(META + LEVELS * 6 + T)
-    off = tl.load(META + LEVELS * 6 + KV_OFF)
-    span = tl.load(META + LEVELS * 6 + SPAN)
-    for c in range(0, tokens, BN):
-        tok = c + tl.arange(0, BN)
-        ok = tok < tokens
-        k = load_rows(kc, off + tok, D, dim, ok, D).to(q.dtype)
-        v = load_rows(vc, off + tok, D, dim, ok, D).to(q.dtype)
-        s = mm(q, tl.trans(k), IEEE) * SCALE2 + log2_count(tok, span, N)[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
+    n_total = N_SPARSE + TOP_T
+    for c in tl.range(0, n_total, BN, num_stages=STAGES):
+        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)
+        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
+        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
+        if EVEN:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
+        else:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
         m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
-    o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
-    ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
-    tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+    store_rows(O + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, acc / l[:, None], rows, q_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
+
+
+@triton.jit
+def even_fine_keys(row, c, FN: tl.constexpr, BLOCK: tl.constexpr):
+    """Fine key tokens of slots ``c .. c + FN`` of one query block's selection ``row`` (``BLOCK`` children per
+    selected block)."""
+    e = c + tl.arange(0, FN)
+    return tl.load(row + e // BLOCK) * BLOCK + e % BLOCK
 
 
 @triton.jit
 def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
                      H, GROUP, N, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                     FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, SINGLE: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
+                     KEYS: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -94,50 +107,76 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
     sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
-    for sub in range(SUB):  # with SINGLE the innermost loop: the next rows' gathers overlap this math
+    for sub in range(SUB):  # with EVEN the innermost loop: the next rows' gathers overlap this math
         start = (pid * SUB + sub) * FQ
         rows = start + tl.arange(0, FQ)
         row_ok = rows < N
-        q = load_rows(qb, rows, q_n, dim, row_ok, D)
-        acc = load_rows(o, rows, o_n, dim, row_ok, D).to(tl.float32)
+        q = load_tile(qb, rows, q_n, dim, row_ok, D, BD, not EVEN)
+        acc = load_tile(o, rows, o_n, dim, row_ok, D, BD, not EVEN).to(tl.float32)
         m = tl.load(lse + rows, mask=row_ok, other=0.0)
         l = tl.full([FQ], 1.0, tl.float32)
         qb0 = start // BLOCK
-        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
-        row_block = rows // BLOCK - qb0
-        if SINGLE:
-            g, tok, ok = sparse_keys(sel + qb0 * topk, tl.arange(0, FN), n_keys, topk, BLOCK)
-            ok = ok & (tok < N)
-            s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
-            s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-            m, l, acc = softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+        if EVEN:  # one whole query block, its K_1 * b keys in whole chunks: no masks
+            for c in tl.static_range(0, KEYS, FN):
+                tok = even_fine_keys(sel + qb0 * topk, c, FN, BLOCK)
+                s = mm(q, tl.trans(load_tile(kb, tok, k_n, dim, row_ok, D, BD, False)), IEEE) * SCALE2
+                m, l, acc = softmax_step(s, load_tile(vb, tok, k_n, dim, row_ok, D, BD, False), m, l, acc, IEEE)
         else:
+            n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+            row_block = rows // BLOCK - qb0
             for c in range(0, n_keys, FN):
                 g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
                 ok = ok & (tok < N)
                 s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
                 s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
                 m, l, acc = softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
-        ptr = o + rows.to(tl.int64)[:, None] * o_n + dim[None, :]
-        tl.store(ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dim[None, :] < D))
+        store_tile(o, acc / l[:, None], rows, o_n, dim, row_ok, D, BD, not EVEN)
         tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
 
-def fine_keys(block: int, topk: int, fq: int) -> int:
-    """Most fine keys a ``fq``-row query tile can see: ``K_1 * b`` per query block it touches."""
-    blocks = fq // block if fq % block == 0 else fq // block + 2
-    return blocks * topk * block
+def fine_launch(levels: Levels, fq: int, fn_cap: int, sub: int) -> dict:
+    """Constants of the fine kernels: rows ``FQ`` per step, keys ``FN`` per chunk, ``SUB`` steps per program.
+    ``EVEN``: one whole query block per step (``FQ == b``), no ragged one (``b`` divides N, ``SUB`` the
+    blocks), ``FN`` the largest power of two (>= 16, <= fn_cap) dividing the ``KEYS = K_1 b`` keys: no masks."""
+    keys = levels.topk[0] * levels.block
+    fn = fn_cap
+    while fn > 16 and keys % fn:
+        fn //= 2
+    even = fq == levels.block and levels.n % levels.block == 0 and keys % fn == 0 and levels.tokens(1) % sub == 0
+    if not even:
+        blocks = fq // levels.block if fq % levels.block == 0 else fq // levels.block + 2  # query blocks per step
+        fn = min(fn_cap, pow2(blocks * keys, 16))
+    return dict(FQ=fq, FN=fn, SUB=sub, EVEN=even, KEYS=keys)
 
 
 def forward_tiles(device: torch.device, d: int, block: int) -> dict:
-    """Tile sizes of the two forward kernels (see module docstring), with ``tiles.overrides("fwd")``."""
+    """Tile sizes of the two forward kernels (see module docstring), with ``tiles.overrides("fwd")``: the coarse
+    kernel's tiles hold at most ``BM`` rows (whole query blocks that share their ancestors), ``BN`` keys per step."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, warps=4, stages=1, fine_warps=4, fine_stages=1)
+        base = dict(BM=32, BN=32, FQ=fq, FN=64, SUB=2, warps=4, stages=1, fine_warps=4, fine_stages=1)
     else:
-        base = dict(BM=max(128, fq), BN=64 if d <= 64 else 32, FQ=fq, FN=256, SUB=8, warps=8, stages=2,
+        base = dict(BM=128, BN=64 if d <= 64 else 32, FQ=fq, FN=256, SUB=8, warps=8, stages=2,
                     fine_warps=4, fine_stages=2 if d > 64 else 3)
     return {**base, **overrides("fwd")}
+
+
+def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int) -> tuple[tuple[int, int], dict]:
+    """Grid and tile constants of the coarse kernels: tiles of ``TB`` whole query blocks (``BM`` rows), key
+    chunks of ``BN <= keys_cap``. ``EVEN``: no ragged token (N a multiple of ``b^L``) and every level's keys
+    (``K_{l+1} b`` listed per level, ``T_L`` at the top) whole chunks, then with ``BN`` the largest power of two
+    (>= 16) that divides them all; the kernels drop every mask and take one bias per chunk."""
+    tb = coarse_tile_blocks(levels.block, rows_cap)
+    grid = (cdiv(levels.tokens(1), tb), q.shape[0] * q.shape[1])
+    top = levels.levels
+    counts = [levels.block * k for k in levels.topk[1:]] + [levels.tokens(top)]
+    bn = keys_cap
+    while bn > 16 and any(count % bn for count in counts):
+        bn //= 2
+    even = levels.n % levels.block**top == 0 and not any(count % bn for count in counts)
+    return grid, dict(TOP_OFF=levels.rows[top][layout.KV_OFF], TOP_T=levels.tokens(top), BLOCK=levels.block, TB=tb,
+                      BM=pow2(tb * levels.block, 16), BN=bn if even else keys_cap, N_SPARSE=levels.coarse_keys,
+                      EVEN=even)
 
 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
@@ -151,18 +190,16 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
     meta = levels.meta(q)
-    common = dict(D=d, BD=pow2(d, 16), BLOCK=levels.block, SCALE2=float(scale * LOG2E.value),
-                  IEEE=q.dtype == torch.float32)
+    common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
     group = heads // k.shape[1]
-    launcher(_coarse_fwd_kernel)[(cdiv(n, tiles["BM"]), bsz * heads)](
-        q, kc, vc, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
-        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.levels, levels.selection_size,
-        BM=tiles["BM"], BN=tiles["BN"], num_warps=tiles["warps"], num_stages=tiles["stages"], **common)
-    keys = fine_keys(levels.block, levels.topk[0], tiles["FQ"])
-    fn = min(tiles["FN"], pow2(keys, 16))
+    key_list = coarse_rows(sel, levels)
+    grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
+    launcher(_coarse_fwd_kernel)[grid](
+        q, kc, vc, key_list, levels.log2_counts(q), o, lse, q.stride(0), q.stride(1), q.stride(2),
+        kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3], heads, group, n, STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+    fine = fine_launch(levels, tiles["FQ"], tiles["FN"], tiles["SUB"])
     launcher(_fine_fwd_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
         q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size,
-        FQ=tiles["FQ"], FN=fn, SUB=tiles["SUB"], SINGLE=keys <= fn, num_warps=tiles["fine_warps"],
-        num_stages=tiles["fine_stages"], **common)
+        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size, num_warps=tiles["fine_warps"],
+        num_stages=tiles["fine_stages"], BLOCK=levels.block, **fine, **common)
     return o, lse
