@@ -129,6 +129,19 @@ def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[3], CASES[-1]])
+def test_half_inputs_with_fp32_pooled_levels(n, block, topk, heads, kv_heads, d):
+    """fp16 q, k, v with fp32 pooled leaves (``llsa_attention``'s contract): the kernels cast the pooled keys."""
+    q, k, v = _qkv(n, heads, kv_heads, d, dtype=torch.float16)
+    levels = len(topk)
+    selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
+    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
+    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5)
+    for a, b in zip(got, want):
+        assert ts.rel_err(a, b) < 2e-2
+
+
+@cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[3]])
 def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
     """The whole method (pool, select, attend, gradients through the pooling) against the dense spec."""

@@ -71,8 +71,8 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
     n_total = N_SPARSE + TOP_T
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
         key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
-        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
-        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN)
+        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
+        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
         if EVEN:
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
         else:
