@@ -71,8 +71,8 @@ def main():
     bt = llsa_bwd.backward_tiles(dev, d, block)
     q = f"*{dt}"
     jobs = [
-        ("pool", pool._pool_level_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
-         dict(D=d, BD=pow2(d), BLOCK=block, BB=16, TT=max(1, 4096 // (16 * pow2(d))), FROM_SUMS=False), 4, 1),
+        ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
+         dict(D=d, BD=pow2(d), BLOCK=block, BB=16, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False), 8, 1),
         ("select(children)", select._children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8), 4, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),

@@ -12,6 +12,7 @@ The level table ``meta`` is an int32 tensor ``(L + 1, 6)``, one row per level l 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,11 +78,11 @@ class Levels:
         return _META[key]
 
     def _log2_counts(self, device) -> torch.Tensor:
-        parts = []
+        parts = []  # constants only (inductor failed on the arange arithmetic inside a compiled CUDA graph)
         for level in range(1, self.levels + 1):
-            span = self.block**level
-            tokens = torch.arange(self.tokens(level), device=device)
-            parts.append((self.n - tokens * span).clamp(max=span).float().log2())
+            span, tokens = self.block**level, self.tokens(level)
+            parts += [torch.full((tokens - 1,), math.log2(span), device=device),
+                      torch.full((1,), math.log2(self.n - (tokens - 1) * span), device=device)]
         return torch.cat(parts)
 
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:

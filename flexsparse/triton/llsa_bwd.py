@@ -142,6 +142,21 @@ def _dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constex
 
 
 @triton.jit
+def _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """Key-major update of ``dkt, dvt (BD, BK)`` = dK^T, dV^T (dK unscaled) for the few keys ``k, v (BK, BD)``
+    with logit bias ``bias (BK,)`` from queries ``q, do (QR, BD)`` (rows past the end: zeros): ``S = Q K^T``
+    ``(QR, BK)``, ``dV^T += dO^T P``, ``dK^T += Q^T dS``. The long dims (queries, head dim) are the matrix
+    products' M, so a handful of keys still gets wgmma tiles; the transposed first operands are computed in
+    registers (negated, then subtracted), never read as transposed shared-memory views (docs/triton_llsa.md)."""
+    s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
+    dvt -= mm(-tl.trans(do), p.to(do.dtype), IEEE)
+    dkt -= mm(-tl.trans(q), ds.to(q.dtype), IEEE)
+    return dkt, dvt
+
+
+@triton.jit
 def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC,
                        q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
                        H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL,
@@ -175,8 +190,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     k = load_rows(kb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
     v = load_rows(vb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
     bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
-    dk = tl.zeros([BK, BD], tl.float32)
-    dv = tl.zeros([BK, BD], tl.float32)
+    dkt = tl.zeros([BD, BK], tl.float32)
+    dvt = tl.zeros([BD, BK], tl.float32)
     for g in range(GROUP):
         bh = (b * H + hk * GROUP + g).to(tl.int64)
         head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
@@ -193,8 +208,9 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
             do = load_rows(DO + head, n, q_n, dim, n_ok, D)
             lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
-    dk = dk * SCALE
+            dkt, dvt = _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2, IEEE)
+    dk = tl.trans(dkt) * SCALE
+    dv = tl.trans(dvt)
     if FUSE_POOL:
         pooled_k = DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         pooled_v = DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h

@@ -1,7 +1,9 @@
 """Mean-pooling pyramid: levels 1..L of ``x (B, H, N, D)`` concatenated along the token dim.
 
 Level l holds the true means of the real fine tokens under each span of ``b^l`` (fp32 sums, built
-recursively from the previous level's sums, as ``flexsparse.masks.pool_pyramid`` does).
+recursively from the previous level's sums, as ``flexsparse.masks.pool_pyramid`` does). One pass over x
+makes levels 1 and 2 (a program sums the ``b x b`` fine tokens of one level-2 token: its ``b`` level-1 sums,
+then their sum), so x is read once; each deeper level is one more pass over the level-2 sums.
 """
 from __future__ import annotations
 
@@ -14,15 +16,19 @@ from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
-def _pool_level_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
-                       H, N, src_tokens, src_off, dst_off, dst_tokens, span,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr,
-                       TT: tl.constexpr, FROM_SUMS: tl.constexpr):
+def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
+                 H, N, src_tokens, src_off, dst_off, dst_tokens, span, up_off, up_tokens,
+                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, TT: tl.constexpr,
+                 STEP: tl.constexpr, FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
+    """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source tokens each; ``TT >= STEP`` a power
+    of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above (the mean of those), whose
+    sums are stored with ``KEEP_SUMS``."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh - b * H
-    t = pid * TT + tl.arange(0, TT)
+    r = tl.arange(0, TT)
+    t = tl.where(r < STEP, pid * STEP + r, dst_tokens)
     j = tl.arange(0, BB)
     dim = tl.arange(0, BD)
     child = t[:, None] * BLOCK + j[None, :]
@@ -39,8 +45,18 @@ def _pool_level_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
     count = tl.maximum(tl.minimum(N - t * span, span), 1).to(tl.float32)
     out = pyr + (dst_off + t).to(tl.int64)[:, None] * D + dim[None, :]
     out_mask = t_ok[:, None] & (dim[None, :] < D)
-    tl.store(SUMS + out, total, mask=out_mask)
+    if not UP:
+        tl.store(SUMS + out, total, mask=out_mask)
     tl.store(MEANS + out, (total / count[:, None]).to(MEANS.dtype.element_ty), mask=out_mask)
+    if UP:
+        up = tl.sum(total, axis=0)
+        up_span = span * BLOCK
+        up_count = tl.maximum(tl.minimum(N - pid * up_span, up_span), 1).to(tl.float32)
+        up_ptr = pyr + (up_off + pid).to(tl.int64) * D + dim
+        up_ok = (pid < up_tokens) & (dim < D)
+        if KEEP_SUMS:
+            tl.store(SUMS + up_ptr, up, mask=up_ok)
+        tl.store(MEANS + up_ptr, (up / up_count).to(MEANS.dtype.element_ty), mask=up_ok)
 
 
 def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -48,17 +64,24 @@ def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.flo
     in ``dtype`` (the sums stay fp32)."""
     bsz, heads, n, d = x.shape
     means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
-    sums = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
     block = levels.block
     bb, bd = pow2(block), pow2(d)
+    top = levels.levels
+    up = top >= 2 and bb * bb * bd <= (4096 if x.device.type == "cpu" else 32768)  # b x b tokens of x fit a program
+    sums = x.new_empty(bsz, heads, levels.pyramid_tokens if (top > 2 or not up) else 1, d, dtype=torch.float32)
     elems, warps = (4096, 4) if x.device.type == "cpu" else (16384, 8)
-    tt = max(1, elems // (bb * bd))
-    for level in range(1, levels.levels + 1):
+    common = dict(D=d, BD=bd, BLOCK=block, BB=bb)
+    level = 1
+    while level <= top:
         dst_tokens, dst_off = levels.rows[level][0], levels.rows[level][1]
         src_tokens, src_off = levels.rows[level - 1][0], levels.rows[level - 1][1]
-        grid = (cdiv(dst_tokens, tt), bsz * heads)
-        launcher(_pool_level_kernel)[grid](
+        two = up and level == 1
+        step = block if two else max(1, elems // (bb * bd))
+        up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if two else (0, 0)
+        launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
             x, sums, means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
-            heads, n, src_tokens, src_off, dst_off, dst_tokens, block**level,
-            D=d, BD=bd, BLOCK=block, BB=bb, TT=tt, FROM_SUMS=level > 1, num_warps=warps)
+            heads, n, src_tokens, src_off, dst_off, dst_tokens, block**level, up_off, up_tokens,
+            TT=pow2(step), STEP=step, FROM_SUMS=level > 1, UP=two, KEEP_SUMS=two and top > 2, num_warps=warps,
+            **common)
+        level += 2 if two else 1
     return means
