@@ -92,6 +92,21 @@ def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
+def test_select_long_top_level_through_block_topk():
+    """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
+    from flexsparse.triton import select
+    n, block, topk = 300, 4, (3, 2)
+    q, k, _ = _qkv(n, 2, 1, 16, grid=True)
+    q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
+    expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
+    for limit in (16, select.DENSE_ROW_LIMIT):  # T_2 = 19
+        sel = select.hierarchical_topk(torch.cat(q_levels, 2), torch.cat(k_levels, 2), level_table(n, block, topk),
+                                       row_limit=limit)
+        for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
+            assert torch.equal(a, b)
+
+
+@cpu_only
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_csc_is_transpose(deterministic):
     from flexsparse.triton.csc import selection_csc

@@ -106,25 +106,6 @@ def coarse_tile_blocks(block: int, rows_cap: int) -> int:
     return max([t for t in range(1, block + 1) if block % t == 0 and t * block <= rows_cap] or [1])
 
 
-def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:
-    """Coarse keys below the top level of every level-2 ancestor: ``(B, H, T_2, S)`` int32 rows of the pyramid
-    ``(T_1 + ... + T_L)``, ``S = b * (K_2 + ... + K_L)``: for l = 1..L-1 the level-l children of
-    ``S_{l+1}`` of the ancestor at level l+1, in selection order; -1 for children past ``T_l``. For L = 1 (no
-    such level) a ``(B, H, 1, 1)`` table of -1. The top level is not listed (every query attends all of it)."""
-    bsz, heads = sel.shape[:2]
-    if levels.levels == 1:
-        return sel.new_full((bsz, heads, 1, 1), -1)
-    block, indices = levels.block, levels.unpack(sel).indices
-    ancestors = torch.arange(levels.tokens(2), device=sel.device)
-    children = torch.arange(block, device=sel.device)
-    parts = []
-    for level in range(1, levels.levels):
-        parents = indices[level][:, :, ancestors // block ** (level - 1)].long()   # S_{l+1} of each ancestor
-        tok = (parents.unsqueeze(-1) * block + children).flatten(-2)
-        parts.append(torch.where(tok < levels.tokens(level), tok + levels.rows[level][KV_OFF], -1))
-    return torch.cat(parts, dim=-1).to(torch.int32).contiguous()
-
-
 def pack(selection: LLSASelection) -> torch.Tensor:
     """``LLSASelection`` -> packed ``(B, H, sum_l T_l * K_l)`` int32."""
     return torch.cat([s.flatten(2) for s in selection.indices], dim=2).to(torch.int32).contiguous()

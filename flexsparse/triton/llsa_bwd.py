@@ -27,8 +27,8 @@ import triton.language as tl
 from . import layout
 from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_tile, log2_count, mm,
                      sparse_keys, store_rows, store_tile)
-from .layout import Levels, cdiv, coarse_rows, pow2
-from .llsa_fwd import coarse_keys, coarse_launch, even_fine_keys, fine_launch
+from .layout import Levels, cdiv, pow2
+from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, even_fine_keys, fine_launch
 from .tiles import overrides
 
 

@@ -21,10 +21,47 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (LN2, LOG2E, SEL_OFF, TOPK, launcher, load_rows, load_tile, mm, softmax_step, sparse_keys, store_rows,
-                     store_tile)
-from .layout import Levels, cdiv, coarse_rows, coarse_tile_blocks, pow2
+from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, T, TOPK, launcher, load_rows, load_tile, mm, softmax_step,
+                     sparse_keys, store_rows, store_tile)
+from .layout import Levels, cdiv, coarse_tile_blocks, pow2
 from .tiles import overrides
+
+
+@triton.jit
+def _coarse_list_kernel(SEL, META, LIST, S_TOTAL, LEVELS: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                        N_SPARSE: tl.constexpr):
+    """The key list of level-2 ancestor ``program_id(0)`` (see ``coarse_rows``)."""
+    g = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    sel = SEL + bh * S_TOTAL
+    out = LIST + (bh * tl.num_programs(0) + g) * N_SPARSE
+    e = tl.arange(0, BK)
+    first = 0
+    span = 1  # b^(level - 1): fine rows of level-2 ancestors per level-(level + 1) ancestor, in level-2 units
+    for level in tl.static_range(1, LEVELS):
+        topk = tl.load(META + level * 6 + TOPK)
+        ok = e < topk * BLOCK
+        ids = tl.load(sel + tl.load(META + level * 6 + SEL_OFF) + (g // span) * topk + e // BLOCK, mask=ok, other=0)
+        tok = ids * BLOCK + e % BLOCK
+        rows = tl.where(tok < tl.load(META + level * 6 + T), tl.load(META + level * 6 + KV_OFF) + tok, -1)
+        tl.store(out + first + e, rows, mask=ok)
+        first += topk * BLOCK
+        span *= BLOCK
+
+
+def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:
+    """Coarse keys below the top level of every level-2 ancestor: ``(B, H, T_2, S)`` int32 rows of the pyramid
+    ``(T_1 + ... + T_L)``, ``S = b * (K_2 + ... + K_L)``: for l = 1..L-1 the level-l children of
+    ``S_{l+1}`` of the ancestor at level l+1, in selection order; -1 for children past ``T_l``. For L = 1 (no
+    such level) a ``(B, H, 1, 1)`` table of -1. The top level is not listed (every query attends all of it)."""
+    bsz, heads = sel.shape[:2]
+    if levels.levels == 1:
+        return sel.new_full((bsz, heads, 1, 1), -1)
+    rows = sel.new_empty(bsz, heads, levels.tokens(2), levels.coarse_keys)
+    launcher(_coarse_list_kernel)[(levels.tokens(2), bsz * heads)](
+        sel, levels.meta(sel), rows, levels.selection_size, LEVELS=levels.levels, BLOCK=levels.block,
+        BK=pow2(levels.block * max(levels.topk[1:]), 16), N_SPARSE=levels.coarse_keys)
+    return rows
 
 
 @triton.jit

@@ -18,8 +18,7 @@ from .layout import Levels, cdiv, pow2
 @triton.jit
 def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
                  H, N, src_tokens, src_off, dst_off, dst_tokens, span, up_off, up_tokens,
-                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, TT: tl.constexpr,
-                 STEP: tl.constexpr, FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
+                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr, FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
     """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source tokens each; ``TT >= STEP`` a power
     of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above (the mean of those), whose
     sums are stored with ``KEEP_SUMS``."""
@@ -29,18 +28,19 @@ def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
     h = bh - b * H
     r = tl.arange(0, TT)
     t = tl.where(r < STEP, pid * STEP + r, dst_tokens)
-    j = tl.arange(0, BB)
     dim = tl.arange(0, BD)
-    child = t[:, None] * BLOCK + j[None, :]
-    ok = (j[None, :] < BLOCK) & (child < src_tokens)
-    mask = ok[:, :, None] & (dim[None, None, :] < D)
     pyr = b.to(tl.int64) * p_b + h.to(tl.int64) * p_h
     if FROM_SUMS:
-        ptr = SUMS + pyr + (src_off + child).to(tl.int64)[:, :, None] * D + dim[None, None, :]
+        base = SUMS + pyr + src_off.to(tl.int64) * D
+        stride = D
     else:
         base = SRC + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
-        ptr = base + child.to(tl.int64)[:, :, None] * s_n + dim[None, None, :]
-    total = tl.sum(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), axis=1)
+        stride = s_n
+    total = tl.zeros([TT, BD], tl.float32)
+    for j in tl.static_range(BLOCK):  # the j-th child of every token: independent loads, no cross-thread sum
+        child = t * BLOCK + j
+        ptr = base + child.to(tl.int64)[:, None] * stride + dim[None, :]
+        total += tl.load(ptr, mask=(child < src_tokens)[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
     t_ok = t < dst_tokens
     count = tl.maximum(tl.minimum(N - t * span, span), 1).to(tl.float32)
     out = pyr + (dst_off + t).to(tl.int64)[:, None] * D + dim[None, :]
@@ -65,18 +65,18 @@ def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.flo
     bsz, heads, n, d = x.shape
     means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
     block = levels.block
-    bb, bd = pow2(block), pow2(d)
-    top = levels.levels
-    up = top >= 2 and bb * bb * bd <= (4096 if x.device.type == "cpu" else 32768)  # b x b tokens of x fit a program
+    bd, top = pow2(d), levels.levels
+    up = top >= 2 and block * bd <= 8192  # the b level-1 tokens of one level-2 token in one tile
     sums = x.new_empty(bsz, heads, levels.pyramid_tokens if (top > 2 or not up) else 1, d, dtype=torch.float32)
-    elems, warps = (4096, 4) if x.device.type == "cpu" else (16384, 8)
-    common = dict(D=d, BD=bd, BLOCK=block, BB=bb)
+    elems = 1024 if x.device.type == "cpu" else 4096  # tile elements (a load per child)
+    common = dict(D=d, BD=bd, BLOCK=block)
     level = 1
     while level <= top:
         dst_tokens, dst_off = levels.rows[level][0], levels.rows[level][1]
         src_tokens, src_off = levels.rows[level - 1][0], levels.rows[level - 1][1]
         two = up and level == 1
-        step = block if two else max(1, elems // (bb * bd))
+        step = block if two else max(1, elems // bd)
+        warps = max(1, min(8, pow2(step) * bd // 1024))  # 8 elements (16 bytes of bf16) per thread and load
         up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if two else (0, 0)
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
             x, sums, means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
