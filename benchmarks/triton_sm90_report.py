@@ -72,9 +72,10 @@ def main():
     q = f"*{dt}"
     jobs = [
         ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
-         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False), 1, 1),
+         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False),
+         max(1, 16 * pow2(d) // 1024), 1),
         ("select(children)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
-         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, DENSE=False), 4, 1),
+         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, DENSE=False), 4 if d <= 64 else 8, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
         ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
          dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, LSE="*fp32"),

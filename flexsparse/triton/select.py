@@ -90,13 +90,14 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     if levels.tokens(top) <= row_limit:
         bc = pow2(levels.tokens(top), 16)
         launcher(_select_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
-            *args, top, BC=bc, KSEL=levels.topk[-1], DENSE=True, num_warps=4 if bc <= 256 else 8, **launch)
+            *args, top, BC=bc, KSEL=levels.topk[-1], DENSE=True, num_warps=4 if bc * d <= 256 * 64 else 8, **launch)
     else:
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
         sel[:, :, start:start + count] = block_topk(q_top, k_top, levels.topk[-1], 0)[0].flatten(2)
     for level in range(top - 1, 0, -1):
+        bc = pow2(levels.topk[level] * block, 16)
         launcher(_select_kernel)[(levels.tokens(level + 1), bsz * heads)](
-            *args, level, BC=pow2(levels.topk[level] * block, 16), KSEL=levels.topk[level - 1], DENSE=False,
-            num_warps=4, **{**launch, "BQ": pow2(block, 16)})
+            *args, level, BC=bc, KSEL=levels.topk[level - 1], DENSE=False, num_warps=4 if bc * d <= 128 * 64 else 8,
+            **{**launch, "BQ": pow2(block, 16)})
     return sel
