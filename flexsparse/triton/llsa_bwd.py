@@ -157,14 +157,15 @@ def _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2: tl.constexpr, 
 
 
 @triton.jit
-def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC,
-                       q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
-                       H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL,
+def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC, PART_K, PART_V,
+                       q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h, p_s, p_b, p_h, part_off,
+                       H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL, SPLITS,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                        SCALE2: tl.constexpr, SCALE: tl.constexpr, QR: tl.constexpr, FINE: tl.constexpr,
                        FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
     parent = tl.program_id(0)
     bhk = tl.program_id(1)
+    split = tl.program_id(2)
     b = bhk // HK
     hk = bhk - b * HK
     tokens = tl.load(META + LEVEL * 6 + T)
@@ -197,8 +198,10 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
         head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
         lo = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent)
         hi = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent + 1)
+        per = tl.cdiv(hi - lo, SPLITS)  # this split's share of the list
+        lo = lo + split * per
         entries = ROWS + bh * S_TOTAL + sel_off + lo
-        n_rows = (hi - lo) * group
+        n_rows = tl.maximum(tl.minimum(per, hi - lo), 0) * group
         for c in range(0, n_rows, QR):
             f = c + tl.arange(0, QR)
             entry = f // group
@@ -224,9 +227,10 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     if FINE:
         store_rows(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk, tok, k_n, dim, k_ok, D)
         store_rows(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv, tok, k_n, dim, k_ok, D)
-    else:
-        store_rows(DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dk, off + tok, D, dim, k_ok, D)
-        store_rows(DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h, dv, off + tok, D, dim, k_ok, D)
+    else:  # the pyramid's level rows (part_off = the level's offset), or a split's partial sums
+        part = split.to(tl.int64) * p_s + b.to(tl.int64) * p_b + hk.to(tl.int64) * p_h
+        store_rows(PART_K + part, dk, part_off + tok, D, dim, k_ok, D)
+        store_rows(PART_V + part, dv, part_off + tok, D, dim, k_ok, D)
 
 
 @triton.jit
@@ -271,17 +275,18 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
 
 def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
-    ``programs``: target grid of the top level."""
+    ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split)."""
     fq = pow2(block, 16)
     if device.type == "cpu":
         base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4,
-                    stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4)
+                    stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4,
+                    dkv_programs=4)
     else:
         wide = d > 64
         base = dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
                     TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=2 if wide else 3, dkv_warps=4,
                     top_warps=8 if wide else 4,
-                    top_stages=1 if wide else 3, programs=4 * 132)
+                    top_stages=1 if wide else 3, programs=4 * 132, dkv_programs=16 * 132)
     return {**base, **overrides("bwd")}
 
 
@@ -337,11 +342,25 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     dv = torch.empty_like(v)
     for level in range(top - 1, -1, -1):
         fine = level == 0
-        launcher(_sparse_dkv_kernel)[(levels.tokens(level + 1), bsz * kv_heads)](
-            q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc,
+        parents = levels.tokens(level + 1)
+        # few parents with long lists (deep levels): split every list over programs, sum the partials after
+        splits = 1 if fine else max(1, min(8, tiles["dkv_programs"] // (parents * bsz * kv_heads)))
+        first, count = levels.rows[level][layout.KV_OFF], levels.tokens(level)
+        if splits == 1:
+            part_k, part_v, part_off = dkc, dvc, first
+        else:
+            part_k = dkc.new_empty(splits, bsz, kv_heads, count, d)
+            part_v = torch.empty_like(part_k)
+            part_off = 0
+        launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
+            q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc, part_k, part_v,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), kc.stride(0), kc.stride(1),
-            heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size,
+            part_k.stride(0) if splits > 1 else 0, part_k.stride(-4), part_k.stride(-3), part_off,
+            heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,
             BLOCK=levels.block, BK=pow2(levels.block, 16), QR=tiles["QR_FINE"] if fine else tiles["QR"],
             FINE=fine, FUSE_POOL=fine and fuse_pool, num_warps=tiles["dkv_warps"], num_stages=tiles["stages"],
             **common)
+        if splits > 1:
+            dkc[:, :, first:first + count] = part_k.sum(0)
+            dvc[:, :, first:first + count] = part_v.sum(0)
     return dq, dk, dv, dkc, dvc
