@@ -92,11 +92,12 @@ def main():
               STAGES=bt["stages"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]),
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
-         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=128, SUB=bt["SUB"], EVEN=True, KEYS=128, **common), bt["fine_warps"],
+         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=128, SUB=bt["SUB"], EVEN=True, KEYS=128, **common),
+         bt["fine_warps"],
          bt["fine_stages"]),
     ]
     dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
-                    ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32")
+                    ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32", PART_K="*fp32", PART_V="*fp32")
     for fine in (True, False):
         jobs.append((f"sparse dkv ({'fine' if fine else 'coarse'})", llsa_bwd._sparse_dkv_kernel, dkv_ptrs,
                      dict(BLOCK=block, BK=16, SCALE=0.125, QR=bt["QR_FINE"] if fine else bt["QR"], FINE=fine,

@@ -233,7 +233,8 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](
         q, kc, vc, key_list, levels.log2_counts(q), o, lse, q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3], heads, group, n, STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+        kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3], heads, group, n, STAGES=tiles["stages"],
+        num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
     fine = fine_launch(levels, tiles["FQ"], tiles["FN"], tiles["SUB"])
     launcher(_fine_fwd_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
         q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -18,7 +18,8 @@ from .layout import Levels, cdiv, pow2
 @triton.jit
 def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
                  H, N, src_tokens, src_off, dst_off, dst_tokens, span, up_off, up_tokens,
-                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr, FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
+                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr,
+                 FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
     """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source tokens each; ``TT >= STEP`` a power
     of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above (the mean of those), whose
     sums are stored with ``KEEP_SUMS``."""
