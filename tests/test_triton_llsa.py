@@ -91,6 +91,15 @@ def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
         assert torch.equal(a, b), f"S_{level} differs"
 
 
+def test_select_refuses_rows_it_cannot_fill():
+    """K over the top level's tokens (or over a ragged parent set's children) is an error, not unwritten slots."""
+    q_pyr, k_pyr = torch.randn(1, 1, 4 + 63, 8), torch.randn(1, 1, 4 + 63, 8)  # N=1000, b=16: T_1 = 63, T_2 = 4
+    with pytest.raises(ValueError, match="K_2=8 exceeds the 4 level-2 tokens"):
+        ops.llsa_select(q_pyr, k_pyr, 1000, 16, [8, 8])
+    with pytest.raises(ValueError, match="K_1=20 exceeds the candidates"):
+        ops.llsa_select(q_pyr, k_pyr, 1000, 16, [20, 2])
+
+
 @cpu_only
 def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""

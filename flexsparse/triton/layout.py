@@ -112,9 +112,18 @@ def pack(selection: LLSASelection) -> torch.Tensor:
 
 
 def level_table(n: int, block: int, topk) -> Levels:
-    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)``."""
+    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)``. Raises ``ValueError`` where
+    a selection row could not be filled (``K_L`` over the top level's tokens, or ``K_l`` over the candidates of
+    a ragged parent set): the kernels would read unwritten selection slots."""
     topk = tuple(int(k) for k in topk)
     levels = len(topk)
+    if topk[-1] > cdiv(n, block**levels):
+        raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {cdiv(n, block**levels)} level-{levels} tokens "
+                         f"at N={n} (block {block})")
+    for level in range(levels - 1):
+        if topk[level] > (topk[level + 1] - 1) * block + 1:
+            raise ValueError(f"LLSA topk: K_{level + 1}={topk[level]} exceeds the candidates of a ragged parent set "
+                             f"((K_{level + 2} - 1) * block + 1 = {(topk[level + 1] - 1) * block + 1})")
     rows, kv_off, sel_off, csc_off = [], 0, 0, 0
     for level in range(levels + 1):
         tokens = cdiv(n, block**level)
