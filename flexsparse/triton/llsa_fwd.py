@@ -2,16 +2,17 @@
 
 Two kernels share the softmax state through O and LSE:
 
-1. ``_coarse_fwd_kernel``, query tiles of ``BM`` rows (many query blocks): levels 1..L-1 (the
-   children of ``S_{l+1}`` of the rows' ancestor, shared by every query block under it, so big
-   tiles waste nothing once ``b^{l+1} >= BM``) and every level-L token, each level-l token with
-   logit bias ``ln(count)``. It stores the normalised partial output and its LSE (log2 units).
-2. ``_fine_fwd_kernel``, one query block per program: starts from that partial state (running max
+1. ``_coarse_fwd_kernel``, query tiles of whole query blocks that share their level-2 ancestor (``BM`` rows):
+   the ancestor's key list (``coarse_rows``: the level-l children of ``S_{l+1}`` of its ancestors, l = 1..L-1,
+   shared by every query block under it) and every level-L token, in one pipelined loop, each level-l token
+   with logit bias ``log2(count)``. It stores the normalised partial output and its LSE (log2 units).
+2. ``_fine_fwd_kernel``, one query block per step: starts from that partial state (running max
    = partial LSE, running sum 1, accumulator = partial output), adds the ``K_1 * b`` fine keys of
    ``S_1`` and stores the final output and natural-log LSE. Its matrix products have ``b`` rows
    (``mma.sync`` on Hopper). A transposed form (keys x queries, wgmma with N = b) needs a transposed
    shared-memory A operand, which triton 3.6 miscompiles (out-of-bounds wgmma reads on an H200).
 
+Both have an ``EVEN`` specialisation (N a multiple of ``b^L``, whole key chunks per level: no masks).
 Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:
 
 @triton.jit
 def coarse_keys(lst, LOG2C, c, BN: tl.constexpr, N_SPARSE: tl.constexpr, n_total, top_off, EVEN: tl.constexpr):
-    """Coarse key slots ``c .. c + BN``: their pyramid rows (the ancestor's list ``lst``, ``layout.coarse_rows``,
+    """Coarse key slots ``c .. c + BN``: their pyramid rows (the ancestor's list ``lst``, ``coarse_rows``,
     for the first ``N_SPARSE`` slots, then the top level's tokens in order; -1 past ``n_total`` or for a listed
     child past its level's end) and their logit bias ``log2(count)`` (-inf where the row is -1). With ``EVEN``
     (no ragged token, whole chunks of one level) the bias is the chunk's first key's, a scalar."""
