@@ -1,16 +1,17 @@
 """LLSA backward.
 
-dQ, query-major, like the forward in two kernels: ``_coarse_dq_kernel`` (big query tiles over levels
-1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (one query block per
-program, transposed, adds the fine level).
+dQ, query-major, like the forward in two kernels: ``_coarse_dq_kernel`` (the forward's tiles and key lists
+over levels 1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (one query block
+per step, adds the fine level).
 
 dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
 
 * ``_sparse_dkv_kernel`` for level l < L: one program per level-(l+1) token p owns its ``b`` children
   at level l and walks the CSC list of ``S_{l+1}`` (the level-(l+1) query tokens that selected p);
-  each entry stands for ``b^{l+1}`` consecutive fine queries. For l = 0 it can also add the
-  gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is the backward of the
-  pooling pyramid.
+  each entry stands for ``b^{l+1}`` consecutive fine queries (``_dkv_t_step``: queries and the head dim
+  are the wgmma M dims). Levels with few parents split every list over programs and sum the partials.
+  For l = 0 it can also add the gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is
+  the backward of the pooling pyramid.
 * ``_top_dkv_kernel`` for level L: dense, split over query ranges for parallelism; the partial
   sums are added in a fixed order (deterministic).
 
