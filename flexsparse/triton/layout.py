@@ -52,15 +52,8 @@ class Levels:
         return self.rows[level][T]
 
     def meta(self, like: torch.Tensor) -> torch.Tensor:
-        """The level table as an int32 tensor on ``like``'s device. Cached for plain tensors in eager
-        mode (``torch.tensor(..., device="cuda")`` would copy, and wait, on every call); traced calls
-        (fake or functional tensors, compile) build it in the graph."""
-        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
-            return torch.tensor(self.rows, dtype=torch.int32, device=like.device)
-        key = (self.rows, str(like.device))
-        if key not in _META:
-            _META[key] = torch.tensor(self.rows, dtype=torch.int32, device=like.device)
-        return _META[key]
+        """The level table as an int32 tensor on ``like``'s device (cached, see ``_constant``)."""
+        return self._constant("meta", like, lambda device: torch.tensor(self.rows, dtype=torch.int32, device=device))
 
     @property
     def coarse_keys(self) -> int:
@@ -69,13 +62,8 @@ class Levels:
 
     def log2_counts(self, like: torch.Tensor) -> torch.Tensor:
         """``log2`` of the fine tokens under each pyramid row ``(T_1 + ... + T_L,)`` fp32 (``b^l`` but on a
-        ragged tail), on ``like``'s device; cached as ``meta``."""
-        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
-            return self._log2_counts(like.device)
-        key = ("log2", self.rows, str(like.device))
-        if key not in _META:
-            _META[key] = self._log2_counts(like.device)
-        return _META[key]
+        ragged tail), on ``like``'s device (cached, see ``_constant``)."""
+        return self._constant("log2_counts", like, self._log2_counts)
 
     def _log2_counts(self, device) -> torch.Tensor:
         parts = []  # constants only (inductor failed on the arange arithmetic inside a compiled CUDA graph)
@@ -84,6 +72,17 @@ class Levels:
             parts += [torch.full((tokens - 1,), math.log2(span), device=device),
                       torch.full((1,), math.log2(self.n - (tokens - 1) * span), device=device)]
         return torch.cat(parts)
+
+    def _constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
+        """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
+        tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
+        compile) build it in the graph."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+            return build(like.device)
+        key = (name, self.rows, str(like.device))
+        if key not in _META:
+            _META[key] = build(like.device)
+        return _META[key]
 
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
         """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""
