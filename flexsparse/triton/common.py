@@ -50,23 +50,6 @@ def log2_count(tok, span, n):
 
 
 @triton.jit
-def coarse_level_keys(META, level, sel, start, rows, N, BM: tl.constexpr, BLOCK: tl.constexpr):
-    """Key enumeration of coarse level ``level`` (1 <= level < L) for the query tile ``[start, start + BM)``:
-    the level-``level`` children of the selections of the tile's level-``level + 1`` ancestors. Returns
-    ``(tokens, off, topk, span, n_keys, first_row, row_group)``: the level's real tokens and KV offset, K,
-    span ``b^level``, the number of candidate keys, the first selection row and each query's ancestor slot."""
-    tokens = tl.load(META + level * 6 + T)
-    off = tl.load(META + level * 6 + KV_OFF)
-    topk = tl.load(META + level * 6 + TOPK)
-    span = tl.load(META + level * 6 + SPAN)
-    group = span * BLOCK
-    g0 = start // group
-    n_keys = ((tl.minimum(start + BM, N) - 1) // group - g0 + 1) * topk * BLOCK
-    first_row = sel + tl.load(META + level * 6 + SEL_OFF) + g0 * topk
-    return tokens, off, topk, span, n_keys, first_row, rows // group - g0
-
-
-@triton.jit
 def sparse_keys(row_ptr, e, n_keys, topk, BLOCK: tl.constexpr):
     """Key slots ``e`` of consecutive selection rows at ``row_ptr`` (``topk`` ids each, ``BLOCK`` children
     per id). Returns ``(row, child token, in range)``: slot e is child ``e % BLOCK`` of entry
