@@ -159,7 +159,7 @@ def test_cpu_keeps_the_sorted_path_and_checks_counts():
 def test_opcheck_cpu_fallback():
     qp, kp = _pooled(1, 2, 1, 6, 9, 8)
     with ts.interpreter_env(False):
-        torch.library.opcheck(sla_ops.block_topk, (qp, kp, 3, 2))
+        torch.library.opcheck(sla_ops.block_topk.op, (qp, kp, 3, 2))
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -232,5 +232,5 @@ def test_gpu_compiled_fullgraph_and_opcheck():
     top, bottom = fn(qp, kp)
     want_top, want_bottom = sorted_block_topk(qp, kp, 13, bottomk=26)
     assert torch.equal(top, want_top) and torch.equal(bottom, want_bottom)
-    torch.library.opcheck(sla_ops.block_topk, (qp, kp, 13, 26))
-    torch.library.opcheck(sla_ops.block_topk, (qp[:, :, :100], kp[:, :, :17000], 8, 0))
+    torch.library.opcheck(sla_ops.block_topk.op, (qp, kp, 13, 26))
+    torch.library.opcheck(sla_ops.block_topk.op, (qp[:, :, :100], kp[:, :, :17000], 8, 0))

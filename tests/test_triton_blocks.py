@@ -230,7 +230,7 @@ def test_opcheck_cpu_fallback():
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices, 16, 16, 0.25, False)
     with ts.interpreter_env(False):
-        torch.library.opcheck(block_ops.block_attn, args)
+        torch.library.opcheck(block_ops.block_attn.op, args)
 
 
 @cpu_parent
@@ -362,4 +362,4 @@ def test_gpu_block_csc_is_transpose(det):
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_case(1000, 2, 1, 64, 64, 64, 4)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices, 64, 64, 0.125, False)
-    torch.library.opcheck(block_ops.block_attn, args)
+    torch.library.opcheck(block_ops.block_attn.op, args)

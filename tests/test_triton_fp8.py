@@ -334,7 +334,7 @@ def test_opcheck_cpu_fallback():
     q, k, v = make_qkv(1, 2, 1, 40, 16)
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     with ts.interpreter_env(False):
-        torch.library.opcheck(block_ops.block_attn_fp8, (q, k, v, selection.indices, 16, 16, 0.25))
+        torch.library.opcheck(block_ops.block_attn_fp8.op, (q, k, v, selection.indices, 16, 16, 0.25))
 
 
 @cpu_parent
@@ -519,7 +519,7 @@ def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
 @gpu
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_inputs(1000, 2, 1, 64, 64, 64, 4)
-    torch.library.opcheck(block_ops.block_attn_fp8, (q, k, v, selection.indices, 64, 64, 0.125))
+    torch.library.opcheck(block_ops.block_attn_fp8.op, (q, k, v, selection.indices, 64, 64, 0.125))
 
 
 @cpu_only

@@ -224,10 +224,10 @@ def test_opcheck_kernels(strategy):
     skipped = ts.random_selection(1, 4, 50, 50, 16, 16, 2).indices
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
     utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
-    torch.library.opcheck(sla_ops.masked_linear, args, test_utils=utils)
+    torch.library.opcheck(sla_ops.masked_linear.op, args, test_utils=utils)
     out, rows = sla_ops.masked_linear(*args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows, 16, 16, "elu", 1e-5)
-    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args, test_utils=utils)
+    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args, test_utils=utils)
 
 
 @cpu_parent
@@ -255,7 +255,7 @@ def test_opcheck_cpu_fallback():
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 8, 4, "softmax",
             1e-5)
     with ts.interpreter_env(False):  # aot_dispatch_dynamic takes ~10 s on 2 cores: the GPU opcheck runs it
-        torch.library.opcheck(sla_ops.masked_linear, args,
+        torch.library.opcheck(sla_ops.masked_linear.op, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -326,8 +326,8 @@ def test_gpu_opcheck(strategy):
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
             1e-5)
-    torch.library.opcheck(sla_ops.masked_linear, args)
+    torch.library.opcheck(sla_ops.masked_linear.op, args)
     out, rows = sla_ops.masked_linear(*args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
                 "softmax", 1e-5)
-    torch.library.opcheck(sla_ops.masked_linear_bwd, bwd_args)
+    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)

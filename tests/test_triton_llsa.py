@@ -227,14 +227,14 @@ def test_opcheck_cpu_fallback():
     with ts.interpreter_env(False):
         k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
         sel = ops.llsa_select(ops.llsa_pool(q, block, 2), k_pyr, n, block, topk)
-        torch.library.opcheck(ops.llsa_pool, (k, block, 2))
-        torch.library.opcheck(ops.llsa_select, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
+        torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
+        torch.library.opcheck(ops.llsa_select.op, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
         for fuse in (False, True):
             args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
                     v_pyr.requires_grad_(not fuse), sel, block, topk, 0.25, fuse, False)
             # aot_dispatch_dynamic of the fallback takes about a minute on 2 cores: once is enough here
             utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fuse else None
-            torch.library.opcheck(ops.llsa_attn, args, **({"test_utils": utils} if utils else {}))
+            torch.library.opcheck(ops.llsa_attn.op, args, **({"test_utils": utils} if utils else {}))
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -318,9 +318,9 @@ def test_gpu_opcheck():
     k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
     q_pyr = ops.llsa_pool(q, block, 2)
     sel = ops.llsa_select(q_pyr, k_pyr, n, block, topk)
-    torch.library.opcheck(ops.llsa_pool, (k, block, 2))
-    torch.library.opcheck(ops.llsa_select, (q_pyr, k_pyr, n, block, topk))
+    torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
+    torch.library.opcheck(ops.llsa_select.op, (q_pyr, k_pyr, n, block, topk))
     for fuse in (False, True):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
                 v_pyr.requires_grad_(not fuse), sel, block, topk, 0.125, fuse, False)
-        torch.library.opcheck(ops.llsa_attn, args)
+        torch.library.opcheck(ops.llsa_attn.op, args)

@@ -21,13 +21,14 @@ from ..backends import torch_sparse
 from ..masks import BlockSelection
 from ..masks.pooling import num_blocks
 from .ops import contiguous, use_kernels
+from .registry import triton_op
 
 
 def _selection(indices: Tensor, block_q: int, block_k: int, q: Tensor, k: Tensor) -> BlockSelection:
     return BlockSelection(indices, block_q, block_k, q.shape[2], k.shape[2])
 
 
-@torch.library.triton_op("flexsparse::block_attn", mutates_args=())
+@triton_op("flexsparse::block_attn")
 def block_attn(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int, scale: float,
                deterministic: bool) -> tuple[Tensor, Tensor]:
     """Block-sparse attention ``o (B, H, Nq, D)`` (q's dtype) and natural-log LSE ``(B, H, Nq)`` fp32.
@@ -41,7 +42,7 @@ def block_attn(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, b
     return block_forward(*contiguous(q, k, v, indices), block_q, block_k, scale)
 
 
-@torch.library.triton_op("flexsparse::block_attn_bwd", mutates_args=())
+@triton_op("flexsparse::block_attn_bwd")
 def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor,
                    lse: Tensor, block_q: int, block_k: int, scale: float,
                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,7 +59,7 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
     return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale)
 
 
-@torch.library.triton_op("flexsparse::block_attn_fp8", mutates_args=())
+@triton_op("flexsparse::block_attn_fp8")
 def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
                    scale: float) -> tuple[Tensor, Tensor]:
     """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import layout
+from .registry import launching_directly
 
 # Columns of the level table (``layout``) and math constants, usable inside kernels and on the host.
 T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = (tl.constexpr(getattr(layout, name))
@@ -16,9 +17,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 def launcher(kernel):
-    """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); interpreted kernels as they are."""
+    """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); as it is when interpreted or launched
+    directly from an op body run eagerly (``registry``)."""
     from triton.runtime.jit import JITFunction
-    return torch.library.wrap_triton(kernel) if isinstance(kernel, JITFunction) else kernel
+    if isinstance(kernel, JITFunction) and not launching_directly():
+        return torch.library.wrap_triton(kernel)
+    return kernel
 
 
 @triton.jit

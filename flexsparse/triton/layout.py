@@ -12,6 +12,7 @@ The level table ``meta`` is an int32 tensor ``(L + 1, 6)``, one row per level l 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -111,10 +112,15 @@ def pack(selection: LLSASelection) -> torch.Tensor:
 
 
 def level_table(n: int, block: int, topk) -> Levels:
-    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)``. Raises ``ValueError`` where
-    a selection row could not be filled (``K_L`` over the top level's tokens, or ``K_l`` over the candidates of
-    a ragged parent set): the kernels would read unwritten selection slots."""
-    topk = tuple(int(k) for k in topk)
+    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)`` (cached: every op of a call
+    asks for it). Raises ``ValueError`` where a selection row could not be filled (``K_L`` over the top level's
+    tokens, or ``K_l`` over the candidates of a ragged parent set): the kernels would read unwritten selection
+    slots."""
+    return _level_table(int(n), int(block), tuple(int(k) for k in topk))
+
+
+@functools.lru_cache(maxsize=256)
+def _level_table(n: int, block: int, topk: tuple[int, ...]) -> Levels:
     levels = len(topk)
     if topk[-1] > cdiv(n, block**levels):
         raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {cdiv(n, block**levels)} level-{levels} tokens "

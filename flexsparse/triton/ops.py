@@ -1,7 +1,8 @@
 """``torch.library`` ops of the LLSA Triton kernels (namespace ``flexsparse``).
 
 ``triton_op`` + ``wrap_triton`` make the kernels visible to ``torch.compile(fullgraph=True)``
-(forward and backward, no graph breaks); the fake implementations are the op bodies themselves.
+(forward and backward, no graph breaks); the fake implementations are the op bodies themselves. Plain
+eager calls skip the dispatcher (``registry``).
 Every body branches on the device: CUDA runs the kernels; CPU runs them through the Triton
 interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to the ``torch``
 backend. fp64 always takes the fallback.
@@ -21,6 +22,7 @@ from torch import Tensor
 from ..backends import torch_sparse
 from ..masks import hierarchical_topk, pool_pyramid
 from .layout import Levels, level_table, pack
+from .registry import triton_op
 
 
 def interpreting() -> bool:
@@ -41,7 +43,7 @@ def contiguous(*tensors: Tensor) -> list[Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-@torch.library.triton_op("flexsparse::llsa_pool", mutates_args=())
+@triton_op("flexsparse::llsa_pool")
 def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> Tensor:
     """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
     fp32 (fp64 for fp64), or x's dtype with ``same_dtype`` (sums are fp32 either way). Not differentiable
@@ -54,7 +56,7 @@ def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> T
                        x.dtype if same_dtype else torch.float32)
 
 
-@torch.library.triton_op("flexsparse::llsa_select", mutates_args=())
+@triton_op("flexsparse::llsa_select")
 def llsa_select(q_pyr: Tensor, k_pyr: Tensor, n: int, block: int, topk: list[int]) -> Tensor:
     """Packed hierarchical top-K ``(B, H, S)`` int32 from pooled pyramids (``llsa_pool`` of q and k)."""
     levels = level_table(n, block, topk)
@@ -70,7 +72,7 @@ def _torch_attention(q, k, v, kc, vc, sel, levels: Levels, scale: float):
                                        levels.unpack(sel), scale)
 
 
-@torch.library.triton_op("flexsparse::llsa_attn", mutates_args=())
+@triton_op("flexsparse::llsa_attn")
 def llsa_attn(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, sel: Tensor, block: int, topk: list[int],
               scale: float, fuse_pool: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
     """LLSA output ``(B, H, N, D)`` and natural-log LSE ``(B, H, N)`` fp32.
@@ -107,7 +109,7 @@ def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scal
     return dq, dk, dv, dkc, dvc
 
 
-@torch.library.triton_op("flexsparse::llsa_attn_bwd", mutates_args=())
+@triton_op("flexsparse::llsa_attn_bwd")
 def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor,
                   sel: Tensor, o: Tensor, lse: Tensor, block: int, topk: list[int], scale: float, fuse_pool: bool,
                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -29,11 +29,12 @@ from ..masks import kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..masks.topk import sorted_block_topk
 from .ops import contiguous, use_kernels
+from .registry import triton_op
 
 MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state per program in registers)
 
 
-@torch.library.triton_op("flexsparse::block_topk", mutates_args=())
+@triton_op("flexsparse::block_topk")
 def block_topk(q_pooled: Tensor, k_pooled: Tensor, topk: int, bottomk: int) -> tuple[Tensor, Tensor]:
     """``(top (B, H, Tq, topk), bottom (B, H, Tq, bottomk))`` int32 ascending (``masks.block_topk``; the
     bottom table is empty for ``bottomk = 0``). q_pooled ``(B, H, Tq, D)``, k_pooled ``(B, Hk, Tk, D)``."""
@@ -92,7 +93,7 @@ def _linear_kernels(q: Tensor) -> bool:
     return use_kernels(q) and q.shape[-1] <= MAX_KERNEL_D
 
 
-@torch.library.triton_op("flexsparse::masked_linear", mutates_args=())
+@triton_op("flexsparse::masked_linear")
 def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int, block_k: int, feature_map: str,
                   eps: float) -> tuple[Tensor, Tensor]:
     """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states ``[H_i | Z_i]``
@@ -111,7 +112,7 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
     return out.flatten(2, 3)[:, :, :nq].to(q.dtype), rows
 
 
-@torch.library.triton_op("flexsparse::masked_linear_bwd", mutates_args=())
+@triton_op("flexsparse::masked_linear_bwd")
 def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows: Tensor, block_q: int,
                       block_k: int, feature_map: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows``.
