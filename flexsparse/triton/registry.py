@@ -4,8 +4,9 @@
 ``torch.compile(fullgraph=True)`` traces the kernels; the body is its own fake implementation) and returns an
 ``Op``. Calling an ``Op`` on plain eager tensors with no autograd graph to record runs the body directly, with
 plain kernel launches: through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) each
-call costs ~50 us of host time, which is what paces an eager LLSA forward at N = 16384 on an H100. Everything
-else (``torch.compile``, fake or functional tensors, inputs that need gradients) goes through the op.
+call cost ~30-50 us of host time (2-core CPU VM), about half the host time of an eager LLSA forward, which at
+small N is slower than the GPU work. Everything else (``torch.compile``, fake or functional tensors, inputs that
+need gradients) goes through the op.
 """
 from __future__ import annotations
 
