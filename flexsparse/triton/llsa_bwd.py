@@ -70,6 +70,7 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
     dq = tl.zeros([BM, BD], tl.float32)
     n_total = N_SPARSE + TOP_T
+    # the forward's chunk loading, written out: a shared helper ran 3-4 % slower (docs/triton_llsa.md)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
         key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
         k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
