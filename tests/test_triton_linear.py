@@ -6,11 +6,14 @@ dense block sums; forced through ``FLEXSPARSE_TRITON_TILES``), against the PyTor
 inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
 with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that are not powers of two, the
 three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
-gives exactly 0; opcheck of both ops. They run in a child pytest started with ``TRITON_INTERPRET=1``
+gives exactly 0; opcheck of both ops; ``mixed_output`` (op ``masked_linear_mix``: SLA's projection and SLA2's
+alpha lerp in the output kernel) against the branch combined in PyTorch (outputs and the gradients of q, k, v,
+o_s, weight, bias, alpha). They run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_suite``).
 GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
 against the PyTorch path (fp64); the default strategy against the torch backend, eager and
-``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients.
+``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_output`` in bf16 against the
+unfused combine, eager and compiled.
 """
 from __future__ import annotations
 
@@ -259,6 +262,100 @@ def test_opcheck_cpu_fallback():
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+MIXES = ["proj", "alpha_shared", "alpha_per_head"]
+
+
+def _mix_params(kind: str, heads: int, tq: int, d: int, device="cpu") -> dict:
+    """Random (never zero) mixing parameters of ``kind``, fp32: SLA's weight and bias or SLA2's alpha."""
+    gen = torch.Generator().manual_seed(1)
+    if kind == "proj":
+        return {"weight": torch.randn(d, d, generator=gen).div(d**0.5).to(device),
+                "bias": torch.randn(d, generator=gen).to(device)}
+    rows = heads if kind == "alpha_per_head" else 1
+    return {"alpha": torch.rand(rows, tq, generator=gen).mul(0.8).add(0.1).to(device)}
+
+
+def _unfused(q, k, v, selection, o_s, fmap, weight=None, bias=None, alpha=None):
+    """The branch (``masked_linear_attention``) combined in PyTorch as the methods do without the fused kernel."""
+    o_l = triton_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+    if weight is not None:
+        return o_s + torch.nn.functional.linear(o_l, weight.to(q.dtype), bias.to(q.dtype))
+    tokens = torch.arange(q.shape[2], device=q.device) // selection.block_q
+    return torch.lerp(o_l, o_s, alpha.to(q.dtype)[:, tokens].unsqueeze(-1))
+
+
+def _mix_run(fn, q, k, v, selection, o_s, params, fmap):
+    """Output and the gradients of q, k, v, o_s and the mixing parameters of a fixed random loss."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, o_s)]
+    extra = {name: t.detach().clone().requires_grad_() for name, t in params.items()}
+    out = fn(*leaves[:3], selection, leaves[3], fmap, **extra)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
+    (out.float() * weight).sum().backward()
+    return {"out": out, **{n: x.grad for n, x in zip("qkvs", leaves)}, **{n: t.grad for n, t in extra.items()}}
+
+
+def _fused(q, k, v, selection, o_s, fmap, **params):
+    return triton_linear.mixed_output(q, k, v, selection, o_s, feature_map=fmap, eps=1e-5, **params)
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", MIXES)
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,bq,bk,ratio,negligible,fmap", CASES[:3])
+def test_mixed_output_matches_unfused(kind, b, h, hk, nq, nk, d, bq, bk, ratio, negligible, fmap, strategy):
+    """The combine in the output kernel (fp32, interpreter) equals the branch combined in PyTorch: output and the
+    gradients of q, k, v, o_s and weight / bias / alpha (GQA, odd N, block_q != block_k, excluded blocks)."""
+    q, k, v = _inputs(b, h, hk, nq, nk, d)
+    o_s = torch.randn_like(q)
+    selection = _selection(q, k, bq, bk, ratio, negligible)
+    params = _mix_params(kind, h, selection.num_q_blocks, d)
+    got = _mix_run(_fused, q, k, v, selection, o_s, params, fmap)
+    want = _mix_run(_unfused, q, k, v, selection, o_s, params, fmap)
+    assert set(got) == set(want) and got["out"].dtype == q.dtype
+    for name in want:
+        assert want[name].abs().max() > 0, name                    # every gradient is exercised
+        assert ts.rel_err(got[name], want[name]) < 1e-5, name
+
+
+@cpu_only
+def test_mixed_output_inference_all_skipped_and_opcheck():
+    """Without gradients O_l is not stored (same output as with it); every block skipped gives None (O_l = 0:
+    the methods combine in PyTorch); opcheck of ``masked_linear_mix``; weight together with alpha is refused."""
+    q, k, v = _inputs(1, 4, 2, 50, 50, 16)
+    o_s = torch.randn_like(q)
+    selection = _selection(q, k, 16, 16, 0.25, 0.0)
+    params = _mix_params("proj", 4, selection.num_q_blocks, 16)
+    with torch.no_grad():
+        out = _fused(q, k, v, selection, o_s, "elu", **params)
+    trained = _fused(q, k, v, selection, o_s, "elu", **{n: t.clone().requires_grad_() for n, t in params.items()})
+    assert trained.requires_grad and torch.equal(out, trained.detach())
+    everything = BlockSelection(torch.zeros(1, 4, 4, 1, dtype=torch.int32), 16, 16, 50, 50,
+                                excluded=torch.arange(1, 4, dtype=torch.int32).expand(1, 4, 4, 3).contiguous())
+    assert _fused(q, k, v, everything, o_s, "elu", **params) is None
+    skipped = skipped_blocks(selection)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, o_s.requires_grad_(),
+            params["weight"].requires_grad_(), params["bias"].requires_grad_(), None, 16, 16, "elu", 1e-5, True)
+    torch.library.opcheck(sla_ops.masked_linear_mix.op, args, test_utils=("test_schema", "test_autograd_registration"))
+    with pytest.raises(ValueError, match="either weight"):
+        sla_ops.masked_linear_mix(q, k, v, skipped, o_s, params["weight"], None, torch.ones(1, 4), 16, 16, "elu",
+                                  1e-5, False)
+
+
+@cpu_parent
+def test_mixed_output_leaves_other_cases_to_pytorch():
+    """``mixed_output`` is None where the kernels do not run (CPU without the interpreter, fp64); the op itself
+    raises there, naming what it needs."""
+    q, k, v = _inputs(1, 2, 1, 40, 40, 8)
+    selection = _selection(q, k, 8, 8, 0.2, 0.0)
+    params = _mix_params("alpha_shared", 2, selection.num_q_blocks, 8)
+    with ts.interpreter_env(False):
+        assert _fused(q, k, v, selection, torch.randn_like(q), "elu", **params) is None
+        with pytest.raises(ValueError, match="Triton kernels only"):
+            sla_ops.masked_linear_mix(q, k, v, skipped_blocks(selection), q, None, None, params["alpha"], 8, 8, "elu",
+                                      1e-5, False)
+    with ts.interpreter_env(True):
+        assert _fused(q.double(), k.double(), v.double(), selection, q.double(), "elu", **params) is None
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
@@ -331,3 +428,20 @@ def test_gpu_opcheck(strategy):
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
                 "softmax", 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
+
+
+@gpu
+@pytest.mark.parametrize("kind", MIXES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_mixed_output_bf16(kind, compiled):
+    """bf16, realistic size: the fused combine against the branch combined in PyTorch (same kernels for O_l)."""
+    torch.manual_seed(0)
+    q, k, v = _inputs(2, 8, 4, 16384, 16384, 64, torch.bfloat16, "cuda")
+    o_s = torch.randn_like(q)
+    selection = _selection(q, k, 64, 64, 0.05, 0.0)
+    params = _mix_params(kind, 8, selection.num_q_blocks, 64, "cuda")
+    fused = torch.compile(_fused, fullgraph=True) if compiled else _fused
+    got = _mix_run(fused, q, k, v, selection, o_s, params, "softmax")
+    want = _mix_run(_unfused, q, k, v, selection, o_s, params, "softmax")
+    for name in want:
+        assert ts.rel_err(got[name], want[name]) < 1e-2, name

@@ -2,7 +2,8 @@
 
 Same contract as ``torch_linear.masked_linear_attention``; no token gather: per key block ``[h_j | z_j]``, per
 query block the global sums minus its skipped blocks (O(N (K + Kx) D^2) gathers) or, with many skipped blocks,
-the kept blocks' sums as tensor-core block matmuls (``flexsparse.triton.linear_dense``).
+the kept blocks' sums as tensor-core block matmuls (``flexsparse.triton.linear_dense``). ``mixed_output``: the
+branch with SLA's or SLA2's combine done in its output kernel.
 """
 from __future__ import annotations
 
@@ -25,4 +26,22 @@ def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if skipped.shape[-1] == selection.num_k_blocks:
         return q.new_zeros(q.shape)
     out, _ = sla_ops.masked_linear(q, k, v, skipped, selection.block_q, selection.block_k, feature_map, eps)
+    return out
+
+
+def mixed_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, o_s: torch.Tensor, *,
+                 feature_map: str, eps: float, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 alpha: torch.Tensor | None = None) -> torch.Tensor | None:
+    """SLA's ``o_s + O_l W^T + b`` (``weight (D, D)``, ``bias (D,)``) or SLA2's ``O_l + alpha (o_s - O_l)``
+    (``alpha (1 or H, Tq)``) with the masked linear branch O_l, mixed in the branch's output kernel (one pass
+    instead of O_l, a projection and a sum). ``(B, H, Nq, D)`` in q's dtype, differentiable w.r.t. q, k, v, o_s,
+    weight, bias and alpha; ``None`` when the kernels do not run on q (``sla_ops.linear_kernels``) or every
+    block is skipped (O_l = 0): the caller combines in PyTorch then."""
+    skipped = skipped_blocks(selection)
+    if not sla_ops.linear_kernels(q) or skipped.shape[-1] == selection.num_k_blocks:
+        return None
+    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, o_s, weight, bias,
+                                                                                     alpha))
+    out, _, _ = sla_ops.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
+                                          selection.block_k, feature_map, eps, store)
     return out

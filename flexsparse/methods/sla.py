@@ -48,6 +48,12 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"], quant=cfg.quant)
     o_s, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic,
                                quant=cfg.quant)
+    if backend == "triton" and cfg.linear == "masked":   # the combine inside the linear branch's output kernel
+        from ..backends.triton_linear import mixed_output
+        out = mixed_output(q, k, v, selection, o_s, feature_map=cfg.feature_map, eps=cfg.eps,
+                           weight=p["proj_weight"], bias=p["proj_bias"])
+        if out is not None:
+            return out, lse
     if cfg.linear == "masked":
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, selection, feature_map=cfg.feature_map, eps=cfg.eps)
     else:

@@ -94,6 +94,12 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     else:
         o_s, lse = block_attention(q, k, v, mask, scale, backend=backend,
                                    deterministic=cfg.deterministic, quant=cfg.quant)
+        if backend == "triton":                    # the lerp inside the linear branch's output kernel
+            from ..backends.triton_linear import mixed_output
+            out = mixed_output(q, k, v, mask, o_s, feature_map=cfg.feature_map, eps=cfg.eps,
+                               alpha=torch.sigmoid(p["alpha_logit"].to(acc)))
+            if out is not None:
+                return out, lse
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
     alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)

@@ -9,13 +9,16 @@
   the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored packed
   ``(D, D + 1)`` fp32 for the backward; without it the packed rows come summed from ``linear_dense`` (the dense
   strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
-  never reaches HBM.
+  never reaches HBM. With a ``Mix`` the same kernel also combines the branches (SLA's ``O_s + O_l W^T + b``,
+  SLA2's ``alpha`` lerp) in its epilogue, so the methods' combine costs no extra pass over HBM.
 
 States are stored in bf16 for bf16 inputs (half the gathered bytes; the totals are summed from the same rounded
 states, so ``H_i`` is exactly the fp32 sum of its kept rounded states, no cancellation is amplified) and fp32
 otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -99,9 +102,13 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS: tl.constexpr, NQ, TQ, TK, S, H, GROUP, D: tl.constexpr,
-                    BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                    FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
+def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr, NQ, TQ, TK,
+                    S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+                    SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr,
+                    STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
+    """O_l of query block ``program_id(0)``; ``MIX`` 0: O = O_l; 1 (SLA): O = O_s + O_l W^T + bias; 2 (SLA2):
+    O = O_l + alpha (O_s - O_l), alpha = ``ALPHA[h * alpha_h + i]``. With ``MIX`` the O_l rounded to q's dtype
+    is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores it to ``OL``."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     dim = tl.arange(0, BD)
@@ -128,6 +135,11 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS: tl.constexpr, NQ, TQ, 
     else:                                                  # rows summed by linear_dense.query_sums
         state_h = tl.load(row + dim[:, None] * (D + 1) + dim[None, :], mask=hmask, other=0.0)
         state_z = tl.load(row + dim * (D + 1) + D, mask=dim_ok, other=0.0)
+    if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
+        w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
+        bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(tl.float32)
+    if MIX == 2:
+        alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(tl.float32)
     base = bh.to(tl.int64) * NQ * D
     for c in range(SPLIT):
         rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
@@ -136,7 +148,19 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, EPS: tl.constexpr, NQ, TQ, 
         phi = feature(tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32), mask, 1, FMAP)
         num = dot(phi, state_h, BF16)
         den = EPS + tl.sum(phi * state_z[None, :], axis=1)
-        tl.store(O + ptr, (num / den[:, None]).to(O.dtype.element_ty), mask=mask)
+        o_l = (num / den[:, None]).to(O.dtype.element_ty)
+        if MIX == 0:
+            tl.store(O + ptr, o_l, mask=mask)
+        else:
+            if STORE_LINEAR:
+                tl.store(OL + ptr, o_l, mask=mask)
+            o_s = tl.load(OS + ptr, mask=mask, other=0.0).to(tl.float32)
+            if MIX == 1:
+                out = o_s + dot(o_l, w_t, BF16) + bias[None, :]
+            else:
+                lin = o_l.to(tl.float32)
+                out = lin + alpha * (o_s - lin)
+            tl.store(O + ptr, out.to(O.dtype.element_ty), mask=mask)
 
 
 def feature_code(name: str) -> int:
@@ -194,10 +218,24 @@ def key_states(k: torch.Tensor, v: torch.Tensor, block_k: int, feature_map: str,
     return hs, zs
 
 
+class Mix(NamedTuple):
+    """What the output kernel mixes into O_l (``linear_forward``'s ``mix``): ``o_s (B, H, Nq, D)`` contiguous,
+    and either ``weight (D, D)`` (``nn.Linear`` layout) and ``bias (D,)`` (SLA: ``O_s + O_l W^T + b``) or
+    ``alpha (1 or H, Tq)`` (SLA2: ``O_l + alpha (O_s - O_l)``), all contiguous in q's dtype; ``store_linear``:
+    also return the O_l that was mixed."""
+
+    o_s: torch.Tensor
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+    store_linear: bool = True
+
+
 def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_q: int,
-                   block_k: int, feature_map: str, eps: float, tiles: dict | None = None):
+                   block_k: int, feature_map: str, eps: float, tiles: dict | None = None, mix: Mix | None = None):
     """``o (B, H, Nq, D)`` in q's dtype and the query-block states ``rows (B, H, Tq, D (D + 1))`` fp32 (packed
-    ``[H_i | Z_i]``, row a = ``H_i[a, :], Z_i[a]``).
+    ``[H_i | Z_i]``, row a = ``H_i[a, :], Z_i[a]``); with ``mix`` (``Mix``) ``o`` is the mixed output and a third
+    result is O_l (``None`` unless ``mix.store_linear``).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` in q's dtype, all contiguous; skipped: ``(B, H, Tq, S)``
     int32 contiguous, the key blocks each query block leaves out.
@@ -216,8 +254,13 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
         ht, zt = hs, zs
         rows = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs, bf16)
     tile, n_split = split(block_q, tiles["TQ"])
+    code = 0 if mix is None else 1 if mix.weight is not None else 2
+    o_l = torch.empty_like(q) if code and mix.store_linear else None
+    extra = (o, o, o, o, o, 0) if mix is None else (
+        mix.o_s, o if o_l is None else o_l, mix.weight if code == 1 else o, mix.bias if code == 1 else o,
+        mix.alpha if code == 2 else o, tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
     launcher(_forward_kernel)[(tq, bsz * heads)](
-        q, hs, zs, ht, zt, skipped, o, rows, float(eps), nq, tq, hs.shape[2], width, heads, heads // k.shape[1], D=d,
-        BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
-        GATHER=gather, STAGES=tiles["stages"], num_warps=tiles["warps"])
-    return o, rows
+        q, hs, zs, ht, zt, skipped, o, rows, *extra, float(eps), nq, tq, hs.shape[2], width, heads, heads // k.shape[1],
+        D=d, BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
+        GATHER=gather, STAGES=tiles["stages"], MIX=code, STORE_LINEAR=o_l is not None, num_warps=tiles["warps"])
+    return (o, rows) if mix is None else (o, rows, o_l)

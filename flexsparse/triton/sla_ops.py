@@ -6,7 +6,9 @@
 ``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32 sums, fp64 for fp64 inputs). Kernels: ``linear_fwd``
 (key-block states, fused gather-subtract + output) and ``linear_bwd`` (query-major dq and state gradients,
 key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
-(``linear_dense``, ``linear_fwd.dense``); phi and its gradient run in-kernel.
+(``linear_dense``, ``linear_fwd.dense``); phi and its gradient run in-kernel. ``masked_linear_mix``
+(differentiable, kernels only): the branch with the methods' combine in its output kernel (SLA's
+``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp).
 
 Memory: the op returns the query-block states ``(B, H, Tq, D (D + 1))`` fp32 (saved for backward: about
 ``2 D / block_q`` times the size of a bf16 q); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))``
@@ -19,6 +21,8 @@ is set, else falls back to PyTorch (``_features``, ``_query_states_torch``, ``_k
 matmuls); fp64 and head dims above ``MAX_KERNEL_D`` always take the fallback.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +92,7 @@ def _key_states_torch(total: Tensor, grads: Tensor, skipped: Tensor, tk: int) ->
     return total.unsqueeze(2) - _group_sum(sums, total.shape[1])
 
 
-def _linear_kernels(q: Tensor) -> bool:
+def linear_kernels(q: Tensor) -> bool:
     """Whether the masked linear ops on ``q`` run the Triton kernels (``use_kernels`` and D <= ``MAX_KERNEL_D``)."""
     return use_kernels(q) and q.shape[-1] <= MAX_KERNEL_D
 
@@ -99,7 +103,7 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
     """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states ``[H_i | Z_i]``
     ``(B, H, Tq, D (D + 1))`` (fp32, fp64 for fp64; for the backward). q ``(B, H, Nq, D)``; k, v
     ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the key blocks each query block leaves out, S < Tk."""
-    if _linear_kernels(q):
+    if linear_kernels(q):
         from .linear_fwd import linear_forward
         return linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps)
     nq, d = q.shape[2], q.shape[3]
@@ -121,7 +125,7 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
     ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
     ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
-    if _linear_kernels(q):
+    if linear_kernels(q):
         from .linear_bwd import linear_backward
         return linear_backward(*contiguous(do, q, k, v, skipped, rows), block_q, block_k, feature_map, eps)
     nq, d = q.shape[2], q.shape[3]
@@ -160,3 +164,75 @@ def _backward(ctx, do, _):
 
 
 masked_linear.register_autograd(_backward, setup_context=_setup)
+
+
+@triton_op("flexsparse::masked_linear_mix")
+def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Tensor, weight: Optional[Tensor],
+                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, feature_map: str,
+                      eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The masked linear branch O_l (``masked_linear``) combined with the sparse output ``o_s (B, H, Nq, D)`` in
+    the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``, alpha
+    None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
+    None). weight, bias and alpha are cast to q's dtype, O_l is rounded to it before mixing (as the unfused
+    methods do). Returns ``(out, o_l, rows)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward needs
+    it) else empty, and the query-block states. Runs the kernels only (``linear_kernels(q)``)."""
+    if not linear_kernels(q):
+        raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
+                         f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
+                         f"{q.shape[-1]} on {q.device.type}; use masked_linear and combine in PyTorch")
+    if (weight is None) == (alpha is None):
+        raise ValueError("masked_linear_mix takes either weight (and bias) or alpha")
+    from .linear_fwd import Mix, linear_forward
+    cast = [None if t is None else t.to(q.dtype).contiguous() for t in (weight, bias, alpha)]
+    if weight is not None and cast[1] is None:
+        cast[1] = q.new_zeros(q.shape[-1])
+    out, rows, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
+                                    mix=Mix(o_s.contiguous(), *cast, store_linear=store_linear))
+    return out, (q.new_empty(0) if o_l is None else o_l), rows
+
+
+def _mix_setup(ctx, inputs, output):
+    q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k, feature_map, eps, _ = inputs
+    _, o_l, rows = output
+    ctx.save_for_backward(q, k, v, skipped, rows, o_l, o_s if alpha is not None else None, weight, alpha)
+    ctx.mark_non_differentiable(o_l, rows)
+    ctx.args = (block_q, block_k, feature_map, eps)
+    ctx.has_bias = bias is not None
+
+
+def _alpha_grad(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor, block_q: int) -> Tensor:
+    """``d alpha (1 or H, Tq)`` of ``out = O_l + alpha (o_s - O_l)``: ``dout . (o_s - O_l)`` summed over each query
+    block's tokens and the head dim (one batched dot per block, no fp32 copy of the operands), then over the
+    batch (and the heads for a shared alpha)."""
+    bsz, heads, n, d = dout.shape
+    tq = alpha.shape[-1]
+    diff = o_s - o_l
+    if tq * block_q != n:                           # ragged last block: zero padded tokens
+        dout, diff = (F.pad(x, (0, 0, 0, tq * block_q - n)) for x in (dout, diff))
+    dots = torch.bmm(dout.reshape(-1, 1, block_q * d), diff.reshape(-1, block_q * d, 1))   # (B H Tq, 1, 1)
+    grad = dots.view(bsz, heads, tq).float().sum(0)                                        # (H, Tq)
+    return (grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)).to(alpha.dtype)
+
+
+def _mix_backward(ctx, dout, _do_l, _drows):
+    q, k, v, skipped, rows, o_l, o_s, weight, alpha = ctx.saved_tensors
+    block_q = ctx.args[0]
+    if o_l.numel() == 0:
+        raise RuntimeError("masked_linear_mix was called with store_linear=False; pass True when gradients are needed")
+    d_weight = d_bias = d_alpha = None
+    if weight is not None:                          # out = o_s + O_l W^T + b
+        d_os, d_ol = dout, dout @ weight.to(dout.dtype)
+        flat = dout.flatten(0, 2)
+        d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
+        d_bias = flat.sum(0).to(weight.dtype) if ctx.has_bias else None
+    else:                                           # out = O_l + alpha (o_s - O_l)
+        tokens = torch.arange(q.shape[2], device=q.device) // block_q
+        a = alpha.to(dout.dtype)[:, tokens].unsqueeze(-1)                        # (1 or H, Nq, 1)
+        d_os = dout * a
+        d_ol = dout - d_os
+        d_alpha = _alpha_grad(dout, o_s, o_l, alpha, block_q)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows, *ctx.args)
+    return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
+
+
+masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
