@@ -8,7 +8,8 @@ attend: softmax attention over the critical blocks (FP8 fake-quantized with ``qu
 SLA-1) or over every key with ``linear="full"`` (the official main branch).
 combine: ``O = O_s + O_l W^T + b`` in the input dtype (W and b, fp32 parameters, cast to it; bf16 / fp16
 matmuls accumulate in fp32, as autocast's ``Linear`` does), W and b zero-initialised, so a fresh module
-returns the sparse branch. The returned LSE is the sparse branch's.
+returns the sparse branch. On ``triton`` with ``linear="masked"`` the combine runs in the linear branch's
+output kernel (``backends.triton_linear.mixed_output``). The returned LSE is the sparse branch's.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ attend: softmax attention over the selected blocks and linear attention over the
 ``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft); ``quant`` (hard
 router only) fake-quantizes the sparse branch's forward in FP8.
 combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dtype), ``alpha =
-sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``). The returned LSE is the
-sparse branch's.
+sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); on ``triton`` (hard router)
+in the linear branch's output kernel (``backends.triton_linear.mixed_output``). The returned LSE is the sparse
+branch's.
 """
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def _mix_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, skipped, rows, o_l, o_s if alpha is not None else None, weight, alpha)
     ctx.mark_non_differentiable(o_l, rows)
     ctx.args = (block_q, block_k, feature_map, eps)
-    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _alpha_grad(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor, block_q: int) -> Tensor:
@@ -224,7 +224,7 @@ def _mix_backward(ctx, dout, _do_l, _drows):
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
         flat = dout.flatten(0, 2)
         d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
-        d_bias = flat.sum(0).to(weight.dtype) if ctx.has_bias else None
+        d_bias = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
         tokens = torch.arange(q.shape[2], device=q.device) // block_q
         a = alpha.to(dout.dtype)[:, tokens].unsqueeze(-1)                        # (1 or H, Nq, 1)
