@@ -16,7 +16,10 @@ from .torch_sparse import _gather_blocks, _pad_tokens
 
 
 def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
-    """phi over the last dim in the accumulation dtype: ``softmax``, ``elu`` (elu + 1) or ``relu``."""
+    """phi over the last dim in the accumulation dtype: ``softmax``, ``elu`` (elu + 1) or ``relu`` (softmax
+    converts inside its kernel: no accumulation-dtype copy of x)."""
+    if name == "softmax":
+        return torch.softmax(x, dim=-1, dtype=accumulation_dtype(x.dtype))
     return feature_map_dense(x.to(accumulation_dtype(x.dtype)), name)
 
 
@@ -111,7 +114,7 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     w = weights.to(acc).unflatten(1, (kv_heads, heads // kv_heads))             # (B, Hk, G, Tq, Tk)
     h_rows = (w.to(states) @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)  # (B, H, Tq, D, D)
     z_rows = (w @ z.unsqueeze(2)).flatten(1, 2)                                 # (B, H, Tq, D)
-    num = (phi_q.to(states) @ h_rows).to(acc)
+    num = phi_q.to(states) @ h_rows                                             # promoted by the division
     out = num / (eps + phi_q @ z_rows.unsqueeze(-1))
     return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
 
