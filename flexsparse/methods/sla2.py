@@ -87,6 +87,7 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if backend == "reference":
         return sla2_dense(q, k, v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
                           alpha_logit=p["alpha_logit"], quant=cfg.quant)
+    alpha = torch.sigmoid(p["alpha_logit"].to(acc))                                             # (rows, Tq)
     if isinstance(mask, SoftBlockMask):            # calibration: soft weights on every block (torch)
         o_s, lse = torch_soft.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q,
                                                    mask.block_k, scale)
@@ -97,11 +98,10 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
                                    deterministic=cfg.deterministic, quant=cfg.quant)
         if backend == "triton":                    # the lerp inside the linear branch's output kernel
             from ..backends.triton_linear import mixed_output
-            out = mixed_output(q, k, v, mask, o_s, feature_map=cfg.feature_map, eps=cfg.eps,
-                               alpha=torch.sigmoid(p["alpha_logit"].to(acc)))
+            out = mixed_output(q, k, v, mask, o_s, feature_map=cfg.feature_map, eps=cfg.eps, alpha=alpha)
             if out is not None:
                 return out, lse
         o_l = torch_linear.masked_linear_for(backend)(q, k, v, mask, feature_map=cfg.feature_map, eps=cfg.eps)
     token_block = torch.arange(n, device=q.device) // cfg.block_q
-    alpha = torch.sigmoid(p["alpha_logit"].to(acc))[:, token_block].unsqueeze(0).unsqueeze(-1)   # (1, rows, N, 1)
-    return torch.lerp(o_l, o_s, alpha.to(q.dtype)), lse      # one pass, fp32 math inside for bf16 / fp16
+    per_token = alpha[:, token_block].unsqueeze(0).unsqueeze(-1)                                  # (1, rows, N, 1)
+    return torch.lerp(o_l, o_s, per_token.to(q.dtype)), lse  # one pass, fp32 math inside for bf16 / fp16
