@@ -85,10 +85,10 @@ def _block_fwd_kernel(Q, K, V, IDX, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, H, GRO
         keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
         k = load_tile(K + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
         v = load_tile(V + kv_head, keys, k_n, dim, key_ok, D, BD, MASK_K)
-        s = mm(q, tl.trans(k), IEEE) * SCALE2
+        s = mm(q, tl.trans(k), IEEE)
         if MASK_K:
             s = tl.where(key_ok[None, :], s, float("-inf"))
-        m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
+        m, l, acc = softmax_step(s, SCALE2, v, m, l, acc, IEEE)
     store_tile(O + q_head, acc / l[:, None], rows, q_n, dim, row_ok, D, BD, MASK_Q)
     lse = LSE + bh.to(tl.int64) * NQ + rows
     if MASK_Q:

@@ -35,12 +35,14 @@ def mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(s, v, m, l, acc, IEEE: tl.constexpr):
-    """Online-softmax update of ``(m, l, acc)`` with logits ``s (BM, BN)`` (log2) and values ``v (BN, BD)``."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+def softmax_step(x, scale, v, m, l, acc, IEEE: tl.constexpr):
+    """Online-softmax update of ``(m, l, acc)`` with logits ``x * scale`` (log2 units; ``x (BM, BN)``, ``scale > 0`` a
+    scalar) and values ``v (BN, BD)``. The row max is taken on ``x`` (``max(x) scale`` is ``max(x scale)`` exactly:
+    rounding is monotone), so each logit costs one FMA in ``exp2(x scale - m)``."""
+    m_new = tl.maximum(m, tl.max(x, axis=1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(x * scale - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
     return m_new, l, acc

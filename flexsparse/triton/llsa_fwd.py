@@ -113,7 +113,7 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, 
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
         else:
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
-        m, l, acc = softmax_step(s, v, m, l, acc, IEEE)
+        m, l, acc = softmax_step(s, 1.0, v, m, l, acc, IEEE)
     store_rows(O + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, acc / l[:, None], rows, q_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
 
@@ -158,7 +158,7 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
             for c in tl.static_range(0, KEYS, FN):
                 tok = even_fine_keys(sel + qb0 * topk, c, FN, BLOCK)
                 s = mm(q, tl.trans(load_tile(kb, tok, k_n, dim, row_ok, D, BD, False)), IEEE) * SCALE2
-                m, l, acc = softmax_step(s, load_tile(vb, tok, k_n, dim, row_ok, D, BD, False), m, l, acc, IEEE)
+                m, l, acc = softmax_step(s, 1.0, load_tile(vb, tok, k_n, dim, row_ok, D, BD, False), m, l, acc, IEEE)
         else:
             n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
             row_block = rows // BLOCK - qb0
@@ -167,7 +167,7 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
                 ok = ok & (tok < N)
                 s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
                 s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-                m, l, acc = softmax_step(s, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+                m, l, acc = softmax_step(s, 1.0, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
         store_tile(o, acc / l[:, None], rows, o_n, dim, row_ok, D, BD, not EVEN)
         tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
