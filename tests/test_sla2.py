@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import flexsparse
 from flexsparse.backends import torch_linear, torch_soft, torch_sparse
 from flexsparse.config import Config
-from flexsparse.masks import SoftBlockMask, soft_topk, soft_topk_logits
+from flexsparse.masks import SoftBlockMask, key_mean, smoothed_keys, soft_topk, soft_topk_logits
 from flexsparse.methods import sla as sla_method
 from flexsparse.methods import sla2 as sla2_method
 from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
@@ -99,8 +99,7 @@ def test_untrained_router_equals_sla_selection(smooth_k, n, block_q, block_k, he
     q, k, _ = (x.detach() for x in leaf_qkv(2, heads[0], heads[1], n, 8))
     k = k + 3 * torch.randn(8, dtype=k.dtype)
     p = sla2_method.init_params(cfg, 8, heads[0], n)
-    keys = k - k.mean(2, keepdim=True) if smooth_k == "all" else k
-    got = sla2_method.route(q, keys, cfg, p["proj_q"], p["proj_k"])
+    got = sla2_method.route(q, k, cfg, p["proj_q"], p["proj_k"])
     want = sla_method.select(q, k, Config.from_dict({"method": "sla", "block_q": block_q, "block_k": block_k,
                                                       "topk_ratio": 0.2}))
     assert torch.equal(got.indices, want.indices)
@@ -114,8 +113,35 @@ def test_trained_hard_router_matches_bruteforce(smooth_k):
     p = params_for(cfg.to_dict(), 8, 4, 70, noise=0.5)
     wq, wk = p["proj_q"].detach(), p["proj_k"].detach()
     got = sla2_method.route(q, k, cfg, wq, wk)
-    want = block_select_bruteforce(q @ wq.T, k @ wk.T, 4, 8, 4, smooth_k=smooth_k == "router")
+    want = block_select_bruteforce(q @ wq.T, k @ wk.T, 4, 8, 4, smooth_k=True)
     assert torch.equal(got.indices, want.indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_smoothed_keys_round_once_and_differentiate_the_whole_map(dtype):
+    """``k - mean_N k`` in one pass equals the fp32 difference rounded once; its gradient is ``g - mean_N g``
+    (the mean's dependence on k included, not counted twice)."""
+    k = (5 + 2 * torch.randn(2, 3, 37, 8)).to(dtype).requires_grad_()
+    got = smoothed_keys(k, key_mean(k))
+    assert got.dtype == dtype
+    assert torch.equal(got, (k.detach().float() - key_mean(k.detach())).to(dtype))
+    grad = torch.randn(got.shape)
+    got.backward(grad.to(dtype))
+    k64 = k.detach().double().requires_grad_()
+    (k64 - k64.mean(2, keepdim=True)).backward(grad.to(dtype).double())
+    assert rel_err(k.grad.double(), k64.grad) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(k.grad.double(), grad.double()) > 1e-2          # the mean's share is there and matters
+    x = torch.randn(1, 2, 9, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: smoothed_keys(t, key_mean(t)), (x,))
+
+
+def test_smoothed_keys_compile_fullgraph_with_backward():
+    k = torch.randn(1, 2, 33, 8, requires_grad=True)
+    fn = torch.compile(lambda t: smoothed_keys(t, key_mean(t)).square().sum(), fullgraph=True, backend="aot_eager")
+    fn(k).backward()
+    k2 = k.detach().clone().requires_grad_()
+    (k2 - k2.mean(2, keepdim=True)).square().sum().backward()
+    torch.testing.assert_close(k.grad, k2.grad)
 
 
 @pytest.mark.parametrize("router_softmax", [True, False])

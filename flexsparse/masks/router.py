@@ -29,14 +29,40 @@ def sla_block_counts(topk_ratio: float, negligible_ratio: float, num_k_blocks: i
     return topk, bottomk
 
 
-def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *,
-              smooth_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *, smooth_k: bool,
+              k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block means of q ``(B, H, Tq, D)`` and k ``(B, Hk, Tk, D)``; with ``smooth_k`` the per-head
-    key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k)."""
+    key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k), ``k_mean``
+    ``(B, Hk, 1, D)`` when the caller has it (``key_mean(k)``)."""
     q_bar, k_bar = mean_pool(q, block_q), mean_pool(k, block_k)
     if smooth_k:
-        k_bar = k_bar - k.mean(2, keepdim=True, dtype=accumulation_dtype(k.dtype))
+        k_bar = k_bar - (key_mean(k) if k_mean is None else k_mean)
     return q_bar, k_bar
+
+
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype."""
+    return k.mean(2, keepdim=True, dtype=accumulation_dtype(k.dtype))
+
+
+class _SmoothedKeys(torch.autograd.Function):
+    """``k - k_mean`` computed in ``k_mean``'s dtype and rounded once to ``k``'s, in one pass (``out=``). The
+    backward is the derivative of the whole map ``k -> k - mean_N k`` (``g - mean_N g``), so ``k_mean``, which
+    must be ``key_mean(k)``, gets no gradient from here."""
+
+    @staticmethod
+    def forward(ctx, k, k_mean):
+        return torch.sub(k, k_mean, out=torch.empty_like(k))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.sub(grad, key_mean(grad), out=torch.empty_like(grad)), None
+
+
+def smoothed_keys(k: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
+    """SLA2's smoothed keys ``k - mean_N k`` in k's dtype (one rounding of the fp32 difference for bf16 / fp16),
+    differentiable. k: ``(B, Hk, N, D)``; k_mean: ``key_mean(k)``."""
+    return _SmoothedKeys.apply(k, k_mean)
 
 
 def router_scores(q_bar: torch.Tensor, k_bar: torch.Tensor, *, softmax: bool) -> torch.Tensor:
