@@ -340,6 +340,45 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
                                   1e-5, False)
 
 
+def _assert_rounded_once(d_ol, dout, alpha, block_q):
+    """``d_ol`` is ``(1 - alpha) dout`` rounded once (half a unit in the last place, a hair more for the fp32
+    product rounded again; no cancellation error)."""
+    tokens = torch.arange(dout.shape[2], device=dout.device) // block_q
+    exact = dout.double() * (1 - alpha.double()[:, tokens, None])
+    bound = 0.51 * torch.finfo(dout.dtype).eps * exact.abs() + torch.finfo(dout.dtype).smallest_normal
+    assert ((d_ol.double() - exact).abs() <= bound).all()
+
+
+def _lerp_inputs(b, h, n, d, bq, rows, dtype, device="cpu"):
+    dout, o_s, o_l = (torch.randn(b, h, n, d).to(device=device, dtype=dtype) for _ in range(3))
+    return dout, o_s, o_l, torch.rand(rows, num_blocks(n, bq)).to(device=device, dtype=dtype)
+
+
+LERP_CASES = [(2, 3, 37, 8, 16, 3), (1, 2, 300, 64, 128, 1), (1, 1, 20, 12, 64, 1), (2, 2, 64, 16, 32, 2)]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,h,n,d,bq,rows", LERP_CASES)
+def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
+    """SLA2's combine backward in one kernel pass (interpreter) equals the PyTorch path: d o_s and d O_l exactly
+    (fp32 products rounded once: d O_l within half a unit in the last place of (1 - alpha) dout), d alpha to fp32
+    rounding; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that are not
+    powers of two."""
+    args = _lerp_inputs(b, h, n, d, bq, rows, dtype)
+    got = sla_ops.lerp_mix_bwd(*args, bq)
+    with ts.interpreter_env(False):
+        want = sla_ops.lerp_mix_bwd(*args, bq)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _assert_rounded_once(got[1], args[0], args[3], bq)
+    assert got[2].shape == (rows, num_blocks(n, bq)) and got[2].dtype == torch.float32
+    want64 = (args[0].double() * (args[1] - args[2]).double()).flatten(-2)
+    want64 = torch.nn.functional.pad(want64, (0, num_blocks(n, bq) * bq * d - n * d)).unflatten(-1, (-1, bq * d))
+    want64 = want64.sum((0, -1)) if rows > 1 else want64.sum((0, 1, -1)).unsqueeze(0)
+    assert ts.rel_err(got[2], want64) < (1e-5 if dtype == torch.float32 else 2e-3)
+    torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
+
+
 @cpu_parent
 def test_mixed_output_leaves_other_cases_to_pytorch():
     """``mixed_output`` is None where the kernels do not run (CPU without the interpreter, fp64); the op itself
@@ -428,6 +467,21 @@ def test_gpu_opcheck(strategy):
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
                 "softmax", 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
+
+
+@gpu
+@pytest.mark.parametrize("b,h,n,d,bq,rows", LERP_CASES + [(2, 8, 65536, 64, 128, 1)])
+def test_gpu_lerp_mix_bwd_bf16(b, h, n, d, bq, rows):
+    """The kernel in bf16 on the GPU: d o_s and d O_l bitwise equal to the PyTorch path (d O_l rounded once),
+    d alpha to fp32 rounding (the PyTorch path rounds each block's dot to bf16)."""
+    args = _lerp_inputs(b, h, n, d, bq, rows, torch.bfloat16, "cuda")
+    got = sla_ops.lerp_mix_bwd(*args, bq)
+    want = sla_ops.lerp_mix_bwd(*[x.cpu() for x in args], bq)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    _assert_rounded_once(got[1], args[0], args[3], bq)
+    assert ts.rel_err(got[2].cpu(), want[2]) < 1e-2
+    if n < 1000:
+        torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq))
 
 
 @gpu

@@ -8,7 +8,7 @@
 key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
 (``linear_dense``, ``linear_fwd.dense``); phi and its gradient run in-kernel. ``masked_linear_mix``
 (differentiable, kernels only): the branch with the methods' combine in its output kernel (SLA's
-``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp).
+``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp, whose backward is ``lerp_mix_bwd``: kernel ``lerp_bwd``).
 
 Memory: the op returns the query-block states ``(B, H, Tq, D (D + 1))`` fp32 (saved for backward: about
 ``2 D / block_q`` times the size of a bf16 q); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))``
@@ -200,18 +200,29 @@ def _mix_setup(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _alpha_grad(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor, block_q: int) -> Tensor:
-    """``d alpha (1 or H, Tq)`` of ``out = O_l + alpha (o_s - O_l)``: ``dout . (o_s - O_l)`` summed over each query
-    block's tokens and the head dim (one batched dot per block, no fp32 copy of the operands), then over the
-    batch (and the heads for a shared alpha)."""
-    bsz, heads, n, d = dout.shape
-    tq = alpha.shape[-1]
-    diff = o_s - o_l
-    if tq * block_q != n:                           # ragged last block: zero padded tokens
-        dout, diff = (F.pad(x, (0, 0, 0, tq * block_q - n)) for x in (dout, diff))
-    dots = torch.bmm(dout.reshape(-1, 1, block_q * d), diff.reshape(-1, block_q * d, 1))   # (B H Tq, 1, 1)
-    grad = dots.view(bsz, heads, tq).float().sum(0)                                        # (H, Tq)
-    return (grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)).to(alpha.dtype)
+@triton_op("flexsparse::lerp_mix_bwd")
+def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
+                 block_q: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha)``. dout, o_s, o_l
+    ``(B, H, Nq, D)`` one dtype; alpha ``(1 or H, Tq)`` in that dtype (as the forward mixed); ``d o_s = alpha dout``
+    and ``d O_l = (1 - alpha) dout`` in fp32, rounded once; d alpha fp32, summed over each query block's tokens and
+    the head dim, then the batch (and the heads for one alpha row). Kernel ``lerp_bwd`` (one pass); the PyTorch
+    path is the same math in several passes."""
+    if use_kernels(dout):
+        from .lerp_bwd import lerp_backward
+        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)
+        grad = part.sum(0)                                                                   # (H, Tq)
+    else:
+        bsz, heads, n, d = dout.shape
+        tq = alpha.shape[-1]
+        a = alpha[:, torch.arange(n, device=dout.device) // block_q].unsqueeze(-1).to(accumulation_dtype(dout.dtype))
+        d_os, d_ol = (dout * a).to(dout.dtype), (dout * (1 - a)).to(dout.dtype)
+        diff = o_s - o_l
+        if tq * block_q != n:                       # ragged last block: zero padded tokens
+            dout, diff = (F.pad(x, (0, 0, 0, tq * block_q - n)) for x in (dout, diff))
+        dots = torch.bmm(dout.reshape(-1, 1, block_q * d), diff.reshape(-1, block_q * d, 1))   # (B H Tq, 1, 1)
+        grad = dots.view(bsz, heads, tq).float().sum(0)
+    return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
 
 
 def _mix_backward(ctx, dout, _do_l, _drows):
@@ -226,11 +237,8 @@ def _mix_backward(ctx, dout, _do_l, _drows):
         d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
         d_bias = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
-        tokens = torch.arange(q.shape[2], device=q.device) // block_q
-        a = alpha.to(dout.dtype)[:, tokens].unsqueeze(-1)                        # (1 or H, Nq, 1)
-        d_os = dout * a
-        d_ol = dout - d_os
-        d_alpha = _alpha_grad(dout, o_s, o_l, alpha, block_q)
+        d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
+        d_alpha = d_alpha.to(alpha.dtype)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows, *ctx.args)
     return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
 
