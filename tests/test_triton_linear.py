@@ -379,6 +379,19 @@ def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,h,n,d", [(2, 3, 37, 8), (1, 2, 300, 64), (1, 1, 5, 12)])
+def test_center_tokens_kernel_matches_pytorch(b, h, n, d, dtype):
+    """``x - mean`` in one kernel pass (interpreter) equals PyTorch's fp32 difference rounded once, also for a
+    strided x (a transposed (B, N, H, D) layout) and ragged tiles."""
+    x = (3 + torch.randn(b, n, h, d)).to(dtype).transpose(1, 2)
+    mean = x.float().mean(2, keepdim=True)
+    got = sla_ops.center_tokens(x, mean)
+    assert got.dtype == dtype and torch.equal(got, (x.float() - mean).to(dtype))
+    torch.library.opcheck(sla_ops.center_tokens.op, (x, mean), test_utils=("test_schema",))  # fake: on the GPU
+
+
 @cpu_parent
 def test_mixed_output_leaves_other_cases_to_pytorch():
     """``mixed_output`` is None where the kernels do not run (CPU without the interpreter, fp64); the op itself
@@ -467,6 +480,17 @@ def test_gpu_opcheck(strategy):
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
                 "softmax", 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
+
+
+@gpu
+@pytest.mark.parametrize("n,d", [(37, 8), (65536, 64), (1000, 96)])
+def test_gpu_center_tokens_bf16(n, d):
+    """The kernel in bf16 equals PyTorch's fp32 difference rounded once (strided x); opcheck."""
+    x = (3 + torch.randn(2, n, 4, d, device="cuda")).to(torch.bfloat16).transpose(1, 2)
+    mean = x.float().mean(2, keepdim=True)
+    assert torch.equal(sla_ops.center_tokens(x, mean), (x.float() - mean).to(torch.bfloat16))
+    if n < 1000:
+        torch.library.opcheck(sla_ops.center_tokens.op, (x, mean))
 
 
 @gpu

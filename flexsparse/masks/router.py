@@ -9,7 +9,7 @@ import math
 import torch
 
 from .pooling import block_sums, mean_pool, token_counts
-from .topk import grouped_scores
+from .topk import HAS_TRITON, grouped_scores
 
 
 def ratio_count(ratio: float, available: int, *, minimum: int = 0) -> int:
@@ -48,18 +48,26 @@ def key_mean(k: torch.Tensor, block: int = 64) -> torch.Tensor:
     return block_sums(k, block).sum(2, keepdim=True) / k.shape[2]
 
 
+def _center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``x - mean`` in mean's dtype, rounded once to x's, one pass (the Triton op on CUDA)."""
+    if HAS_TRITON and x.is_cuda:
+        from ..triton.sla_ops import center_tokens
+        return center_tokens(x, mean)
+    return torch.sub(x, mean, out=torch.empty_like(x))
+
+
 class _SmoothedKeys(torch.autograd.Function):
-    """``k - k_mean`` computed in ``k_mean``'s dtype and rounded once to ``k``'s, in one pass (``out=``). The
-    backward is the derivative of the whole map ``k -> k - mean_N k`` (``g - mean_N g``), so ``k_mean``, which
-    must be ``key_mean(k)``, gets no gradient from here."""
+    """``k - k_mean`` computed in ``k_mean``'s dtype and rounded once to ``k``'s (``_center``). The backward is the
+    derivative of the whole map ``k -> k - mean_N k`` (``g - mean_N g``), so ``k_mean``, which must be
+    ``key_mean(k)``, gets no gradient from here."""
 
     @staticmethod
     def forward(ctx, k, k_mean):
-        return torch.sub(k, k_mean, out=torch.empty_like(k))
+        return _center(k, k_mean)
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.sub(grad, key_mean(grad), out=torch.empty_like(grad)), None
+        return _center(grad, key_mean(grad)), None
 
 
 def smoothed_keys(k: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """``torch.library`` ops of the SLA / SLA2 pieces in Triton (namespace ``flexsparse``).
 
 ``block_topk``: the routers' single-level top-K (and bottom-K) selection (``block_topk`` kernels).
+``center_tokens``: ``x - mean`` over tokens in one pass (SLA2's smoothed keys, ``center`` kernel).
 ``masked_linear`` (differentiable) and ``masked_linear_bwd``: the masked linear branch
 ``O_l = phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` with ``[H_i | Z_i] = [H | Z] - sum_{j skipped by i} [h_j | z_j]``,
 ``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32 sums, fp64 for fp64 inputs). Kernels: ``linear_fwd``
@@ -47,6 +48,16 @@ def block_topk(q_pooled: Tensor, k_pooled: Tensor, topk: int, bottomk: int) -> t
         return top, (top[..., :0].clone() if bottom is None else bottom)
     from .block_topk import block_topk as topk_kernel
     return topk_kernel(q_pooled, k_pooled, topk, bottomk)
+
+
+@triton_op("flexsparse::center_tokens")
+def center_tokens(x: Tensor, mean: Tensor) -> Tensor:
+    """``x - mean``: x ``(B, H, N, D)``, mean ``(B, H, 1, D)`` in the accumulation dtype; the difference in that
+    dtype rounded once to x's (SLA2's smoothed keys and their gradient). Kernel ``center`` (one pass)."""
+    if not use_kernels(x):
+        return torch.sub(x, mean, out=torch.empty_like(x))
+    from .center import center
+    return center(x if x.stride(-1) == 1 else x.contiguous(), mean)
 
 
 def _blocks(x: Tensor, blocks: int, size: int) -> Tensor:
