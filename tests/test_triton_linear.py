@@ -8,12 +8,13 @@ with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that
 three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
 gives exactly 0; opcheck of both ops; ``mixed_output`` (op ``masked_linear_mix``: SLA's projection and SLA2's
 alpha lerp in the output kernel) against the branch combined in PyTorch (outputs and the gradients of q, k, v,
-o_s, weight, bias, alpha). They run in a child pytest started with ``TRITON_INTERPRET=1``
+o_s, weight, bias, alpha); SLA2's one-pass kernels ``lerp_mix_bwd`` (the lerp's backward) and ``center_tokens``
+(smoothed keys) against their PyTorch paths. They run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_suite``).
 GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
 against the PyTorch path (fp64); the default strategy against the torch backend, eager and
 ``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_output`` in bf16 against the
-unfused combine, eager and compiled.
+unfused combine, eager and compiled; ``lerp_mix_bwd`` and ``center_tokens`` in bf16 (bitwise against PyTorch).
 """
 from __future__ import annotations
 
