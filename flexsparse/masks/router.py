@@ -49,8 +49,9 @@ def key_mean(k: torch.Tensor, block: int = 64) -> torch.Tensor:
 
 
 def _center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """``x - mean`` in mean's dtype, rounded once to x's, one pass (the Triton op on CUDA)."""
-    if HAS_TRITON and x.is_cuda:
+    """``x - mean`` in mean's dtype, rounded once to x's, one pass: the Triton op on CUDA in eager mode; compiled,
+    the PyTorch expression, which inductor fuses into one pass itself."""
+    if HAS_TRITON and x.is_cuda and not torch.compiler.is_compiling():
         from ..triton.sla_ops import center_tokens
         return center_tokens(x, mean)
     return torch.sub(x, mean, out=torch.empty_like(x))
