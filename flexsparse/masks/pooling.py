@@ -55,9 +55,12 @@ def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
 
     x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype.
     """
-    n = x.shape[-2]
-    sums = block_sums(x, block)
-    return sums / token_counts(n, block, device=x.device).to(sums.dtype).unsqueeze(-1)
+    return block_means(block_sums(x, block), x.shape[-2], block)
+
+
+def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
+    return sums / token_counts(n, block, device=sums.device).to(sums.dtype).unsqueeze(-1)
 
 
 def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .pooling import block_sums, mean_pool, token_counts
+from .pooling import block_means, block_sums, mean_pool
 from .topk import HAS_TRITON, grouped_scores
 
 
@@ -30,22 +30,22 @@ def sla_block_counts(topk_ratio: float, negligible_ratio: float, num_k_blocks: i
 
 
 def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *, smooth_k: bool,
-              k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              k_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block means of q ``(B, H, Tq, D)`` and k ``(B, Hk, Tk, D)``; with ``smooth_k`` the per-head
-    key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k), ``k_mean``
-    ``(B, Hk, 1, D)`` when the caller has it (``key_mean(k)``)."""
-    k_sums = block_sums(k, block_k)
-    q_bar, k_bar = mean_pool(q, block_q), k_sums / token_counts(k.shape[2], block_k, k.device).to(k_sums).unsqueeze(-1)
+    key mean over all N tokens is subtracted (pool(k - mean k) = pool(k) - mean k, the mean from the
+    block sums). ``k_sums``: ``block_sums(k, block_k)`` when the caller has them."""
+    k_sums = block_sums(k, block_k) if k_sums is None else k_sums
+    q_bar, k_bar = mean_pool(q, block_q), block_means(k_sums, k.shape[2], block_k)
     if smooth_k:
-        k_bar = k_bar - (k_sums.sum(2, keepdim=True) / k.shape[2] if k_mean is None else k_mean)
+        k_bar = k_bar - k_sums.sum(2, keepdim=True) / k.shape[2]
     return q_bar, k_bar
 
 
-def key_mean(k: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, summed per ``block`` tokens
-    first (one parallel pass over k; a single reduction over N keeps ~1000 outputs busy and ran at a third of the
-    memory bandwidth)."""
-    return block_sums(k, block).sum(2, keepdim=True) / k.shape[2]
+def key_mean(k: torch.Tensor, block: int = 64, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``
+    tokens (``sums = block_sums(k, block)`` when the caller has them): one parallel pass over k (a single
+    reduction over N keeps ~1000 outputs busy and ran at a third of the memory bandwidth)."""
+    return (block_sums(k, block) if sums is None else sums).sum(2, keepdim=True) / k.shape[2]
 
 
 def _center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

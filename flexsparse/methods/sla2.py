@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import torch_linear, torch_soft
-from ..masks import (BlockSelection, SoftBlockMask, block_topk, key_mean, num_blocks, pooled_qk, ratio_count,
-                     router_scores, smoothed_keys, soft_topk_logits, standardize_rows)
+from ..masks import (BlockSelection, SoftBlockMask, block_sums, block_topk, key_mean, num_blocks, pooled_qk,
+                     ratio_count, router_scores, smoothed_keys, soft_topk_logits, standardize_rows)
 from ..masks.pooling import accumulation_dtype
 from ..reference import sla2_dense
 from ._blocks import block_attention
@@ -49,13 +49,13 @@ def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict
 
 
 def route(q: torch.Tensor, k: torch.Tensor, cfg, proj_q: torch.Tensor, proj_k: torch.Tensor,
-          k_mean: torch.Tensor | None = None) -> BlockSelection | SoftBlockMask:
+          k_sums: torch.Tensor | None = None) -> BlockSelection | SoftBlockMask:
     """Hard selection ``(B, H, Tq, K)`` or SoftTop-k mask ``(B, H, Tq, Tk)`` from the projected pooled Q and
-    smoothed K (``k_mean``: ``masks.key_mean(k)`` when the caller has it)."""
+    smoothed K (``k_sums``: ``masks.block_sums(k, block_k)`` when the caller has them)."""
     count = ratio_count(cfg.topk_ratio, num_blocks(k.shape[2], cfg.block_k), minimum=1)
     soft = cfg.router == "soft"
     with torch.set_grad_enabled(soft and torch.is_grad_enabled()):
-        q_bar, k_bar = pooled_qk(q, k, cfg.block_q, cfg.block_k, smooth_k=True, k_mean=k_mean)
+        q_bar, k_bar = pooled_qk(q, k, cfg.block_q, cfg.block_k, smooth_k=True, k_sums=k_sums)
         q_bar, k_bar = q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
         if not soft:
             top, _ = block_topk(q_bar, k_bar, count)
@@ -81,10 +81,10 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     _check_alpha(params, rows, tq, n, cfg.block_q)
     p = require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
     acc = accumulation_dtype(q.dtype)
-    k_mean = key_mean(k)
-    mask = route(q, k, cfg, p["proj_q"], p["proj_k"], k_mean)    # pool(k) - mean in fp32: keys never rounded
+    k_sums = block_sums(k, cfg.block_k)           # one pass over k for the router and the smoothing mean
+    mask = route(q, k, cfg, p["proj_q"], p["proj_k"], k_sums)    # pool(k) - mean in fp32: keys never rounded
     if cfg.smooth_k == "all":                      # both branches attend the smoothed keys, one rounding
-        k = smoothed_keys(k, k_mean)
+        k = smoothed_keys(k, key_mean(k, cfg.block_k, k_sums))
     if backend == "reference":
         return sla2_dense(q, k, v, mask, scale, feature_map=cfg.feature_map, eps=cfg.eps,
                           alpha_logit=p["alpha_logit"], quant=cfg.quant)
