@@ -37,7 +37,7 @@ def pooled_qk(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, *, s
     k_sums = block_sums(k, block_k) if k_sums is None else k_sums
     q_bar, k_bar = mean_pool(q, block_q), block_means(k_sums, k.shape[2], block_k)
     if smooth_k:
-        k_bar = k_bar - k_sums.sum(2, keepdim=True) / k.shape[2]
+        k_bar = k_bar - key_mean(k, block_k, k_sums)
     return q_bar, k_bar
 
 
