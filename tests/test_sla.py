@@ -285,3 +285,38 @@ def test_dense_block_form_in_bf16_is_close_to_fp64_with_gradients():
         results.append([out.double(), *(x.grad.double() for x in leaves)])
     for name, want, got in zip(("out", "dq", "dk", "dv"), *results):
         assert 0 < rel_err(got, want) < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compiled_dense_block_form_matches_eager_and_does_not_recompile_per_selection(dtype):
+    """On CUDA the flex backend's masked linear branch runs compiled: output and gradients match the eager
+    block-level form (and, loosely, the fp64 gather form); a new selection of the same shape reuses the graph."""
+    from helpers import qkv
+
+    q, k, v = (x.cuda() for x in qkv(heads=4, kv_heads=2, n=1000, d=64))
+    grad = torch.randn_like(q)
+    for step in range(2):
+        cfg = flexsparse.Config.from_dict({"method": "sla", "block_size": 64, "topk_ratio": 0.25,
+                                           "negligible_ratio": 0.1})
+        selection = sla_method.select(q + step * torch.randn_like(q), k, cfg)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results = []
+        for precision, run_form in ((torch.float64, "gather"), (dtype, "compiled"), (dtype, "eager")):
+            leaves = [x.detach().to(precision).requires_grad_() for x in (q, k, v)]
+            if run_form == "gather":
+                out = torch_linear.masked_linear_attention(*leaves, selection, feature_map="softmax", eps=1e-5)
+            elif run_form == "compiled":
+                out = torch_linear.masked_linear_attention_dense_blocks(*leaves, selection, feature_map="softmax",
+                                                                        eps=1e-5)
+            else:
+                out = torch_linear._keep_weighted_linear(*leaves, torch_linear.skipped_blocks(selection),
+                                                         selection.num_k_blocks, 64, 64, "softmax", 1e-5)
+            out.backward(grad.to(precision))
+            results.append([out.double(), *(x.grad.double() for x in leaves)])
+        if step == 1:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "recompiled for a new selection"
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        for name, want, got, eager in zip(("out", "dq", "dk", "dv"), *results):
+            assert 0 < rel_err(got, want) < tol, name
+            assert rel_err(got, eager) < tol / 2, name

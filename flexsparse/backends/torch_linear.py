@@ -119,20 +119,32 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
 
 
+def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, num_k_blocks: int,
+                          block_q: int, block_k: int, feature_map: str, eps: float) -> torch.Tensor:
+    """``weighted_linear_attention`` with the 0/1 weights ``1 - M`` of the skipped blocks ``(B, H, Tq, S)``."""
+    keep = torch.ones(*skipped.shape[:3], num_k_blocks, dtype=accumulation_dtype(q.dtype), device=q.device)
+    keep.scatter_(-1, skipped.long(), 0.0)
+    return weighted_linear_attention(q, k, v, keep, block_q, block_k, feature_map=feature_map, eps=eps)
+
+
+# On CUDA the block-level form runs compiled: inductor fuses the feature maps, casts, normaliser and their
+# gradients (a dozen elementwise passes over (N, D) tensors in eager mode). Selections are tensors, so a new
+# selection never recompiles; a new shape does (once, then dynamic shapes).
+_keep_weighted_linear_cuda = torch.compile(_keep_weighted_linear)
+
+
 def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          selection: BlockSelection, *, feature_map: str, eps: float) -> torch.Tensor:
     """Same result as ``masked_linear_attention`` through block-level matmuls: ``H_i = (1 - M_i) @ h``
     with the ``(B, H, Tq, Tk)`` block map M of the skipped blocks. O(Tq * Tk * D^2) work on tensor-friendly
     matmuls instead of O(N * skipped * block_k) gathers, and no cancellation; used by the ``flex``
-    backend on GPUs (the ``torch`` backend keeps the gather form: no ``(N/b)^2`` tensor)."""
+    backend on GPUs (the ``torch`` backend keeps the gather form: no ``(N/b)^2`` tensor). Compiled on CUDA
+    (inside a user's ``torch.compile`` region it is traced with the rest)."""
     skipped = skipped_blocks(selection)
     if skipped.shape[-1] == selection.num_k_blocks:
         return q.new_zeros(q.shape)
-    keep = torch.ones(*skipped.shape[:3], selection.num_k_blocks, dtype=accumulation_dtype(q.dtype),
-                      device=q.device)
-    keep.scatter_(-1, skipped.long(), 0.0)
-    return weighted_linear_attention(q, k, v, keep, selection.block_q, selection.block_k,
-                                     feature_map=feature_map, eps=eps)
+    run = _keep_weighted_linear_cuda if q.is_cuda and not torch.compiler.is_compiling() else _keep_weighted_linear
+    return run(q, k, v, skipped, selection.num_k_blocks, selection.block_q, selection.block_k, feature_map, eps)
 
 
 def masked_linear_for(backend: str):
