@@ -115,7 +115,8 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     h_rows = (w.to(states) @ h.unsqueeze(2)).unflatten(-1, (d, d)).flatten(1, 2)  # (B, H, Tq, D, D)
     z_rows = (w @ z.unsqueeze(2)).flatten(1, 2)                                 # (B, H, Tq, D)
     num = phi_q.to(states) @ h_rows                                             # promoted by the division
-    out = num / (eps + phi_q @ z_rows.unsqueeze(-1))
+    den = (phi_q * z_rows.unsqueeze(-2)).sum(-1, keepdim=True)                  # a fused reduction when compiled
+    out = num / (eps + den)
     return out.flatten(2, 3)[:, :, : q.shape[2]].to(q.dtype)
 
 
