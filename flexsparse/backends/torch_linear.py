@@ -130,8 +130,10 @@ def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ski
 
 # On CUDA the block-level form runs compiled: inductor fuses the feature maps, casts, normaliser and their
 # gradients (a dozen elementwise passes over (N, D) tensors in eager mode). Selections are tensors, so a new
-# selection never recompiles; a new shape does (once, then dynamic shapes).
-_keep_weighted_linear_cuda = torch.compile(_keep_weighted_linear)
+# selection never recompiles. Every new shape compiles its own static graph: torch's default, dynamic-shape
+# graphs from the second shape on, was slower (README, "flex after a second shape"); past dynamo's recompile
+# limit further shapes run this same function uncompiled.
+_keep_weighted_linear_cuda = torch.compile(_keep_weighted_linear, dynamic=False)
 
 
 def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
