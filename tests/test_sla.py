@@ -287,6 +287,27 @@ def test_dense_block_form_in_bf16_is_close_to_fp64_with_gradients():
         assert 0 < rel_err(got, want) < 2e-2, name
 
 
+def test_dense_block_form_compiles_without_graph_breaks():
+    """The function the flex backend compiles on CUDA traces as one graph (``fullgraph=True``) and the compiled
+    forward and backward match eager in fp32 (here on the CPU inductor backend)."""
+    from helpers import qkv
+
+    q, k, v = qkv(heads=4, kv_heads=2, n=333, d=16, dtype=torch.float32)
+    cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3,
+                                       "negligible_ratio": 0.1})
+    selection = sla_method.select(q, k, cfg)
+    args = (torch_linear.skipped_blocks(selection), selection.num_k_blocks, 16, 32, "softmax", 1e-5)
+    compiled = torch.compile(torch_linear._keep_weighted_linear, dynamic=False, fullgraph=True)
+    grad = torch.randn_like(q)
+    results = []
+    for fn in (compiled, torch_linear._keep_weighted_linear):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, *args)
+        out.backward(grad)
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        assert rel_err(got, want) < 1e-5, name
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_compiled_dense_block_form_matches_eager_and_does_not_recompile_per_selection(dtype):
