@@ -308,6 +308,7 @@ def test_dense_block_form_compiles_without_graph_breaks():
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
         assert rel_err(got, want) < 1e-5, name
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_compiled_dense_block_form_matches_eager_and_does_not_recompile_per_selection(dtype):
