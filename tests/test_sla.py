@@ -48,7 +48,12 @@ def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
     params = params_for(cfg, d)
     got = run(q, k, v, cfg, params, "torch")
     want = run(q, k, v, cfg, params, "reference")
-    assert_all_close(got, want, rtol=1e-10, atol=1e-10)
+    # The torch backend's masked linear branch is the global sums minus the skipped blocks; with relu's zeros
+    # the remaining mass can be a tiny fraction of the global one, and the subtraction loses that factor
+    # (|err| / (1 + |ref|) up to 2e-10 over 200 seeds of these cases, 2e-15 for the other feature maps).
+    cancels = cfg.get("feature_map") == "relu" and cfg.get("linear", "masked") == "masked"
+    tol = 1e-8 if cancels else 1e-10
+    assert_all_close(got, want, rtol=tol, atol=tol)
     gq, gk, gv, _, gbias = got[2]                   # proj_weight's is 0 when the linear branch is empty
     assert all(g.abs().sum() > 0 for g in ((gq, gk, gv, gbias) if n > 1 else (gv, gbias)))
 
