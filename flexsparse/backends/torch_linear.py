@@ -104,7 +104,7 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     acc = accumulation_dtype(q.dtype)
     states = torch.bfloat16 if q.dtype == torch.bfloat16 else acc
-    bsz, heads, tq, tk = weights.shape
+    _, heads, tq, tk = weights.shape
     kv_heads, d = k.shape[1], q.shape[-1]
     phi_q = _pad_tokens(apply_feature_map(q, feature_map), tq * block_q).unflatten(2, (tq, block_q))
     phi_k = _pad_tokens(apply_feature_map(k, feature_map), tk * block_k).unflatten(2, (tk, block_k))
