@@ -37,6 +37,8 @@ CASES = [
     (259, 16, (2, 2), 2, 1, 16),
     (300, 4, (3, 2, 2), 2, 1, 16),
     (1024, 8, (4, 2), 2, 1, 16),    # even: no ragged token, whole key chunks per level (kernels without masks)
+    (256, 16, (4,), 2, 1, 16),      # even at the default block
+    (2048, 32, (2, 2), 1, 1, 16),
 ]
 
 
@@ -153,7 +155,7 @@ def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[3], CASES[-1]])
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[3], CASES[5]])
 def test_half_inputs_with_fp32_pooled_levels(n, block, topk, heads, kv_heads, d):
     """fp16 q, k, v with fp32 pooled leaves (``llsa_attention``'s contract): the kernels cast the pooled keys."""
     q, k, v = _qkv(n, heads, kv_heads, d, dtype=torch.float16)
@@ -249,6 +251,7 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 @gpu
 @pytest.mark.parametrize("n,heads,kv_heads,d,topk,dtype", [
     (16384, 4, 2, 64, (8, 8), torch.bfloat16), (9000, 2, 2, 128, (8, 8), torch.bfloat16),
+    (8192, 2, 2, 128, (8, 8), torch.bfloat16),
     (70000, 2, 1, 64, (8, 8, 8), torch.bfloat16), (4133, 2, 1, 32, (8, 8), torch.float16)])
 def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
     q, k, v = _gpu_inputs(n, heads, kv_heads, d, dtype)
