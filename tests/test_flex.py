@@ -328,6 +328,46 @@ def test_gpu_llsa_levels(case, dtype, record_property):
     _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype, record_property)
 
 
+def test_cuda_calls_take_static_graphs_for_the_first_variants_then_dynamic(monkeypatch):
+    monkeypatch.setattr(flex, "STATIC_VARIANTS", 2)
+    monkeypatch.setattr(flex, "_static_variants", set())
+    picks = [flex._cuda_flex(key) for key in ("a", "b", "c", "a", "d", "b")]
+    static, dynamic = flex._FLEX_STATIC, flex._FLEX_DYNAMIC
+    assert picks == [static, static, dynamic, static, dynamic, static]
+
+
+def test_variant_key_ignores_the_selection_and_sees_the_shape():
+    """A training step's new selection is the same variant (the static budget is not spent per step); another
+    length is another one."""
+    keys = []
+    for n, seed in ((512, 0), (512, 1), (576, 0)):
+        q, k, v = _qkv(1, 2, 2, n, n, 16)
+        tiles = n // 64
+        mask = block_selection_to_block_mask(BlockSelection(_random_ids(1, 2, tiles, tiles, 2, seed), 64, 64, n, n))
+        keys.append(flex._variant_key(q, k, v, mask, None, {"fwd_BLOCK_M": 64}))
+    assert keys[0] == keys[1] and keys[0] != keys[2]
+
+
+@gpu
+def test_gpu_static_graphs_per_shape_then_dynamic(monkeypatch):
+    """With a budget of 2 static variants: two lengths on static graphs, the next two on dynamic-shape graphs
+    (no recompile-limit error), a length seen before on its static graph again; every output as the torch
+    backend's."""
+    monkeypatch.setattr(flex, "STATIC_VARIANTS", 2)
+    monkeypatch.setattr(flex, "_static_variants", set())
+    picked, pick = [], flex._cuda_flex
+    monkeypatch.setattr(flex, "_cuda_flex", lambda key: picked.append(pick(key)) or picked[-1])
+    cfg = {"method": "topk", "block_size": 64, "topk": 4}
+    for seed, n in enumerate((1024, 2048, 3072, 4096, 2048)):
+        q, k, v = _cuda_qkv(4, 2, n, 64, torch.bfloat16, seed=seed)
+        with torch.no_grad():
+            got = flexsparse.attention(q, k, v, cfg, backend="flex")
+            want = flexsparse.attention(q.float(), k.float(), v.float(), cfg, backend="torch")
+        assert rel_err(got, want) < 2e-2, n
+    static, dynamic = flex._FLEX_STATIC, flex._FLEX_DYNAMIC
+    assert picked == [static, static, dynamic, dynamic, static]
+
+
 @gpu
 def test_gpu_auto_picks_flex_for_training():
     supported = ("reference", "torch", "flex")
