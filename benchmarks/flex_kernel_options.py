@@ -44,7 +44,7 @@ def main() -> None:
         options = {**base, **extra}
 
         def attend():
-            return flex._compiled_flex(flex._FLEX_STATIC, q, k, v, block_mask=mask, scale=D**-0.5,
+            return flex.FLEX_ATTENTION(None, q, k, v, block_mask=mask, scale=D**-0.5,
                                        kernel_options=options)
 
         try:

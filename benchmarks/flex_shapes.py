@@ -29,8 +29,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("flex_shapes.py needs a CUDA GPU")
     if args.torch_default:
-        flex.STATIC_VARIANTS = 0  # every CUDA call through flex._FLEX_DYNAMIC, torch.compile's default
-        torch_linear._keep_weighted_linear_cuda = torch.compile(torch_linear._keep_weighted_linear)
+        for compiled in (flex.FLEX_ATTENTION, torch_linear.KEEP_WEIGHTED_LINEAR):
+            compiled.budget = 0  # every CUDA call through the dynamic twin: torch.compile's default policy
     rows = bench.run(args.methods, args.sizes, torch.device("cuda"), torch.bfloat16, batch=2, heads=8, dim=64,
                      backward=True, check=True, wanted_backends=["flex"])
     mode = "torch-default" if args.torch_default else "flexsparse"

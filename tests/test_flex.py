@@ -329,11 +329,11 @@ def test_gpu_llsa_levels(case, dtype, record_property):
 
 
 def test_cuda_calls_take_static_graphs_for_the_first_variants_then_dynamic(monkeypatch):
-    monkeypatch.setattr(flex, "STATIC_VARIANTS", 2)
-    monkeypatch.setattr(flex, "_static_variants", set())
-    picks = [flex._cuda_flex(key) for key in ("a", "b", "c", "a", "d", "b")]
-    static, dynamic = flex._FLEX_STATIC, flex._FLEX_DYNAMIC
-    assert picks == [static, static, dynamic, static, dynamic, static]
+    monkeypatch.setattr(flex.FLEX_ATTENTION, "budget", 2)
+    monkeypatch.setattr(flex.FLEX_ATTENTION, "seen", set())
+    picks = [flex.FLEX_ATTENTION.pick(key) for key in ("a", "b", "c", "a", None, "d", "b")]
+    static, dynamic = flex.FLEX_ATTENTION.static, flex.FLEX_ATTENTION.dynamic
+    assert picks == [static, static, dynamic, static, static, dynamic, static]
 
 
 def test_variant_key_ignores_the_selection_and_sees_the_shape():
@@ -353,10 +353,10 @@ def test_gpu_static_graphs_per_shape_then_dynamic(monkeypatch):
     """With a budget of 2 static variants: two lengths on static graphs, the next two on dynamic-shape graphs
     (no recompile-limit error), a length seen before on its static graph again; every output as the torch
     backend's."""
-    monkeypatch.setattr(flex, "STATIC_VARIANTS", 2)
-    monkeypatch.setattr(flex, "_static_variants", set())
-    picked, pick = [], flex._cuda_flex
-    monkeypatch.setattr(flex, "_cuda_flex", lambda key: picked.append(pick(key)) or picked[-1])
+    monkeypatch.setattr(flex.FLEX_ATTENTION, "budget", 2)
+    monkeypatch.setattr(flex.FLEX_ATTENTION, "seen", set())
+    picked, pick = [], flex.FLEX_ATTENTION.pick
+    monkeypatch.setattr(flex.FLEX_ATTENTION, "pick", lambda key: picked.append(pick(key)) or picked[-1])
     cfg = {"method": "topk", "block_size": 64, "topk": 4}
     for seed, n in enumerate((1024, 2048, 3072, 4096, 2048)):
         q, k, v = _cuda_qkv(4, 2, n, 64, torch.bfloat16, seed=seed)
@@ -364,7 +364,7 @@ def test_gpu_static_graphs_per_shape_then_dynamic(monkeypatch):
             got = flexsparse.attention(q, k, v, cfg, backend="flex")
             want = flexsparse.attention(q.float(), k.float(), v.float(), cfg, backend="torch")
         assert rel_err(got, want) < 2e-2, n
-    static, dynamic = flex._FLEX_STATIC, flex._FLEX_DYNAMIC
+    static, dynamic = flex.FLEX_ATTENTION.static, flex.FLEX_ATTENTION.dynamic
     assert picked == [static, static, dynamic, dynamic, static]
 
 

@@ -1,9 +1,9 @@
 """The ``flex`` backend: sparse attention through ``torch.nn.attention.flex_attention``.
 
-Same primitives as ``torch_sparse`` (``block_sparse_attention``, ``llsa_attention``), run by a
-module-level compiled ``flex_attention`` with a ``BlockMask`` built from the selection's index tables
+Same primitives as ``torch_sparse`` (``block_sparse_attention``, ``llsa_attention``), run by the
+module-level compiled ``FLEX_ATTENTION`` with a ``BlockMask`` built from the selection's index tables
 (``flexsparse.masks.block_mask``): static graphs, one per call variant (shapes, dtype, blocks, ...); on
-CUDA past the first ``STATIC_VARIANTS`` variants of a process, dynamic-shape graphs (``_cuda_flex``).
+CUDA past the first 16 variants of a process, dynamic-shape graphs (``compiled.StaticThenDynamic``).
 
 * CUDA: forward and backward; output in the input dtype, LSE (fp32, natural log) from the kernel.
   Blocks smaller than the default kernel tiles get forward tiles through ``kernel_options`` and
@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ..masks import BlockSelection, LLSASelection
 from ..masks.block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask
+from .compiled import StaticThenDynamic, grad_flags
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be a multiple of it
@@ -32,56 +33,24 @@ CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be 
 CPU_WRONG_HEAD_DIMS = (8, 16)
 
 
-
-def _flex_static(*args, **kwargs):
+def _flex_call(*args, **kwargs):
     return flex_attention(*args, **kwargs)
 
 
-def _flex_dynamic(*args, **kwargs):
-    return flex_attention(*args, **kwargs)
-
-
-# Compiled flex_attention, one function per policy (each its own code object, so its own dynamo cache).
-# Static graphs, one per shape, are the fast ones: torch's default turns sizes symbolic from a function's
-# second shape on, which made flex calls up to 1.2x slower (README, "flex after a second shape"). CUDA calls
-# take static graphs for the first ``STATIC_VARIANTS`` call variants of the process (``_cuda_flex``), then
-# dynamic-shape graphs, so a process that sees ever new lengths never runs into the recompile limit below.
-_FLEX_STATIC = torch.compile(_flex_static, dynamic=False)  # CPU calls always use it
-_FLEX_DYNAMIC = torch.compile(_flex_dynamic)
-STATIC_VARIANTS = 16
-_static_variants: set = set()
-# Each (dtype, block size, head dim, score_mod, grad mode, ...) of a compiled function is a recompile. Past
-# dynamo's limit it would silently run the eager, dense O(N^2) FlexAttention, so flexsparse raises that limit
-# (4x STATIC_VARIANTS: room for guards the variant key does not see) and turns hitting it into an error.
-RECOMPILE_LIMIT = 64
+# Every flex call of the process goes through this compiled flex_attention: static graphs for the first 16 call
+# variants on CUDA (``_variant_key``; always on CPU), dynamic-shape graphs after (``compiled``). Each (dtype,
+# block size, head dim, score_mod, grad mode, ...) is a recompile; past dynamo's limit it would silently run
+# the eager, dense O(N^2) FlexAttention, so the limit is raised to 4x the static budget (room for guards the
+# key does not see) and hitting it is an error.
+FLEX_ATTENTION = StaticThenDynamic(_flex_call, budget=16, recompile_limit=64, fail_on_limit=True)
 
 
 def _variant_key(q, k, v, block_mask: BlockMask, score_mod, options: dict) -> tuple:
     """What a static graph of one flex call is specialised on, as far as flexsparse can tell: shapes, dtype,
-    device, grad mode, the BlockMask's geometry, the score/mask functions and the kernel options."""
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, grad, block_mask.BLOCK_SIZE, block_mask.kv_indices.shape,
-            block_mask.seq_lengths, getattr(score_mod, "__code__", score_mod),
+    device, grad flags, the BlockMask's geometry, the score/mask functions and the kernel options."""
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, grad_flags(q, k, v), block_mask.BLOCK_SIZE,
+            block_mask.kv_indices.shape, block_mask.seq_lengths, getattr(score_mod, "__code__", score_mod),
             getattr(block_mask.mask_mod, "__code__", block_mask.mask_mod), tuple(sorted(options.items())))
-
-
-def _cuda_flex(key: tuple):
-    """The compiled flex_attention for a CUDA call of variant ``key`` (``_variant_key``): static graphs for
-    the first ``STATIC_VARIANTS`` variants of the process and for those seen again, dynamic-shape ones after."""
-    if key in _static_variants or len(_static_variants) < STATIC_VARIANTS:
-        _static_variants.add(key)
-        return _FLEX_STATIC
-    return _FLEX_DYNAMIC
-
-
-def _compiled_flex(fn, *args, **kwargs):
-    """Call a compiled flex_attention with a raised recompile limit that fails loudly when hit
-    (inside a user's ``torch.compile`` region the call is traced and the user's settings apply)."""
-    if torch.compiler.is_compiling():
-        return fn(*args, **kwargs)
-    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        return fn(*args, **kwargs)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
@@ -133,17 +102,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":  # the C++ kernel misreads inputs that are views of 2-D buffers: copy
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = _compiled_flex(_FLEX_STATIC, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                             enable_gqa=gqa)
+        out = FLEX_ATTENTION(None, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
         return out, None
     block_q, block_kv = block_mask.BLOCK_SIZE
     options = tile_options(block_q, block_kv, q.dtype, q.shape[-1])
-    if torch.compiler.is_compiling():  # traced into a user's graph: routing would guard on its mutated set
-        fn = _FLEX_STATIC
-    else:
-        fn = _cuda_flex(_variant_key(q, k, v, block_mask, score_mod, options))
-    out, aux = _compiled_flex(fn, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                              kernel_options=options, return_aux=AuxRequest(lse=True))
+    out, aux = FLEX_ATTENTION(_variant_key(q, k, v, block_mask, score_mod, options), q, k, v, score_mod=score_mod,
+                              block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options,
+                              return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 

@@ -12,6 +12,7 @@ import torch
 from ..masks import BlockSelection, kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..reference.sla import feature_map_dense
+from .compiled import StaticThenDynamic, grad_flags
 from .torch_sparse import _gather_blocks, _pad_tokens
 
 
@@ -130,10 +131,11 @@ def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ski
 
 # On CUDA the block-level form runs compiled: inductor fuses the feature maps, casts, normaliser and their
 # gradients (a dozen elementwise passes over (N, D) tensors in eager mode). Selections are tensors, so a new
-# selection never recompiles. Every new shape compiles its own static graph: torch's default, dynamic-shape
-# graphs from the second shape on, was slower (README, "flex after a second shape"); past dynamo's recompile
-# limit further shapes run this same function uncompiled.
-_keep_weighted_linear_cuda = torch.compile(_keep_weighted_linear, dynamic=False)
+# selection never recompiles. Static graphs for the first 16 call variants (shape, dtype, grad flags, ...) of
+# the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, was slower (README,
+# "flex after a second shape"), and a static graph per variant without a bound ran out of dynamo's recompile
+# limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
+KEEP_WEIGHTED_LINEAR = StaticThenDynamic(_keep_weighted_linear, budget=16, recompile_limit=64)
 
 
 def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -146,8 +148,11 @@ def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: to
     skipped = skipped_blocks(selection)
     if skipped.shape[-1] == selection.num_k_blocks:
         return q.new_zeros(q.shape)
-    run = _keep_weighted_linear_cuda if q.is_cuda and not torch.compiler.is_compiling() else _keep_weighted_linear
-    return run(q, k, v, skipped, selection.num_k_blocks, selection.block_q, selection.block_k, feature_map, eps)
+    args = (q, k, v, skipped, selection.num_k_blocks, selection.block_q, selection.block_k, feature_map, eps)
+    if not q.is_cuda:
+        return _keep_weighted_linear(*args)
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, grad_flags(q, k, v), skipped.shape, *args[4:])
+    return KEEP_WEIGHTED_LINEAR(key, *args)
 
 
 def masked_linear_for(backend: str):
