@@ -27,11 +27,13 @@ class StaticThenDynamic:
     """Call ``fn`` compiled: static graphs for the first ``budget`` variants, then dynamic-shape graphs.
 
     Calls run with dynamo's recompile limit raised to ``recompile_limit``; with ``fail_on_limit`` hitting it
-    raises instead of running ``fn`` uncompiled. Inside a user's compiled region ``fn`` is traced as it is
-    (no routing: a guard on the set of seen variants would recompile the user's graph at every new one)."""
+    raises a ``RuntimeError`` naming ``name`` instead of running ``fn`` uncompiled. Inside a user's compiled
+    region ``fn`` is traced as it is (no routing: a guard on the set of seen variants would recompile the
+    user's graph at every new one)."""
 
-    def __init__(self, fn, *, budget: int = 16, recompile_limit: int = 64, fail_on_limit: bool = False):
+    def __init__(self, fn, *, name: str, budget: int = 16, recompile_limit: int = 64, fail_on_limit: bool = False):
         self.fn = fn
+        self.name = name
         self.static = torch.compile(_twin(fn, "static"), dynamic=False)
         self.dynamic = torch.compile(_twin(fn, "dynamic"))
         self.budget = budget
@@ -52,9 +54,19 @@ class StaticThenDynamic:
         if torch.compiler.is_compiling():
             return self.fn(*args, **kwargs)
         config = torch._dynamo.config
-        with config.patch(recompile_limit=max(config.recompile_limit, self.recompile_limit),
-                          fail_on_recompile_limit_hit=self.fail_on_limit or config.fail_on_recompile_limit_hit):
-            return self.pick(key)(*args, **kwargs)
+        limit = max(config.recompile_limit, self.recompile_limit)
+        try:
+            with config.patch(recompile_limit=limit,
+                              fail_on_recompile_limit_hit=self.fail_on_limit or config.fail_on_recompile_limit_hit):
+                return self.pick(key)(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            if not self.fail_on_limit:
+                raise
+            raise RuntimeError(
+                f"flexsparse: the compiled {self.name} of this process reached dynamo's recompile limit ({limit} "
+                f"graphs: shapes, dtypes, block sizes, grad modes, ...); running it uncompiled could be dense. Raise "
+                f"{self.name}.recompile_limit or use backend='torch'"
+            ) from err
 
 
 def grad_flags(*tensors: torch.Tensor) -> tuple[bool, ...]:

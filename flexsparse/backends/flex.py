@@ -38,11 +38,13 @@ def _flex_call(*args, **kwargs):
 
 
 # Every flex call of the process goes through this compiled flex_attention: static graphs for the first 16 call
-# variants on CUDA (``_variant_key``; always on CPU), dynamic-shape graphs after (``compiled``). Each (dtype,
-# block size, head dim, score_mod, grad mode, ...) is a recompile; past dynamo's limit it would silently run
-# the eager, dense O(N^2) FlexAttention, so the limit is raised to 4x the static budget (room for guards the
-# key does not see) and hitting it is an error.
-FLEX_ATTENTION = StaticThenDynamic(_flex_call, budget=16, recompile_limit=64, fail_on_limit=True)
+# variants on CUDA (``_variant_key``), dynamic-shape graphs after (``compiled``); always static on CPU (torch
+# 2.13's C++ FlexAttention template does not compile with dynamic shapes: undeclared names in the generated
+# code). Each (dtype, block size, head dim, score_mod, grad mode, ...) is a recompile; past dynamo's limit it
+# would silently run the eager, dense O(N^2) FlexAttention, so the limit is raised to 4x the static budget
+# (room for guards the key does not see) and hitting it is an error.
+FLEX_ATTENTION = StaticThenDynamic(_flex_call, name="flexsparse.backends.flex.FLEX_ATTENTION", budget=16,
+                                   recompile_limit=64, fail_on_limit=True)
 
 
 def _variant_key(q, k, v, block_mask: BlockMask, score_mod, options: dict) -> tuple:

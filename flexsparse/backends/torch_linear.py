@@ -135,7 +135,8 @@ def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ski
 # the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, was slower (README,
 # "flex after a second shape"), and a static graph per variant without a bound ran out of dynamo's recompile
 # limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
-KEEP_WEIGHTED_LINEAR = StaticThenDynamic(_keep_weighted_linear, budget=16, recompile_limit=64)
+KEEP_WEIGHTED_LINEAR = StaticThenDynamic(
+    _keep_weighted_linear, name="flexsparse.backends.torch_linear.KEEP_WEIGHTED_LINEAR", budget=16, recompile_limit=64)
 
 
 def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
