@@ -55,7 +55,9 @@ def _random_ids(b, h, rows, cols, k, seed=0):
 def test_block_tables_match_flex_transpose_and_bits():
     b, h, rows, cols, k = 2, 3, 7, 40, 5
     ids = _random_ids(b, h, rows, cols, k)
-    kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, cols)
+    kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, cols, True)
+    forward_only = block_tables(ids, cols, False)  # no key-major tables: kv_num, kv_idx, bits, two partial
+    assert len(forward_only) == 5 and all(torch.equal(a, b) for a, b in zip(forward_only, (kv_num, kv_idx, bits)))
     assert kv_idx.shape == (b, h, rows, cols) and torch.equal(kv_idx[..., :k], ids)
     assert len(partial) == 4  # CPU: all four partial tables (CUDA: the counts only)
     for empty, full in zip(partial, (kv_num, kv_idx, q_num, q_idx)):  # same layout: the kernels share strides

@@ -77,9 +77,12 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: boo
     return None
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return any(grad_flags(*tensors))
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, ...]) -> None:
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    reason = unsupported_reason(q.device, q.dtype, needs_grad, False, blocks, q.shape[-1])
+    reason = unsupported_reason(q.device, q.dtype, _needs_grad(q, k, v), False, blocks, q.shape[-1])
     if reason is not None:
         raise RuntimeError(f"backend 'flex': {reason}")
 
@@ -130,7 +133,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     """
     _check_no_p_quant(quantize_p)
     _check(q, k, v, (selection.block_q, selection.block_k))
-    return attend(q, k, v, block_selection_to_block_mask(selection), None, scale)
+    return attend(q, k, v, block_selection_to_block_mask(selection, _needs_grad(q, k, v)), None, scale)
 
 
 def llsa_score_mod(layout: LLSALayout):
@@ -172,7 +175,7 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     """
     _check_no_p_quant(quantize_p)
     _check(q, k_levels[0], v_levels[0], (selection.block,))
-    block_mask, layout = llsa_block_mask(selection)
+    block_mask, layout = llsa_block_mask(selection, _needs_grad(q, *k_levels, *v_levels))
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
     return attend(q, k, v, block_mask, llsa_score_mod(layout), scale)

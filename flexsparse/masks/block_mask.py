@@ -26,57 +26,60 @@ BITS = 32  # selected-block flags per int32 word of the mask_mod table
 
 
 @torch.library.custom_op("flexsparse::block_tables", mutates_args=())
-def block_tables(ids: torch.Tensor, num_kv_blocks: int) -> list[torch.Tensor]:
+def block_tables(ids: torch.Tensor, num_kv_blocks: int, key_major: bool) -> list[torch.Tensor]:
     """Block tables of a selection ``ids (B, H, Qb, K)`` (int32, distinct per row) over
     ``num_kv_blocks`` KV blocks, every selected block full.
 
-    Returns int32 ``kv_num (B, H, Qb)``, ``kv_idx (B, H, Qb, KVb)``, ``q_num (B, H, KVb)``,
-    ``q_idx (B, H, KVb, Qb)`` (query blocks of each KV block, ascending, zero padded),
-    ``bits (B, H, Qb, ceil(KVb/32))`` (bit ``j % 32`` of word ``j // 32`` set iff block j is selected)
-    and the empty partial tables (``empty_partial_tables``).
+    Returns the full tables, int32 ``kv_num (B, H, Qb)``, ``kv_idx (B, H, Qb, KVb)`` and with
+    ``key_major`` (needed by the backward only) ``q_num (B, H, KVb)``, ``q_idx (B, H, KVb, Qb)`` (query
+    blocks of each KV block, ascending, zero padded); then ``bits (B, H, Qb, ceil(KVb/32))`` (bit
+    ``j % 32`` of word ``j // 32`` set iff block j is selected) and the empty partial tables
+    (``empty_partial_tables``).
     """
     bsz, heads, tq, k = ids.shape
     kv_num = torch.full((bsz, heads, tq), k, dtype=torch.int32, device=ids.device)
     kv_idx = ids.new_zeros(bsz, heads, tq, num_kv_blocks)
     kv_idx[..., :k] = ids
-    csc = csr_to_csc(ids, num_kv_blocks)
-    q_num = csc.offsets.diff(dim=-1)
-    slots = torch.arange(tq * k, device=ids.device).expand(bsz, heads, -1).contiguous()
-    ends = csc.offsets[..., 1:].long().contiguous()
-    cols = torch.searchsorted(ends, slots, right=True)                       # KV block of each CSC slot
-    pos = slots - csc.offsets.long().gather(-1, cols)                        # rank within that KV block
-    q_idx = torch.zeros(bsz, heads, num_kv_blocks * tq, dtype=torch.int32, device=ids.device)
-    q_idx.scatter_(-1, cols * tq + pos, csc.rows)
+    full = [kv_num, kv_idx]
+    if key_major:
+        csc = csr_to_csc(ids, num_kv_blocks)
+        q_num = csc.offsets.diff(dim=-1)
+        slots = torch.arange(tq * k, device=ids.device).expand(bsz, heads, -1).contiguous()
+        ends = csc.offsets[..., 1:].long().contiguous()
+        cols = torch.searchsorted(ends, slots, right=True)                       # KV block of each CSC slot
+        pos = slots - csc.offsets.long().gather(-1, cols)                        # rank within that KV block
+        q_idx = torch.zeros(bsz, heads, num_kv_blocks * tq, dtype=torch.int32, device=ids.device)
+        q_idx.scatter_(-1, cols * tq + pos, csc.rows)
+        full += [q_num, q_idx.view(bsz, heads, num_kv_blocks, tq)]
     words = torch.zeros(bsz, heads, tq, num_blocks(num_kv_blocks, BITS), dtype=torch.int64, device=ids.device)
     flat = ids.long()
     words.scatter_add_(-1, flat // BITS, torch.ones_like(flat) << (flat % BITS))  # distinct bits: sum == or
     bits = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)    # same bit pattern in int32
-    full = [kv_num, kv_idx, q_num, q_idx.view(bsz, heads, num_kv_blocks, tq)]
     return [*full, bits, *empty_partial_tables(full, torch.zeros_like)]
 
 
 def empty_partial_tables(full: list[torch.Tensor], like) -> list[torch.Tensor]:
-    """The empty partial tables of ``full = [kv_num, kv_idx, q_num, q_idx]``, made by ``like`` (zeros).
+    """The empty partial tables of ``full = [kv_num, kv_idx(, q_num, q_idx)]``, made by ``like`` (zeros).
 
     The FlexAttention kernels read a partial table with its full twin's strides. On CUDA only the
     zero counts are made and the full index tables serve as the partial ones too (never read with zero
-    counts; same strides by construction; saves two ``(B, H, Qb, KVb)`` tables). On CPU all four
+    counts; same strides by construction; saves two ``(B, H, Qb, KVb)`` tables). On CPU all of them
     (its C++ kernel rejects one tensor in both roles). They are outputs of ``block_tables``, not made by
     the caller: inside a user's ``torch.compile`` graph inductor may pad the strides of tensors it
     creates itself (seen: an illegal memory access in the LLSA backward), but keeps an op's outputs.
     """
-    kv_num, _, q_num, _ = full
-    if kv_num.device.type == "cuda":
-        return [like(kv_num), like(q_num)]
+    if full[0].device.type == "cuda":
+        return [like(x) for x in full[0::2]]
     return [like(x) for x in full]
 
 
 @block_tables.register_fake
-def _block_tables_fake(ids, num_kv_blocks):
+def _block_tables_fake(ids, num_kv_blocks, key_major):
     bsz, heads, tq, _ = ids.shape
     new = ids.new_empty
-    full = [new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks), new(bsz, heads, num_kv_blocks),
-            new(bsz, heads, num_kv_blocks, tq)]
+    full = [new(bsz, heads, tq), new(bsz, heads, tq, num_kv_blocks)]
+    if key_major:
+        full += [new(bsz, heads, num_kv_blocks), new(bsz, heads, num_kv_blocks, tq)]
     return [*full, new(bsz, heads, tq, num_blocks(num_kv_blocks, BITS)), *empty_partial_tables(full, torch.empty_like)]
 
 
@@ -94,17 +97,20 @@ def selection_mask_mod(bits: torch.Tensor, block_q: int, block_kv: int):
 
 
 def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, block_kv: int,
-                        seq_lengths: tuple[int, int]) -> BlockMask:
+                        seq_lengths: tuple[int, int], key_major: bool = True) -> BlockMask:
     """BlockMask with every block of ``ids (B, H, Qb, K)`` full and no partial blocks.
 
     seq_lengths: ``(Lq, Lkv)``, the true lengths (ragged tails are bounds-checked by the kernel).
-    The partial lists are empty (zero counts, see ``empty_partial_tables``).
+    The partial lists are empty (zero counts, see ``empty_partial_tables``). ``key_major=False`` leaves out
+    the key-major tables that only the backward reads (a mask for calls without gradients).
     """
-    kv_num, kv_idx, q_num, q_idx, bits, *partial = block_tables(ids, num_kv_blocks)
-    if len(partial) == 2:
-        (no_kv_num, no_q_num), no_kv_idx, no_q_idx = partial, kv_idx, q_idx
-    else:
-        no_kv_num, no_kv_idx, no_q_num, no_q_idx = partial
+    tables = block_tables(ids, num_kv_blocks, key_major)
+    width = 4 if key_major else 2
+    full, bits, partial = tables[:width], tables[width], tables[width + 1:]
+    if len(partial) < width:  # CUDA: zero counts only, the full index tables stand in for the partial ones
+        partial = [x for count, table in zip(partial, full[1::2]) for x in (count, table)]
+    kv_num, kv_idx, q_num, q_idx = full + [None] * (4 - width)
+    no_kv_num, no_kv_idx, no_q_num, no_q_idx = partial + [None] * (4 - width)
     return BlockMask(
         seq_lengths=seq_lengths,
         kv_num_blocks=no_kv_num,
@@ -120,11 +126,12 @@ def block_mask_from_ids(ids: torch.Tensor, num_kv_blocks: int, block_q: int, blo
     )
 
 
-def block_selection_to_block_mask(selection: BlockSelection) -> BlockMask:
+def block_selection_to_block_mask(selection: BlockSelection, key_major: bool = True) -> BlockMask:
     """BlockMask of a single-level selection: query block i attends its top-K key blocks.
-    ``selection.excluded`` (blocks for no branch) is irrelevant here: only selected blocks enter."""
+    ``selection.excluded`` (blocks for no branch) is irrelevant here: only selected blocks enter.
+    ``key_major=False``: no backward tables (``block_mask_from_ids``)."""
     return block_mask_from_ids(selection.indices, selection.num_k_blocks, selection.block_q, selection.block_k,
-                               (selection.n_q, selection.n_k))
+                               (selection.n_q, selection.n_k), key_major)
 
 
 @dataclass(frozen=True)
@@ -180,11 +187,12 @@ def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor
     return torch.cat(parts, dim=-1)
 
 
-def llsa_block_mask(selection: LLSASelection) -> tuple[BlockMask, LLSALayout]:
+def llsa_block_mask(selection: LLSASelection, key_major: bool = True) -> tuple[BlockMask, LLSALayout]:
     """BlockMask of LLSA over the extended KV (Q and KV blocks of ``selection.block`` tokens), and
-    the layout from which the score_mod derives each token's ``ln(count)`` (``-inf`` keeps padding out)."""
+    the layout from which the score_mod derives each token's ``ln(count)`` (``-inf`` keeps padding out).
+    ``key_major=False``: no backward tables (``block_mask_from_ids``)."""
     layout = llsa_layout(selection.n, selection.block, selection.levels)
     ids = llsa_block_ids(selection, layout)
     mask = block_mask_from_ids(ids, layout.num_blocks, selection.block, selection.block,
-                               (selection.n, layout.length))
+                               (selection.n, layout.length), key_major)
     return mask, layout
