@@ -7,7 +7,6 @@ accumulation dtype; callers cast where they need the input dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def num_blocks(n: int, block: int) -> int:
@@ -41,13 +40,15 @@ def log_token_weights(n: int, span: int, length: int | None = None, device=None,
 def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
     """Sums over consecutive blocks of ``block`` tokens along dim -2, zero-padded tail.
 
-    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype.
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype. Neither a padded nor a
+    widened copy of x is made (a padded copy cost two full passes over q and k at ragged lengths).
     """
-    n = x.shape[-2]
-    t = num_blocks(n, block)
-    if t * block != n:
-        x = F.pad(x, (0, 0, 0, t * block - n))
-    return x.unflatten(-2, (t, block)).sum(-2, dtype=accumulation_dtype(x.dtype))  # no widened copy of x
+    n, acc = x.shape[-2], accumulation_dtype(x.dtype)
+    whole = n // block
+    sums = x[..., :whole * block, :].unflatten(-2, (whole, block)).sum(-2, dtype=acc)
+    if whole * block == n:
+        return sums
+    return torch.cat([sums, x[..., whole * block:, :].sum(-2, keepdim=True, dtype=acc)], dim=-2)
 
 
 def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
