@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--scaling-n", default="16384,32768,65536,131072")
     parser.add_argument("--scaling-k", type=int, default=51, help="key blocks per query block in 'scaling'")
     parser.add_argument("--sweep-size", choices=("small", "large"), default="small")
-    parser.add_argument("--profile", action="store_true", help="kernel times of each method case ('methods')")
+    parser.add_argument("--profile", action="store_true", help="kernel times of each method case ('methods', 'shape2')")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sla.py needs a CUDA GPU")
@@ -227,7 +227,7 @@ def main() -> None:
         q, k, v, grad = make_qkv(2, 16, 32760, 128)
         shape = "B2 H16 N32760 D128"
         rows += method_rows(shape, {"sla": {"method": "sla", "block_size": BLOCK, "topk_ratio": 0.05}}, backends,
-                            q, k, v, grad)
+                            q, k, v, grad, args.profile)
         rows += sparse_rows(shape, backends, q, k, v, grad, int(0.05 * math.ceil(32760 / BLOCK)))
         rows += dense_rows(shape, q, k, v, grad)
         del q, k, v, grad

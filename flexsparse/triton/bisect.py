@@ -5,7 +5,7 @@ hierarchical selection (``select``: the ``b`` child rows of a parent, ``K * b`` 
 order is (largest score, then smallest column); callers lay columns out in id order, so ties go to the
 smallest id. Scores become int32 keys with the order of the floats (``ordered_key``); the K-th largest key
 of every row is found exactly by bisection (one count of ``key >= mid`` per row and pass, all rows in
-lock-step), then a prefix sum takes the ties at the threshold by column.
+lock-step), then the ties at the threshold are taken by column.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
 
 
 @triton.jit
-def first_k_rows(key, count, pad, SMALLEST: tl.constexpr):
+def first_k_rows(key, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: tl.constexpr = False):
     """Mask ``(R, C)`` of the ``count`` largest keys of each row of ``key (R, C)``, ties at the threshold to the
     smallest columns; with ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search
     over ``~key``, with reversed compares instead of a second array). Padding keys hold ``INT_MIN`` (never
@@ -62,7 +62,8 @@ def first_k_rows(key, count, pad, SMALLEST: tl.constexpr):
     Invariant per row: at least ``count`` keys >= lo; fewer than ``count`` keys > hi, or exactly ``count``
     keys >= hi = lo (keys read as ``~key`` with ``SMALLEST``: ``~key >= m`` is ``key <= ~m``, which counts the
     padding too). The first ``VALUE_PASSES`` passes split at halfway values, the rest at halfway keys: at most
-    ``VALUE_PASSES + 32``. A finished row (lo == hi) stays put: its split point is lo itself."""
+    ``VALUE_PASSES + 32``. A finished row (lo == hi) stays put: its split point is lo itself. ``TIES_BY_SCAN``:
+    how the ties at the threshold are cut (see the comment there; same result either way)."""
     least = tl.min(tl.where(key == INT_MIN, INT_MAX, key), axis=1)
     most = tl.max(key, axis=1)
     if SMALLEST:
@@ -90,14 +91,26 @@ def first_k_rows(key, count, pad, SMALLEST: tl.constexpr):
         need = count - tl.sum((key > threshold[:, None]).to(tl.int32), axis=1)
     ties = key == threshold[:, None]
     tied = tl.sum(ties.to(tl.int32), axis=1)
-    # the ties taken: columns <= cut (top) or >= cut (SMALLEST); a prefix sum finds the cut where some are left out
+    # the ties taken: columns <= cut (top) or >= cut (SMALLEST). Where some are left out, the cut is the column of
+    # the target-th tie from the left: by a prefix sum with TIES_BY_SCAN, else by bisection over the columns (the
+    # prefix sum, even when no row needs it, made block_topk's kernel ~35x slower at 512 columns on an H100 with
+    # triton 3.6; LLSA's 16 x 128 candidate rows run ~10% faster with it: docs/triton_sla_pieces.md)
     cols = tl.arange(0, key.shape[1])
     cut = tl.zeros_like(need) + (0 if SMALLEST else key.shape[1])
     if tl.max((need < tied).to(tl.int32), axis=0) > 0:
-        seen = tl.cumsum(ties.to(tl.int32), 1)
         target = tied - need + 1 if SMALLEST else need
-        cut = tl.where(need < tied, tl.min(tl.where(seen == target[:, None], cols[None, :], key.shape[1]), axis=1),
-                       cut)
+        if TIES_BY_SCAN:
+            seen = tl.cumsum(ties.to(tl.int32), 1)
+            first = tl.min(tl.where(seen == target[:, None], cols[None, :], key.shape[1]), axis=1)
+        else:
+            first = tl.zeros_like(need)
+            last = tl.zeros_like(need) + (key.shape[1] - 1)
+            while tl.max((first < last).to(tl.int32), axis=0) > 0:
+                half = (first + last) // 2
+                enough = tl.sum((ties & (cols[None, :] <= half[:, None])).to(tl.int32), axis=1) >= target
+                last = tl.where(enough, half, last)
+                first = tl.where(enough, first, half + 1)
+        cut = tl.where(need < tied, first, cut)
     if SMALLEST:
         return ((key < threshold[:, None]) & (key != INT_MIN)) | (ties & (cols[None, :] >= cut[:, None]))
     else:

@@ -65,7 +65,7 @@ def _select_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
     else:
         scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     key = tl.where(c_ok[None, :], ordered_key(scores), INT_MIN)
-    taken = first_k_rows(key, KSEL, 0, False) & row_ok[:, None]
+    taken = first_k_rows(key, KSEL, 0, False, TIES_BY_SCAN=True) & row_ok[:, None]
     out_rows = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
     store_taken(out_rows, taken, cand)
 
