@@ -103,6 +103,22 @@ def test_select_refuses_rows_it_cannot_fill():
 
 
 @cpu_only
+@pytest.mark.parametrize("n,block,topk", [(1100, 4, (3,)), (10240, 32, (2, 9))])
+def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
+    """Rows of more than ``select.SCAN_LIMIT`` candidates (a dense top level of 275 tokens; 9 x 32 children) cut the
+    ties at the threshold by bisection over the columns: the same selection on grid values (many ties)."""
+    from flexsparse.triton import select
+    q, k, _ = _qkv(n, 2, 1, 16, grid=True)
+    q_levels, k_levels = pool_pyramid(q, block, len(topk)), pool_pyramid(k, block, len(topk))
+    widest = max([q_levels[-1].shape[2]] + [kk * block for kk in topk[1:]])
+    assert widest > select.SCAN_LIMIT
+    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
+    for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
+        assert torch.equal(a, b)
+
+
+@cpu_only
 def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
     from flexsparse.triton import select
@@ -265,8 +281,8 @@ def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
 
 
 @gpu
-def test_gpu_selection_matches_masks():
-    n, block, topk = 65536, 16, (8, 8)
+@pytest.mark.parametrize("n,block,topk", [(65536, 16, (8, 8)), (131072, 16, (8, 20))])  # rows of 128; 512 and 320
+def test_gpu_selection_matches_masks(n, block, topk):
     q, k, _ = _gpu_inputs(n, 4, 2, 64)
     q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
     sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))

@@ -26,10 +26,11 @@ from .layout import Levels, cdiv, pow2
 @triton.jit
 def _select_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BQ: tl.constexpr,
-                   BC: tl.constexpr, KSEL: tl.constexpr, DENSE: tl.constexpr):
+                   BC: tl.constexpr, KSEL: tl.constexpr, DENSE: tl.constexpr, SCAN: tl.constexpr):
     """``S_LEVEL`` rows: with ``DENSE`` (the top level) query tokens ``pid * BQ ...`` against every token of the
     level (IEEE fp32 dots); else the ``BLOCK`` query tokens under parent ``program_id(0)`` (level LEVEL+1)
-    against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). The top ``KSEL`` of each row, ascending."""
+    against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). The top ``KSEL`` of each row, ascending;
+    ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s ``TIES_BY_SCAN``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -65,12 +66,14 @@ def _select_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
     else:
         scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     key = tl.where(c_ok[None, :], ordered_key(scores), INT_MIN)
-    taken = first_k_rows(key, KSEL, 0, False, TIES_BY_SCAN=True) & row_ok[:, None]
+    taken = first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, None]
     out_rows = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
     store_taken(out_rows, taken, cand)
 
 
 DENSE_ROW_LIMIT = 1024  # top levels with more tokens go through block_topk (rows of up to 16K keys)
+SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
+# wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
 
 
 def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
@@ -90,7 +93,8 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     if levels.tokens(top) <= row_limit:
         bc = pow2(levels.tokens(top), 16)
         launcher(_select_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
-            *args, top, BC=bc, KSEL=levels.topk[-1], DENSE=True, num_warps=4 if bc * d <= 256 * 64 else 8, **launch)
+            *args, top, BC=bc, KSEL=levels.topk[-1], DENSE=True, SCAN=bc <= SCAN_LIMIT,
+            num_warps=4 if bc * d <= 256 * 64 else 8, **launch)
     else:
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
@@ -98,6 +102,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     for level in range(top - 1, 0, -1):
         bc = pow2(levels.topk[level] * block, 16)
         launcher(_select_kernel)[(levels.tokens(level + 1), bsz * heads)](
-            *args, level, BC=bc, KSEL=levels.topk[level - 1], DENSE=False, num_warps=4 if bc * d <= 128 * 64 else 8,
+            *args, level, BC=bc, KSEL=levels.topk[level - 1], DENSE=False, SCAN=bc <= SCAN_LIMIT,
+            num_warps=4 if bc * d <= 128 * 64 else 8,
             **{**launch, "BQ": pow2(block, 16)})
     return sel
