@@ -38,7 +38,7 @@ def log_token_weights(n: int, span: int, length: int | None = None, device=None,
 
 
 def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Sums over consecutive blocks of ``block`` tokens along dim -2, zero-padded tail.
+    """Sums over consecutive blocks of ``block`` tokens along dim -2 (a ragged tail block sums its real tokens).
 
     x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype. Neither a padded nor a
     widened copy of x is made (a padded copy cost two full passes over q and k at ragged lengths).
