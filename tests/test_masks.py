@@ -17,6 +17,31 @@ def test_mean_pool_is_the_true_mean_of_real_tokens(n, block):
     assert mean_pool(y, block).dtype == torch.float32
 
 
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_router_pooling_makes_no_full_size_copy(n):
+    """The router's pooling of q and k (``pooled_qk``) reads them in place: no intermediate as large as q, also at
+    a ragged length (a zero-padded copy of q and k took 0.665 ms at the public SLA shape on an H100)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from flexsparse.masks import pooled_qk
+
+    q, k = torch.randn(2, 2, n, 16, dtype=torch.bfloat16), torch.randn(2, 2, n, 16, dtype=torch.bfloat16)
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k)}
+
+    class LargestNewStorage(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:  # not a view of q, k
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+            return out
+
+    with LargestNewStorage() as mode:
+        pooled_qk(q, k, 64, 64, smooth_k=True)
+    assert 0 < mode.largest < q.untyped_storage().nbytes() // 8
+
+
 @pytest.mark.parametrize("n, block, levels", [(1, 4, 2), (300, 4, 4), (4097, 16, 2), (1000, 3, 3)])
 def test_pyramid_levels_are_means_over_their_spans(n, block, levels):
     x = torch.randn(1, 2, n, 4, dtype=torch.float64)
