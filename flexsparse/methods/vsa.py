@@ -40,12 +40,24 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if backend == "reference":
         return vsa_dense(q, k, v, selection, scale, gate)
     fine, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic)
-    coarse = coarse_attention(q, k, v, cfg.block_q, cfg.block_k, scale)
-    return fine + (coarse if gate is None else gate * coarse), lse
+    return combine(fine, coarse_attention(q, k, v, cfg.block_q, cfg.block_k, scale), cfg.block_q, gate), lse
 
 
 def coarse_attention(q, k, v, block_q: int, block_k: int, scale: float) -> torch.Tensor:
-    """Tile-level attention of pooled q over pooled k, v, broadcast to every query token: ``(B, H, N, D)``."""
+    """Tile-level attention of pooled q over pooled k, v: ``(B, H, Tq, D)``, one row per query tile."""
     qc, kc, vc = (mean_pool(x, b).to(q.dtype) for x, b in ((q, block_q), (k, block_k), (v, block_k)))
-    out = F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.repeat_interleave(block_q, dim=2)[:, :, : q.shape[2]]
+    return F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def combine(fine: torch.Tensor, coarse: torch.Tensor, block_q: int, gate: torch.Tensor | None) -> torch.Tensor:
+    """``fine + g * coarse`` with each query tile's coarse row ``(B, H, Tq, D)`` broadcast to its tokens:
+    ``(B, H, N, D)``. When N fills the tiles the broadcast is a view, so no ``(B, H, N, D)`` copy of the coarse
+    rows is made (forward or backward)."""
+    n, tiles = fine.shape[2], coarse.shape[2]
+    if tiles * block_q == n:
+        rows = coarse.unsqueeze(3)
+        if gate is not None:
+            rows = gate.unflatten(2, (tiles, block_q)) * rows
+        return (fine.unflatten(2, (tiles, block_q)) + rows).flatten(2, 3)
+    coarse = coarse.repeat_interleave(block_q, dim=2)[:, :, :n]
+    return fine + (coarse if gate is None else gate * coarse)
