@@ -165,6 +165,7 @@ def _setup(ctx, inputs, output):
     q, k, v, skipped, block_q, block_k, feature_map, eps = inputs
     ctx.save_for_backward(q, k, v, skipped, output[1])
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient of the (B, H, Tq, D (D + 1)) rows
     ctx.args = (block_q, block_k, feature_map, eps)
 
 
@@ -207,6 +208,7 @@ def _mix_setup(ctx, inputs, output):
     _, o_l, rows = output
     ctx.save_for_backward(q, k, v, skipped, rows, o_l, o_s if alpha is not None else None, weight, alpha)
     ctx.mark_non_differentiable(o_l, rows)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of o_l and the (B, H, Tq, D (D + 1)) rows
     ctx.args = (block_q, block_k, feature_map, eps)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
