@@ -42,6 +42,32 @@ def test_router_pooling_makes_no_full_size_copy(n):
     assert 0 < mode.largest < q.untyped_storage().nbytes() // 8
 
 
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_pooling_backward_writes_one_gradient_of_x(n):
+    """The gradient of the block sums reaches bf16 x as one tensor written once (no zero-filled slice gradients,
+    no widened copy), and it is exact: each token gets its block's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from flexsparse.masks.pooling import block_sums
+
+    x = torch.randn(2, 2, n, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 2, -(-n // 64), 16)
+    big = set()
+
+    class NewStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= x.untyped_storage().nbytes():
+                    big.add((str(func).split(".")[1], t.untyped_storage().data_ptr()))
+            return out
+
+    sums = block_sums(x, 64)
+    with NewStorages():
+        (dx,) = torch.autograd.grad(sums, x, grad)
+    assert len({ptr for _, ptr in big}) == 1 and not {name for name, _ in big} & {"zeros", "slice_backward"}
+    assert torch.equal(dx, grad.repeat_interleave(64, dim=2)[:, :, :n].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("n, block, levels", [(1, 4, 2), (300, 4, 4), (4097, 16, 2), (1000, 3, 3)])
 def test_pyramid_levels_are_means_over_their_spans(n, block, levels):
     x = torch.randn(1, 2, n, 4, dtype=torch.float64)

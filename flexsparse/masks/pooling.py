@@ -40,15 +40,34 @@ def log_token_weights(n: int, span: int, length: int | None = None, device=None,
 def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
     """Sums over consecutive blocks of ``block`` tokens along dim -2 (a ragged tail block sums its real tokens).
 
-    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype. Neither a padded nor a
-    widened copy of x is made (a padded copy cost two full passes over q and k at ragged lengths).
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype. Differentiable. One pass
+    over x forward and one write of its gradient backward: no padded or widened copy of x (a padded copy
+    cost two full passes over q and k at ragged lengths), and no zero-filled slice gradients.
     """
-    n, acc = x.shape[-2], accumulation_dtype(x.dtype)
-    whole = n // block
-    sums = x[..., :whole * block, :].unflatten(-2, (whole, block)).sum(-2, dtype=acc)
-    if whole * block == n:
-        return sums
-    return torch.cat([sums, x[..., whole * block:, :].sum(-2, keepdim=True, dtype=acc)], dim=-2)
+    return _BlockSums.apply(x, block)
+
+
+class _BlockSums(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: int) -> torch.Tensor:
+        ctx.block, ctx.n, ctx.dtype = block, x.shape[-2], x.dtype
+        acc = accumulation_dtype(x.dtype)
+        whole = x.shape[-2] // block
+        sums = x[..., :whole * block, :].unflatten(-2, (whole, block)).sum(-2, dtype=acc)
+        if whole * block == x.shape[-2]:
+            return sums
+        return torch.cat([sums, x[..., whole * block:, :].sum(-2, keepdim=True, dtype=acc)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """Each block's gradient broadcast to its tokens, cast to x's dtype in the same pass."""
+        n, block = ctx.n, ctx.block
+        whole = n // block
+        out = grad.new_empty(*grad.shape[:-2], n, grad.shape[-1], dtype=ctx.dtype)
+        out[..., :whole * block, :].unflatten(-2, (whole, block)).copy_(grad[..., :whole, None, :])
+        if whole * block < n:
+            out[..., whole * block:, :].copy_(grad[..., whole:, :])
+        return out, None
 
 
 def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
