@@ -1,0 +1,91 @@
+"""Which aten ops allocate a tensor as large as q on the ``triton`` backend's eager path (CPU, no GPU needed).
+
+Runs every method's forward (no grad) and forward+backward on CPU tensors with ``TRITON_INTERPRET=1`` and every
+Triton launch stubbed out (so only the PyTorch glue around the kernels runs), and counts the ops that allocate a
+new storage of at least half of q's bytes (views and in-place writes into it are not counted again). Kernel outputs (``empty_like``/``new_empty``) are expected;
+anything else (copies, casts, adds, zero fills) is a full pass over memory on the GPU that a kernel could fuse.
+Paths that branch on the device (CUDA-only kernels such as SLA2's key centring) show their CPU fallbacks here.
+
+    python benchmarks/allocation_audit.py [--n 2048] [--methods topk vsa llsa sla sla2]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import pkgutil
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import flexsparse  # noqa: E402
+import flexsparse.triton as kernels  # noqa: E402
+
+CONFIGS = {"topk": {"method": "topk", "block_size": 64, "topk": 4},
+           "vsa": {"method": "vsa", "block_size": 64, "topk": 4},
+           "llsa": {"method": "llsa", "block_size": 16, "topk": 4},
+           "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.1},
+           "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.1}}
+
+
+class _NoLaunch:
+    """Stands in for ``common.launcher(kernel)``: ``launcher(kernel)[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def stub_launches() -> None:
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"flexsparse.triton.{info.name}")
+        if hasattr(module, "launcher"):
+            module.launcher = lambda kernel: _NoLaunch()
+
+
+class LargeAllocations(TorchDispatchMode):
+    """Counts ``(op, storage bytes / reference bytes)`` of op outputs in new storages of >= half the reference."""
+
+    def __init__(self, reference: torch.Tensor, inputs: list[torch.Tensor]):
+        super().__init__()
+        self.size = reference.untyped_storage().nbytes()
+        self.known = {x.untyped_storage().data_ptr() for x in inputs}  # storages already counted (or inputs)
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                self.known.add(t.untyped_storage().data_ptr())  # views and in-place writes reuse a known storage
+                nbytes = t.untyped_storage().nbytes()
+                if nbytes >= self.size // 2:
+                    self.seen[(str(func).removeprefix("aten."), round(nbytes / self.size, 2))] += 1
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--methods", nargs="+", default=list(CONFIGS))
+    args = parser.parse_args()
+    stub_launches()
+    for name in args.methods:
+        module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=2, seq_len=args.n, backend="triton")
+        q, k, v = (torch.randn(1, 2, args.n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, 2, args.n, 64, dtype=torch.bfloat16)
+        for phase in ("fwd", "fwd+bwd"):
+            audit = LargeAllocations(q, [q, k, v, grad])
+            with audit:
+                if phase == "fwd":
+                    with torch.no_grad():
+                        module(q, k, v)
+                else:
+                    torch.autograd.grad(module(q, k, v), (q, k, v), grad)
+            found = ", ".join(f"{op} x{count} ({ratio}x q)" for (op, ratio), count in sorted(audit.seen.items()))
+            print(f"{name:5s} {phase:8s} {found}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
