@@ -1,7 +1,8 @@
-"""Shared test utilities: random inputs, error metrics, gradient collection."""
+"""Shared test utilities: random inputs, error metrics, gradient collection, allocation records."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,3 +35,21 @@ def grads(outputs, inputs, seed=0):
         w = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
         total = total + (out * w).sum()
     return torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+class NewStorages(TorchDispatchMode):
+    """Records ``allocated``: ``(op name, bytes)`` of each storage first seen as an op's output while active (views
+    and in-place writes into it are not counted again; the storages of ``known`` tensors never)."""
+
+    def __init__(self, *known: torch.Tensor):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.allocated: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.allocated.append((str(func).split(".")[1], t.untyped_storage().nbytes()))
+        return out

@@ -6,7 +6,7 @@ from flexsparse.masks import (block_topk, csr_to_csc, log_token_weights, mean_po
                               token_counts)
 from flexsparse.reference import span_means
 
-from helpers import qkv, rel_err
+from helpers import NewStorages, qkv, rel_err
 
 
 @pytest.mark.parametrize("n, block", [(1, 4), (15, 4), (17, 16), (1000, 8), (65, 64)])
@@ -21,50 +21,27 @@ def test_mean_pool_is_the_true_mean_of_real_tokens(n, block):
 def test_router_pooling_makes_no_full_size_copy(n):
     """The router's pooling of q and k (``pooled_qk``) reads them in place: no intermediate as large as q, also at
     a ragged length (a zero-padded copy of q and k took 0.665 ms at the public SLA shape on an H100)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from flexsparse.masks import pooled_qk
 
     q, k = torch.randn(2, 2, n, 16, dtype=torch.bfloat16), torch.randn(2, 2, n, 16, dtype=torch.bfloat16)
-    inputs = {x.untyped_storage().data_ptr() for x in (q, k)}
-
-    class LargestNewStorage(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:  # not a view of q, k
-                    self.largest = max(self.largest, t.untyped_storage().nbytes())
-            return out
-
-    with LargestNewStorage() as mode:
+    with NewStorages(q, k) as mode:
         pooled_qk(q, k, 64, 64, smooth_k=True)
-    assert 0 < mode.largest < q.untyped_storage().nbytes() // 8
+    assert 0 < max(size for _, size in mode.allocated) < q.untyped_storage().nbytes() // 8
 
 
 @pytest.mark.parametrize("n", [1000, 1024])
 def test_pooling_backward_writes_one_gradient_of_x(n):
     """The gradient of the block sums reaches bf16 x as one tensor written once (no zero-filled slice gradients,
     no widened copy), and it is exact: each token gets its block's gradient."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from flexsparse.masks.pooling import block_sums
 
     x = torch.randn(2, 2, n, 16, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(2, 2, -(-n // 64), 16)
-    big = set()
-
-    class NewStorages(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= x.untyped_storage().nbytes():
-                    big.add((str(func).split(".")[1], t.untyped_storage().data_ptr()))
-            return out
-
     sums = block_sums(x, 64)
-    with NewStorages():
+    with NewStorages(x) as mode:
         (dx,) = torch.autograd.grad(sums, x, grad)
-    assert len({ptr for _, ptr in big}) == 1 and not {name for name, _ in big} & {"zeros", "slice_backward"}
+    big = [name for name, size in mode.allocated if size >= x.untyped_storage().nbytes()]
+    assert len(big) == 1 and not set(big) & {"zeros", "slice_backward"}
     assert torch.equal(dx, grad.repeat_interleave(64, dim=2)[:, :, :n].to(torch.bfloat16))
 
 

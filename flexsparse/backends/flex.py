@@ -81,8 +81,8 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return any(grad_flags(*tensors))
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, ...]) -> None:
-    reason = unsupported_reason(q.device, q.dtype, _needs_grad(q, k, v), False, blocks, q.shape[-1])
+def _check(q: torch.Tensor, blocks: tuple[int, ...], needs_grad: bool) -> None:
+    reason = unsupported_reason(q.device, q.dtype, needs_grad, False, blocks, q.shape[-1])
     if reason is not None:
         raise RuntimeError(f"backend 'flex': {reason}")
 
@@ -132,8 +132,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32 (``None`` on CPU).
     """
     _check_no_p_quant(quantize_p)
-    _check(q, k, v, (selection.block_q, selection.block_k))
-    return attend(q, k, v, block_selection_to_block_mask(selection, _needs_grad(q, k, v)), None, scale)
+    needs_grad = _needs_grad(q, k, v)
+    _check(q, (selection.block_q, selection.block_k), needs_grad)
+    return attend(q, k, v, block_selection_to_block_mask(selection, needs_grad), None, scale)
 
 
 def llsa_score_mod(layout: LLSALayout):
@@ -174,8 +175,9 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     Returns ``o (B, H, N, D)`` in q's dtype and ``lse (B, H, N)`` fp32 (``None`` on CPU).
     """
     _check_no_p_quant(quantize_p)
-    _check(q, k_levels[0], v_levels[0], (selection.block,))
-    block_mask, layout = llsa_block_mask(selection, _needs_grad(q, *k_levels, *v_levels))
+    needs_grad = _needs_grad(q, *k_levels, *v_levels)
+    _check(q, (selection.block,), needs_grad)
+    block_mask, layout = llsa_block_mask(selection, needs_grad)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
     return attend(q, k, v, block_mask, llsa_score_mod(layout), scale)
