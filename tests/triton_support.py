@@ -73,6 +73,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def lse_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / (1 + |b|)`` in fp64: for log-sum-exps, whose values can sit near zero (a lone query's
+    LSE, e.g. ``s + ln 2``), where ``rel_err`` would measure the cancellation, not the error."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs() / (1 + b.abs())).max().item()
+
+
 def grid_values(*shape) -> torch.Tensor:
     """Random multiples of 1/4 in [-1, 1] (fp32): pooled means and raw dots are exact, so every
     summation order gives the same scores, and exact ties exercise the tie-break."""
