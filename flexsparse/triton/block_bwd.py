@@ -125,7 +125,10 @@ def _block_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, ORDER, DK, DV, q_b
 def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile caps, warps and stages of the two backward kernels, with ``tiles.overrides("block_bwd")``:
     ``DQ_BM``/``DQ_BN`` (query/key tile of dQ), ``DQ_KB`` (key blocks per step of dQ), ``DKV_BN``/``DKV_BM``
-    (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV). fp32: narrow tiles, 8 warps."""
+    (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV). fp32: narrow tiles, 8 warps.
+    dK/dV runs on 4 warps up to D = 128: at D = 128 its 64-key tile on 8 warps splits every product's N over
+    two warpgroups (64x32 wgmma, 1 CTA per SM) and took 7.4-7.9 ms against 3.9-4.1 on 4 warps (some spills, 2
+    CTAs per SM) at the public SLA shape on an H200 (``benchmarks/block_tiles.py``)."""
     if device.type == "cpu":
         base = dict(DQ_BM=16, DQ_BN=16, DQ_KB=1, DKV_BN=16, DKV_BM=16, DKV_QB=1, dq_warps=4, dq_stages=1,
                     dkv_warps=4, dkv_stages=1)
@@ -135,7 +138,7 @@ def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     else:
         wide = d > 64
         base = dict(DQ_BM=64, DQ_BN=64, DQ_KB=1, DKV_BN=64, DKV_BM=64, DKV_QB=1, dq_warps=4,
-                    dq_stages=2 if wide else 3, dkv_warps=8 if wide else 4, dkv_stages=2)
+                    dq_stages=2 if wide else 3, dkv_warps=8 if d > 128 else 4, dkv_stages=2)
     return {**base, **overrides("block_bwd")}
 
 

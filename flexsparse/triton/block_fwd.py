@@ -131,7 +131,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     elif dtype == torch.float32:
         base = dict(BM=64, BN=32, KB=1, warps=8, stages=2)
     else:
-        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2)
+        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 128 else 2)
     return {**base, **overrides("block_fwd")}
 
 

@@ -285,10 +285,9 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
                     dkv_programs=4)
     else:
         wide = d > 64
-        base = dict(BM=max(128, fq), BN=32 if wide else 64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
+        base = dict(BM=max(128, fq), BN=64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
                     TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=2 if wide else 3, dkv_warps=4,
-                    top_warps=8 if wide else 4,
-                    top_stages=1 if wide else 3, programs=4 * 132, dkv_programs=16 * 132)
+                    top_warps=8 if wide else 4, top_stages=3, programs=4 * 132, dkv_programs=16 * 132)
     return {**base, **overrides("bwd")}
 
 

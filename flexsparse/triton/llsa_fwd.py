@@ -194,7 +194,7 @@ def forward_tiles(device: torch.device, d: int, block: int) -> dict:
     if device.type == "cpu":
         base = dict(BM=32, BN=32, FQ=fq, FN=64, SUB=2, warps=4, stages=1, fine_warps=4, fine_stages=1)
     else:
-        base = dict(BM=128, BN=64 if d <= 64 else 32, FQ=fq, FN=256, SUB=8, warps=8, stages=2,
+        base = dict(BM=128, BN=64, FQ=fq, FN=256, SUB=8, warps=8, stages=2,
                     fine_warps=4, fine_stages=2 if d > 64 else 3)
     return {**base, **overrides("fwd")}
 
