@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flexsparse.triton import (block_bwd, block_fwd, block_fwd_fp8, block_topk, csc, fp8_quant, linear_bwd,
-                               linear_dense, linear_fwd, llsa_bwd, llsa_fwd, pool, select)
+                               linear_fwd, llsa_bwd, llsa_fwd, pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -127,22 +127,20 @@ def main():
     lt = linear_fwd.linear_tiles(dev, d, torch_dtype)
     state = "*bf16" if dt == "bf16" else "*fp32"
     lin = dict(D=d, BD=pow2(d, 16), FMAP=0, BF16=dt == "bf16", GATHER=True)
-    dense = linear_dense.dense_tiles(dev, dt == "bf16")
     tile_q, split_q = linear_fwd.split(block_q, lt["TQ"])
     tile_k, split_k = linear_fwd.split(block_k, lt["TK"])
     jobs += [
         ("linear states", linear_fwd._states_kernel, dict(K=q, V=q, HS=state, ZS=state),
          dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
          lt["warps"], 1),
-        ("linear dense block sums", linear_dense._block_sum_kernel, dict(A=state, B=state, C="*fp32"),
-         dict(BM=dense["BM"], BN=dense["BN"], BK=dense["BK"], BF16=dt == "bf16", STAGES=dense["stages"]),
-         dense["warps"], dense["stages"]),
         ("linear fwd", linear_fwd._forward_kernel,
-         dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS="*fp32"),
-         dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], **lin),
+         dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS_H=state, ROWS_Z="*fp32", OS=q,
+              OL=q, W=q, BIAS=q, ALPHA=q),
+         dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], MIX=1, STORE_LINEAR=True,
+              **{**lin, "GATHER": False}),
          lt["warps"], lt["stages"]),
         ("linear dq", linear_bwd._query_grad_kernel,
-         dict(Q=q, DO=q, ROWS="*fp32", DQ=q, DHQ=state, DZQ=state),
+         dict(Q=q, DO=q, ROWS_H=state, ROWS_Z="*fp32", DQ=q, DHQ=state, DZQ=state),
          dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q,
               **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
          lt["warps"], 1),

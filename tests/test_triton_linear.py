@@ -120,13 +120,13 @@ def _op_run(q, k, v, skipped, bq, bk, fmap, eps=1e-5):
     """``flexsparse::masked_linear``: output, query-block states and the gradients of q, k, v of a fixed
     random loss (torch.autograd through the registered backward)."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, rows = sla_ops.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
+    out, rows_h, rows_z = sla_ops.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
     (out.double() * weight.double()).sum().backward()
-    return [out, rows] + [x.grad for x in leaves]
+    return [out, rows_h, rows_z] + [x.grad for x in leaves]
 
 
-OP_NAMES = ["o", "rows", "dq", "dk", "dv"]
+OP_NAMES = ["o", "rows_h", "rows_z", "dq", "dk", "dv"]
 # (B, H, Hk, N, D, block_q, block_k, skipped per row (-1: all but one), feature map)
 OP_CASES = [
     (1, 4, 2, 100, 16, 16, 32, 1, "softmax"),    # GQA, ragged last key block
@@ -174,13 +174,13 @@ def test_kernels_match_torch_linear_reference(fmap):
     skipped = selection.indices
     got = _op_run(q, k, v, skipped, bq, bk, fmap)
     want = _run(torch_linear.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
-    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], want):
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[3:], want):
         assert ts.rel_err(a, w) < 1e-5, name
     got = _op_run(q, k, v, skipped[..., :0], bq, bk, fmap)
     full = _run(lambda q, k, v, s, feature_map, eps: torch_linear.linear_attention(q, k, v, feature_map=feature_map,
                                                                                    eps=eps),
                 q.double(), k.double(), v.double(), selection, fmap)
-    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[2:], full):
+    for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[3:], full):
         assert ts.rel_err(a, w) < 1e-5, f"full {name}"
 
 
@@ -191,7 +191,7 @@ def test_fp16_kernels(strategy):
     skipped = ts.random_selection(1, 4, 100, 100, 16, 32, 2).indices
     got = _op_run(q.half(), k.half(), v.half(), skipped, 16, 32, "softmax")
     want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 32, "softmax")
-    assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
+    assert got[0].dtype == torch.float16 and got[3].dtype == torch.float16
     for name, a, w in zip(OP_NAMES, got, want):
         assert ts.rel_err(a, w) < 5e-3, name
 
@@ -229,8 +229,9 @@ def test_opcheck_kernels(strategy):
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
     utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
     torch.library.opcheck(sla_ops.masked_linear.op, args, test_utils=utils)
-    out, rows = sla_ops.masked_linear(*args)
-    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows, 16, 16, "elu", 1e-5)
+    out, rows_h, rows_z = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows_h, rows_z, 16, 16, "elu",
+                1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args, test_utils=utils)
 
 
@@ -432,7 +433,7 @@ def test_gpu_matches_pytorch_path(h, hk, n, d, bq, bk, ratio, negligible, fmap, 
     skipped = skipped_blocks(_selection(q, k, bq, bk, ratio, negligible))
     got = _op_run(q, k, v, skipped, bq, bk, fmap)
     want = _op_run(q.double(), k.double(), v.double(), skipped, bq, bk, fmap)
-    assert got[0].dtype == dtype and got[2].dtype == dtype
+    assert got[0].dtype == dtype and got[3].dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, a, w in zip(OP_NAMES, got, want):
         assert ts.rel_err(a, w) < tol, name
@@ -477,9 +478,9 @@ def test_gpu_opcheck(strategy):
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
             1e-5)
     torch.library.opcheck(sla_ops.masked_linear.op, args)
-    out, rows = sla_ops.masked_linear(*args)
-    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows, 64, 32,
-                "softmax", 1e-5)
+    out, rows_h, rows_z = sla_ops.masked_linear(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows_h, rows_z,
+                64, 32, "softmax", 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
 
 

@@ -25,7 +25,7 @@ def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     skipped = skipped_blocks(selection)
     if skipped.shape[-1] == selection.num_k_blocks:
         return q.new_zeros(q.shape)
-    out, _ = sla_ops.masked_linear(q, k, v, skipped, selection.block_q, selection.block_k, feature_map, eps)
+    out, _, _ = sla_ops.masked_linear(q, k, v, skipped, selection.block_q, selection.block_k, feature_map, eps)
     return out
 
 
@@ -42,6 +42,6 @@ def mixed_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: B
         return None
     store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, o_s, weight, bias,
                                                                                      alpha))
-    out, _, _ = sla_ops.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
+    out, _, _, _ = sla_ops.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
                                           selection.block_k, feature_map, eps, store)
     return out

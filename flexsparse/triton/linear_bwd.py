@@ -2,8 +2,7 @@
 
 With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
 
-* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved packed
-  ``[H_i | Z_i]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O recomputed in fp32),
+* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O recomputed in fp32),
   ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in
   ``linear_fwd.state_dtype``). Q is also loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the
   first operand of every dot is never a transposed tile).
@@ -28,17 +27,17 @@ from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, featur
 
 
 @triton.jit
-def _query_grad_kernel(Q, DO, ROWS, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr, BD: tl.constexpr,
-                       BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr,
-                       BF16: tl.constexpr):
+def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
+                       BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                       FMAP: tl.constexpr, BF16: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hmask = dim_ok[:, None] & dim_ok[None, :]
-    row = ROWS + (bh * TQ + i) * D * (D + 1)
-    state_h = tl.load(row + dim[:, None] * (D + 1) + dim[None, :], mask=hmask, other=0.0)
-    state_z = tl.load(row + dim * (D + 1) + D, mask=dim_ok, other=0.0)
+    row = bh * TQ + i
+    state_h = tl.load(ROWS_H + row * D * D + dim[:, None] * D + dim[None, :], mask=hmask, other=0.0)
+    state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
     d_h = tl.zeros([BD, BD], tl.float32)
     d_z = tl.zeros([BD], tl.float32)
     base = bh * NQ * D
@@ -108,10 +107,11 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, T
 
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
-                    rows: torch.Tensor, block_q: int, block_k: int, feature_map: str, eps: float,
-                    tiles: dict | None = None):
-    """``(dq, dk, dv)`` of ``linear_fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved ``rows``
-    ``(B, H, Tq, D (D + 1))`` fp32. Shapes and dtypes as ``linear_forward``; all contiguous."""
+                    rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
+                    eps: float, tiles: dict | None = None):
+    """``(dq, dk, dv)`` of ``linear_fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
+    ``rows_h (B, H, Tq, D, D)``, ``rows_z (B, H, Tq, D)``. Shapes and dtypes as ``linear_forward``; all
+    contiguous."""
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, tk = skipped.shape[2], cdiv(nk, block_k)
@@ -123,12 +123,12 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
-        q, do, rows, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split,
-        FMAP=fmap, BF16=bf16, num_warps=tiles["warps"])
+        q, do, rows_h, rows_z, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
+        SPLIT=n_split, FMAP=fmap, BF16=bf16, num_warps=tiles["warps"])
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
     if not gather:
         from .linear_dense import keep_map, key_sums
-        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads, tk, bf16)
+        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads, tk)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq

@@ -6,15 +6,16 @@
   0), so the first operand of the dot is a computed register tile.
 * ``_forward_kernel``: one program per (query block i, batch x query head). With ``GATHER`` (the gather
   strategy): ``[H_i | Z_i]`` = the KV head's total (one fp32 ``torch.sum`` over the blocks, deterministic) minus
-  the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored packed
-  ``(D, D + 1)`` fp32 for the backward; without it the packed rows come summed from ``linear_dense`` (the dense
-  strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
+  the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored for the
+  backward (``H_i`` in the states' dtype, ``Z_i`` fp32); without it they come summed from ``linear_dense`` (the
+  dense strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
   never reaches HBM. With a ``Mix`` the same kernel also combines the branches (SLA's ``O_s + O_l W^T + b``,
   SLA2's ``alpha`` lerp) in its epilogue, so the methods' combine costs no extra pass over HBM.
 
 States are stored in bf16 for bf16 inputs (half the gathered bytes; the totals are summed from the same rounded
 states, so ``H_i`` is exactly the fp32 sum of its kept rounded states, no cancellation is amplified) and fp32
-otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise.
+otherwise. Dots (``dot``) run on bf16 operands for bf16 inputs, exact fp32 (``ieee``) otherwise; so ``H_i``, whose
+only use is as a dot operand, is stored in the states' dtype too (rounded once, as the dot would).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr, NQ, TQ, TK,
+def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr,
+                    NQ, TQ, TK,
                     S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                     SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr,
                     STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
@@ -114,11 +116,11 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, OS, OL, W, BIAS, ALPHA, alp
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hmask = dim_ok[:, None] & dim_ok[None, :]
-    row = ROWS + (bh.to(tl.int64) * TQ + i) * D * (D + 1)
+    hp = dim[:, None] * D + dim[None, :]
+    row = bh.to(tl.int64) * TQ + i
     if GATHER:
         b = bh // H
         kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
-        hp = dim[:, None] * D + dim[None, :]
         hs = HS + kv * TK * D * D
         zs = ZS + kv * TK * D
         ids = IDS + (bh.to(tl.int64) * TQ + i) * S
@@ -130,11 +132,12 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS, OS, OL, W, BIAS, ALPHA, alp
             acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
         state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
         state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
-        tl.store(row + dim[:, None] * (D + 1) + dim[None, :], state_h, mask=hmask)
-        tl.store(row + dim * (D + 1) + D, state_z, mask=dim_ok)
-    else:                                                  # rows summed by linear_dense.query_sums
-        state_h = tl.load(row + dim[:, None] * (D + 1) + dim[None, :], mask=hmask, other=0.0)
-        state_z = tl.load(row + dim * (D + 1) + D, mask=dim_ok, other=0.0)
+        state_h = state_h.to(ROWS_H.dtype.element_ty)      # what the dots read, here and in the backward
+        tl.store(ROWS_H + row * D * D + hp, state_h, mask=hmask)
+        tl.store(ROWS_Z + row * D + dim, state_z, mask=dim_ok)
+    else:                                                  # summed by linear_dense.query_sums
+        state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
+        state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
     if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
         w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
         bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(tl.float32)
@@ -234,9 +237,9 @@ class Mix(NamedTuple):
 
 def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_q: int,
                    block_k: int, feature_map: str, eps: float, tiles: dict | None = None, mix: Mix | None = None):
-    """``o (B, H, Nq, D)`` in q's dtype and the query-block states ``rows (B, H, Tq, D (D + 1))`` fp32 (packed
-    ``[H_i | Z_i]``, row a = ``H_i[a, :], Z_i[a]``); with ``mix`` (``Mix``) ``o`` is the mixed output and a third
-    result is O_l (``None`` unless ``mix.store_linear``).
+    """``o (B, H, Nq, D)`` in q's dtype and the query-block states ``H (B, H, Tq, D, D)`` in ``state_dtype`` and
+    ``Z (B, H, Tq, D)`` fp32; with ``mix`` (``Mix``) ``o`` is the mixed output and a fourth result is O_l
+    (``None`` unless ``mix.store_linear``).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` in q's dtype, all contiguous; skipped: ``(B, H, Tq, S)``
     int32 contiguous, the key blocks each query block leaves out.
@@ -249,11 +252,12 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     o = torch.empty_like(q)
     if gather:
         ht, zt = hs.sum(2, dtype=torch.float32), zs.sum(2, dtype=torch.float32)
-        rows = q.new_empty(bsz, heads, tq, d * (d + 1), dtype=torch.float32)
+        rows_h = q.new_empty(bsz, heads, tq, d, d, dtype=hs.dtype)
+        rows_z = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
     else:
         from .linear_dense import keep_map, query_sums
         ht, zt = hs, zs
-        rows = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs, bf16)
+        rows_h, rows_z = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
     tile, n_split = split(block_q, tiles["TQ"])
     code = 0 if mix is None else 1 if mix.weight is not None else 2
     o_l = torch.empty_like(q) if code and mix.store_linear else None
@@ -261,7 +265,8 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
         mix.o_s, o if o_l is None else o_l, mix.weight if code == 1 else o, mix.bias if code == 1 else o,
         mix.alpha if code == 2 else o, tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
     launcher(_forward_kernel)[(tq, bsz * heads)](
-        q, hs, zs, ht, zt, skipped, o, rows, *extra, float(eps), nq, tq, hs.shape[2], width, heads, heads // k.shape[1],
+        q, hs, zs, ht, zt, skipped, o, rows_h, rows_z, *extra, float(eps), nq, tq, hs.shape[2], width, heads,
+        heads // k.shape[1],
         D=d, BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
         GATHER=gather, STAGES=tiles["stages"], MIX=code, STORE_LINEAR=o_l is not None, num_warps=tiles["warps"])
-    return (o, rows) if mix is None else (o, rows, o_l)
+    return (o, rows_h, rows_z) if mix is None else (o, rows_h, rows_z, o_l)

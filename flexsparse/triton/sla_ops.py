@@ -11,11 +11,11 @@ key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the 
 (differentiable, kernels only): the branch with the methods' combine in its output kernel (SLA's
 ``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp, whose backward is ``lerp_mix_bwd``: kernel ``lerp_bwd``).
 
-Memory: the op returns the query-block states ``(B, H, Tq, D (D + 1))`` fp32 (saved for backward: about
-``2 D / block_q`` times the size of a bf16 q); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))``
-(forward) and the query-block state gradients ``(B, H, Tq, D (D + 1))`` (backward), both bf16 for bf16 inputs,
-else fp32 (the dense strategy adds the ``(B, H, Tq, Tk)`` keep map). Everything else is O(N D) (no fp32 copy of
-phi(Q), phi(K) or V).
+Memory: the op returns the query-block states ``H_i (B, H, Tq, D, D)`` and ``Z_i (B, H, Tq, D)`` (saved for
+backward; H_i bf16 for bf16 inputs on the kernels, about ``D / block_q`` times the size of q, else fp32; Z_i
+fp32); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))`` (forward) and the query-block state
+gradients ``(B, H, Tq, D (D + 1))`` (backward), both bf16 for bf16 inputs, else fp32 (the dense strategy adds the
+``(B, H, Tq, Tk)`` keep map). Everything else is O(N D) (no fp32 copy of phi(Q), phi(K) or V).
 
 Like ``ops``: CUDA runs the kernels; CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1``
 is set, else falls back to PyTorch (``_features``, ``_query_states_torch``, ``_key_states_torch``, fp32
@@ -110,10 +110,11 @@ def linear_kernels(q: Tensor) -> bool:
 
 @triton_op("flexsparse::masked_linear")
 def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int, block_k: int, feature_map: str,
-                  eps: float) -> tuple[Tensor, Tensor]:
-    """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states ``[H_i | Z_i]``
-    ``(B, H, Tq, D (D + 1))`` (fp32, fp64 for fp64; for the backward). q ``(B, H, Nq, D)``; k, v
-    ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the key blocks each query block leaves out, S < Tk."""
+                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states (for the backward)
+    ``H_i (B, H, Tq, D, D)`` (bf16 for bf16 inputs on the kernels, else fp32; fp64 for fp64) and ``Z_i (B, H, Tq,
+    D)`` (fp32, fp64 for fp64). q ``(B, H, Nq, D)``; k, v ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the
+    key blocks each query block leaves out, S < Tk."""
     if linear_kernels(q):
         from .linear_fwd import linear_forward
         return linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps)
@@ -124,13 +125,14 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
     rows = _query_states_torch(states.sum(2), states, skipped)
     state_q = rows.unflatten(-1, (d, d + 1))                                    # (B, H, Tq, D, D + 1)
     out = (phi_q @ state_q[..., :d]) / (eps + phi_q @ state_q[..., d:])          # (B, H, Tq, bq, D)
-    return out.flatten(2, 3)[:, :, :nq].to(q.dtype), rows
+    return out.flatten(2, 3)[:, :, :nq].to(q.dtype), state_q[..., :d].contiguous(), state_q[..., d].contiguous()
 
 
 @triton_op("flexsparse::masked_linear_bwd")
-def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows: Tensor, block_q: int,
-                      block_k: int, feature_map: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows``.
+def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
+                      block_q: int, block_k: int, feature_map: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
+    ``rows_z`` (``H_i``, ``Z_i``).
 
     With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
@@ -138,11 +140,12 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
     if linear_kernels(q):
         from .linear_bwd import linear_backward
-        return linear_backward(*contiguous(do, q, k, v, skipped, rows), block_q, block_k, feature_map, eps)
+        return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
+                               eps)
     nq, d = q.shape[2], q.shape[3]
     tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
     phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
-    rows = rows.unflatten(-1, (d, d + 1))
+    rows = torch.cat([rows_h, rows_z.unsqueeze(-1)], dim=-1).to(phi_q.dtype)   # (B, H, Tq, D, D + 1)
     y = phi_q @ rows
     den = eps + y[..., d:]
     out = y[..., :d] / den
@@ -163,15 +166,15 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
 
 def _setup(ctx, inputs, output):
     q, k, v, skipped, block_q, block_k, feature_map, eps = inputs
-    ctx.save_for_backward(q, k, v, skipped, output[1])
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)  # no zero-filled gradient of the (B, H, Tq, D (D + 1)) rows
+    ctx.save_for_backward(q, k, v, skipped, output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the (B, H, Tq, D, D) and (B, H, Tq, D) states
     ctx.args = (block_q, block_k, feature_map, eps)
 
 
-def _backward(ctx, do, _):
-    q, k, v, skipped, rows = ctx.saved_tensors
-    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows, *ctx.args)
+def _backward(ctx, do, _rows_h, _rows_z):
+    q, k, v, skipped, rows_h, rows_z = ctx.saved_tensors
+    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -181,13 +184,13 @@ masked_linear.register_autograd(_backward, setup_context=_setup)
 @triton_op("flexsparse::masked_linear_mix")
 def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Tensor, weight: Optional[Tensor],
                       bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, feature_map: str,
-                      eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor]:
+                      eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The masked linear branch O_l (``masked_linear``) combined with the sparse output ``o_s (B, H, Nq, D)`` in
     the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``, alpha
     None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
     None). weight, bias and alpha are cast to q's dtype, O_l is rounded to it before mixing (as the unfused
-    methods do). Returns ``(out, o_l, rows)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward needs
-    it) else empty, and the query-block states. Runs the kernels only (``linear_kernels(q)``)."""
+    methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward
+    needs it) else empty, and the query-block states (``masked_linear``). Runs the kernels only (``linear_kernels(q)``)."""
     if not linear_kernels(q):
         raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
                          f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
@@ -198,17 +201,17 @@ def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Ten
     cast = [None if t is None else t.to(q.dtype).contiguous() for t in (weight, bias, alpha)]
     if weight is not None and cast[1] is None:
         cast[1] = q.new_zeros(q.shape[-1])
-    out, rows, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
-                                    mix=Mix(o_s.contiguous(), *cast, store_linear=store_linear))
-    return out, (q.new_empty(0) if o_l is None else o_l), rows
+    out, rows_h, rows_z, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
+                                              mix=Mix(o_s.contiguous(), *cast, store_linear=store_linear))
+    return out, (q.new_empty(0) if o_l is None else o_l), rows_h, rows_z
 
 
 def _mix_setup(ctx, inputs, output):
     q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k, feature_map, eps, _ = inputs
-    _, o_l, rows = output
-    ctx.save_for_backward(q, k, v, skipped, rows, o_l, o_s if alpha is not None else None, weight, alpha)
-    ctx.mark_non_differentiable(o_l, rows)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients of o_l and the (B, H, Tq, D (D + 1)) rows
+    _, o_l, rows_h, rows_z = output
+    ctx.save_for_backward(q, k, v, skipped, rows_h, rows_z, o_l, o_s if alpha is not None else None, weight, alpha)
+    ctx.mark_non_differentiable(o_l, rows_h, rows_z)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of o_l and the query-block states
     ctx.args = (block_q, block_k, feature_map, eps)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -238,8 +241,8 @@ def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
     return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
 
 
-def _mix_backward(ctx, dout, _do_l, _drows):
-    q, k, v, skipped, rows, o_l, o_s, weight, alpha = ctx.saved_tensors
+def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
+    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
     block_q = ctx.args[0]
     if o_l.numel() == 0:
         raise RuntimeError("masked_linear_mix was called with store_linear=False; pass True when gradients are needed")
@@ -252,7 +255,7 @@ def _mix_backward(ctx, dout, _do_l, _drows):
     else:                                           # out = O_l + alpha (o_s - O_l)
         d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
         d_alpha = d_alpha.to(alpha.dtype)
-    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows, *ctx.args)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args)
     return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
 
 
