@@ -2,10 +2,11 @@
 
 With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
 
-* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O recomputed in fp32),
-  ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in
-  ``linear_fwd.state_dtype``). Q is also loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the
-  first operand of every dot is never a transposed tile).
+* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``:
+  ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
+  through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``linear_fwd.state_dtype``). Q is also
+  loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the first operand of every dot is never a
+  transposed tile).
 * ``_key_grad_kernel``: one program per (key block j, batch x KV head). With ``GATHER``: ``d[h_j | z_j]`` = the
   KV head's total of ``d[H_i | Z_i]`` (all its query heads, fp32 ``torch.sum``) minus those of the query blocks
   that skipped j (the key-major lists of ``csc.block_csc(..., deterministic=True)``, walked for every query

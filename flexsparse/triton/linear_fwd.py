@@ -104,10 +104,9 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 
 @triton.jit
 def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr,
-                    NQ, TQ, TK,
-                    S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-                    SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr,
-                    STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
+                    NQ, TQ, TK, S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
+                    GATHER: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
     """O_l of query block ``program_id(0)``; ``MIX`` 0: O = O_l; 1 (SLA): O = O_s + O_l W^T + bias; 2 (SLA2):
     O = O_l + alpha (O_s - O_l), alpha = ``ALPHA[h * alpha_h + i]``. With ``MIX`` the O_l rounded to q's dtype
     is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores it to ``OL``."""

@@ -190,7 +190,8 @@ def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Ten
     None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
     None). weight, bias and alpha are cast to q's dtype, O_l is rounded to it before mixing (as the unfused
     methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward
-    needs it) else empty, and the query-block states (``masked_linear``). Runs the kernels only (``linear_kernels(q)``)."""
+    needs it) else empty, and the query-block states (``masked_linear``). Runs the kernels only
+    (``linear_kernels(q)``)."""
     if not linear_kernels(q):
         raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
                          f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
