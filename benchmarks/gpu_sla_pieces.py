@@ -103,7 +103,7 @@ def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dic
     skipped = skipped_blocks(selection).contiguous()
     bq, bk, d = selection.block_q, selection.block_k, q.shape[-1]
     tiles = linear_tiles(q.device, d, q.dtype)
-    o, rows = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
+    o, rows_h, rows_z = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
     do = torch.randn_like(o)
     gbytes = skipped.numel() * d * (d + 1) * torch.finfo(state_dtype(q.dtype)).bits / 8 / 1e9
     out = {"strategy": "dense" if dense(skipped, selection.num_k_blocks, tiles) else "gather", "gather_GB": gbytes,
@@ -113,7 +113,7 @@ def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dic
         t = {**tiles, "dense_ratio": ratio}
         out[f"{name}_forward_ms"] = bench(lambda: linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5, t))
         out[f"{name}_backward_ms"] = bench(
-            lambda: linear_backward(do, q, k, v, skipped, rows, bq, bk, feature_map, 1e-5, t))
+            lambda: linear_backward(do, q, k, v, skipped, rows_h, rows_z, bq, bk, feature_map, 1e-5, t))
     out["gather_GBps"] = gbytes / out["gather_forward_ms"] * 1e3               # a lower bound (the whole forward)
     return out
 
