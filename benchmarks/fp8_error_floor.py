@@ -9,8 +9,8 @@ exact: the error that rounding alone leaves, whatever kernel computes the rest.
     python benchmarks/fp8_error_floor.py [--queries 2048] [--keys 3264] [--d 64] [--seeds 3]
 
 Result (2026-11-26, torch 2.13 CPU, seeds 0-2): P alone 2.6-2.7 %, V alone 2.5-2.8 %, P and V 3.6-3.9 %, Q and K
-(one scale each) 4.0-4.2 %: with e4m3 P and V the output of an iid random input cannot come within 3 % (one rounding to 3
-mantissa bits is ~2.6 % RMS, and a sum over many incoherent keys keeps it).
+(one scale each) 4.0-4.2 %: with e4m3 P and V the output of an iid random input cannot come within 3 % (one
+rounding to 3 mantissa bits is ~2.6 % RMS, and a sum over many incoherent keys keeps it).
 """
 from __future__ import annotations
 
