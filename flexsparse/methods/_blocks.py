@@ -14,11 +14,14 @@ from ..quant import qat_attention, quantize_kv, quantizes_p, unsupported_reason
 from ..reference import topk_dense
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg) -> BlockSelection:
-    """Top ``cfg.topk`` key blocks per query block from raw-dot pooled scores (fp32, no grad)."""
+def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg, pooled: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> BlockSelection:
+    """Top ``cfg.topk`` key blocks per query block from raw-dot pooled scores (fp32, no grad). ``pooled``:
+    ``(mean_pool(q, block_q), mean_pool(k, block_k))`` when the caller has them."""
     check_topk_fits("topk", cfg.topk, num_blocks(k.shape[2], cfg.block_k), "key blocks")
     with torch.no_grad():
-        top, _ = block_topk(mean_pool(q, cfg.block_q), mean_pool(k, cfg.block_k), cfg.topk)
+        q_bar, k_bar = pooled if pooled is not None else (mean_pool(q, cfg.block_q), mean_pool(k, cfg.block_k))
+        top, _ = block_topk(q_bar.detach(), k_bar.detach(), cfg.topk)
     return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])
 
 

@@ -35,18 +35,21 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if cfg.gate and not params:
         raise ValueError("vsa with gate=True has learnable parameters; use flexsparse.SparseAttention "
                          "or pass params={'gate_weight': (H, D), 'gate_bias': (H,)}")
-    selection = select_blocks(q, k, cfg)
+    q_bar, k_bar = mean_pool(q, cfg.block_q), mean_pool(k, cfg.block_k)   # fp32, for selection and coarse
+    selection = select_blocks(q, k, cfg, pooled=(q_bar, k_bar))
     gate = gate_values(q, params) if cfg.gate else None
     if backend == "reference":
         return vsa_dense(q, k, v, selection, scale, gate)
     fine, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic)
-    return combine(fine, coarse_attention(q, k, v, cfg.block_q, cfg.block_k, scale), cfg.block_q, gate), lse
+    coarse = coarse_attention(q_bar, k_bar, mean_pool(v, cfg.block_k), scale, q.dtype)
+    return combine(fine, coarse, cfg.block_q, gate), lse
 
 
-def coarse_attention(q, k, v, block_q: int, block_k: int, scale: float) -> torch.Tensor:
-    """Tile-level attention of pooled q over pooled k, v: ``(B, H, Tq, D)``, one row per query tile."""
-    qc, kc, vc = (mean_pool(x, b).to(q.dtype) for x, b in ((q, block_q), (k, block_k), (v, block_k)))
-    return F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+def coarse_attention(q_bar, k_bar, v_bar, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Tile-level attention of pooled q ``(B, H, Tq, D)`` over pooled k, v ``(B, Hk, Tk, D)`` (block means, in
+    the accumulation dtype), computed in ``dtype``: ``(B, H, Tq, D)``, one row per query tile."""
+    qc, kc, vc = (x.to(dtype) for x in (q_bar, k_bar, v_bar))
+    return F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q_bar.shape[1] != k_bar.shape[1])
 
 
 def combine(fine: torch.Tensor, coarse: torch.Tensor, block_q: int, gate: torch.Tensor | None) -> torch.Tensor:
