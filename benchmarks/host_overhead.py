@@ -3,14 +3,14 @@
 For each method of ``flexsparse.bench.DEMO_CONFIGS`` and each N (B=2, H=8, D=64, bf16, CUDA):
 
 * ``gpu_ms``: the forward replayed from a CUDA graph (no host work), ``do_bench`` median;
-* ``eager_ms``: the eager forward, ``do_bench`` median;
+* ``eager_ms``, ``eager_fwd_bwd_ms``: the eager forward and forward + backward, ``do_bench`` medians;
 * ``host_ms``: wall time to enqueue one eager forward while the GPU is kept busy by ``torch.cuda._sleep``
   (so the queue never drains; a call that waits on the GPU shows up as ``host_ms`` near the sleep);
 * ``host_fwd_bwd_ms``: the same for forward + backward.
 
-``--compiled`` adds ``compiled_ms`` and ``compiled_host_ms``, the forward of ``torch.compile(module,
-fullgraph=True)``. ``--profile`` adds cProfile's 30 functions with the largest own and cumulative time over 20
-eager forwards per row.
+``--compiled`` adds ``compiled_ms``, ``compiled_host_ms`` and ``compiled_fwd_bwd_ms`` (``do_bench``), the calls
+of ``torch.compile(module, fullgraph=True)``. ``--profile`` adds cProfile's 30 functions with the largest own and
+cumulative time over 20 eager forwards per row.
 
     python benchmarks/host_overhead.py OUT.json [--sizes 16384 65536] [--methods topk vsa llsa sla sla2]
         [--compiled] [--profile]
@@ -93,6 +93,7 @@ def measure(method: str, n: int, compiled: bool, profile: bool) -> dict:
         torch.autograd.grad(module(q, k, v), (q, k, v), grad)
 
     row = {"method": method, "n": n, "gpu_ms": graph_ms(forward), "eager_ms": do_bench(forward, return_mode="median"),
+           "eager_fwd_bwd_ms": do_bench(forward_backward, return_mode="median"),
            "host_ms": enqueue_ms(forward), "host_fwd_bwd_ms": enqueue_ms(forward_backward)}
     if compiled:
         compiled_module = torch.compile(module, fullgraph=True)
@@ -101,9 +102,14 @@ def measure(method: str, n: int, compiled: bool, profile: bool) -> dict:
             with torch.no_grad():
                 return compiled_module(q, k, v)
 
+        def compiled_forward_backward():
+            torch.autograd.grad(compiled_module(q, k, v), (q, k, v), grad)
+
         compiled_forward()
         row["compiled_ms"] = do_bench(compiled_forward, return_mode="median")
         row["compiled_host_ms"] = enqueue_ms(compiled_forward)
+        compiled_forward_backward()
+        row["compiled_fwd_bwd_ms"] = do_bench(compiled_forward_backward, return_mode="median")
     if profile:
         row["profile"] = top_functions(forward)
     return row
