@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    # every method and grad mode is a variant of SparseAttention.forward: more than dynamo's default 8
+    torch._dynamo.config.recompile_limit = 64
     rows = []
     for n in args.sizes:
         for method in args.methods:
