@@ -110,7 +110,8 @@ def main() -> None:
             "python": platform.python_version(), "shapes": {s: SHAPES[s] for s in args.shapes.split(",")}}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    keys = ["shape", "blocks", "K", "config", "fwd_ms", "bwd_ms", "dq_ms", "dkv_ms", "fwd_tflops", "bwd_tflops", "max_diff", "error"]
+    keys = ["shape", "blocks", "K", "config", "fwd_ms", "bwd_ms", "dq_ms", "dkv_ms", "fwd_tflops", "bwd_tflops",
+            "max_diff", "error"]
     print(tabulate([[row.get(key, "") for key in keys] for row in rows], headers=keys, floatfmt=".3f"))
 
 
