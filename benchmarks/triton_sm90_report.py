@@ -127,28 +127,26 @@ def main():
     lt = linear_fwd.linear_tiles(dev, d, torch_dtype)
     state = "*bf16" if dt == "bf16" else "*fp32"
     lin = dict(D=d, BD=pow2(d, 16), FMAP=0, BF16=dt == "bf16", GATHER=True)
-    per = dict(PER=lt["PER"], PER_STAGES=lt["per_stages"])
     tile_q, split_q = linear_fwd.split(block_q, lt["TQ"])
     tile_k, split_k = linear_fwd.split(block_k, lt["TK"])
     jobs += [
         ("linear states", linear_fwd._states_kernel, dict(K=q, V=q, HS=state, ZS=state),
-         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}, **per),
+         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
          lt["warps"], 1),
         ("linear fwd", linear_fwd._forward_kernel,
          dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS_H=state, ROWS_Z="*fp32", OS=q,
               OL=q, W=q, BIAS=q, ALPHA=q),
          dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], MIX=1, STORE_LINEAR=True,
-              **{**lin, "GATHER": False}, **per),
+              **{**lin, "GATHER": False}),
          lt["warps"], lt["stages"]),
         ("linear dq", linear_bwd._query_grad_kernel,
          dict(Q=q, DO=q, ROWS_H=state, ROWS_Z="*fp32", DQ=q, DHQ=state, DZQ=state),
          dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q,
-              **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}, **per),
+              **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
          lt["warps"], 1),
         ("linear dkv", linear_bwd._key_grad_kernel,
          dict(K=q, V=q, DHQ=state, DZQ=state, DHT="*fp32", DZT="*fp32", OFFSETS="*i32", LISTS="*i32", DK=q, DV=q),
-         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, STAGES=lt["stages"], PER=1, PER_STAGES=1, **lin),
-         lt["warps"], lt["stages"]),
+         dict(BLOCK_K=block_k, TILE=tile_k, SPLIT=split_k, STAGES=lt["stages"], **lin), lt["warps"], lt["stages"]),
     ]
     topk = block_topk.topk_tiles(1024)
     jobs.append(("topk scores", block_topk._scores_kernel, dict(Q=q, K=q, S="*fp32"),

@@ -23,91 +23,88 @@ import triton.language as tl
 from .common import launcher
 from .csc import block_csc
 from .layout import cdiv, pow2
-from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles,
-                         program_item, split, state_dtype)
+from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split,
+                         state_dtype)
 
 
 @triton.jit
 def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                       FMAP: tl.constexpr, BF16: tl.constexpr, PER: tl.constexpr, PER_STAGES: tl.constexpr):
+                       FMAP: tl.constexpr, BF16: tl.constexpr):
+    i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hmask = dim_ok[:, None] & dim_ok[None, :]
-    hp = dim[:, None] * D + dim[None, :]
+    row = bh * TQ + i
+    state_h = tl.load(ROWS_H + row * D * D + dim[:, None] * D + dim[None, :], mask=hmask, other=0.0)
+    state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
+    d_h = tl.zeros([BD, BD], tl.float32)
+    d_z = tl.zeros([BD], tl.float32)
     base = bh * NQ * D
-    for it in tl.range(0, PER, num_stages=PER_STAGES):
-        i = program_item(it, PER, TQ)
-        row = bh * TQ + i
-        state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
-        state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
-        d_h = tl.zeros([BD, BD], tl.float32)
-        d_z = tl.zeros([BD], tl.float32)
-        for c in tl.static_range(SPLIT):
-            rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
-            mask = ok[:, None] & dim_ok[None, :]
-            mask_t = dim_ok[:, None] & ok[None, :]
-            ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
-            x = tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32)
-            phi = feature(x, mask, 1, FMAP)                                             # (TILE, BD)
-            x_t = tl.load(Q + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
-            phi_t = feature(x_t.to(tl.float32), mask_t, 0, FMAP)                        # (BD, TILE)
-            den = EPS + tl.sum(phi * state_z[None, :], axis=1)
-            out = dot(phi, state_h, BF16) / den[:, None]
-            g = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
-            dy_num = g / den[:, None]
-            dy_den = -tl.sum(g * out, axis=1) / den
-            dphi = dot(dy_num, tl.trans(state_h), BF16) + dy_den[:, None] * state_z[None, :]
-            tl.store(DQ + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DQ.dtype.element_ty), mask=mask)
-            d_h += dot(phi_t, dy_num, BF16)
-            d_z += tl.sum(phi_t * dy_den[None, :], axis=1)
-        tl.store(DHQ + row * D * D + hp, d_h.to(DHQ.dtype.element_ty), mask=hmask)
-        tl.store(DZQ + row * D + dim, d_z.to(DZQ.dtype.element_ty), mask=dim_ok)
+    for c in range(SPLIT):
+        rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
+        mask = ok[:, None] & dim_ok[None, :]
+        mask_t = dim_ok[:, None] & ok[None, :]
+        ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
+        x = tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32)
+        phi = feature(x, mask, 1, FMAP)                                             # (TILE, BD)
+        x_t = tl.load(Q + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
+        phi_t = feature(x_t.to(tl.float32), mask_t, 0, FMAP)                        # (BD, TILE)
+        den = EPS + tl.sum(phi * state_z[None, :], axis=1)
+        out = dot(phi, state_h, BF16) / den[:, None]
+        g = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
+        dy_num = g / den[:, None]
+        dy_den = -tl.sum(g * out, axis=1) / den
+        dphi = dot(dy_num, tl.trans(state_h), BF16) + dy_den[:, None] * state_z[None, :]
+        tl.store(DQ + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DQ.dtype.element_ty), mask=mask)
+        d_h += dot(phi_t, dy_num, BF16)
+        d_z += tl.sum(phi_t * dy_den[None, :], axis=1)
+    out_row = bh * TQ + i
+    tl.store(DHQ + out_row * D * D + dim[:, None] * D + dim[None, :], d_h.to(DHQ.dtype.element_ty), mask=hmask)
+    tl.store(DZQ + out_row * D + dim, d_z.to(DZQ.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
 def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, TK, L, HK, GROUP, D: tl.constexpr,
                      BD: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr,
-                     PER: tl.constexpr, PER_STAGES: tl.constexpr):
+                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
+    j = tl.program_id(0)
     bkv = tl.program_id(1)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hp = dim[:, None] * D + dim[None, :]
     hmask = dim_ok[:, None] & dim_ok[None, :]
+    if GATHER:
+        b = bkv // HK
+        acc_h = tl.zeros([BD, BD], tl.float32)
+        acc_z = tl.zeros([BD], tl.float32)
+        for g in range(GROUP):
+            head = (b * HK * GROUP + (bkv - b * HK) * GROUP + g).to(tl.int64)      # query head (b, kv * G + g)
+            start = tl.load(OFFSETS + head * (TK + 1) + j)
+            end = tl.load(OFFSETS + head * (TK + 1) + j + 1)
+            src_h = DHQ + head * TQ * D * D
+            src_z = DZQ + head * TQ * D
+            for e in tl.range(start, end, num_stages=STAGES):
+                i = tl.load(LISTS + head * L + e).to(tl.int64)
+                acc_h += tl.load(src_h + i * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
+                acc_z += tl.load(src_z + i * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        d_h = tl.load(DHT + bkv.to(tl.int64) * D * D + hp, mask=hmask, other=0.0) - acc_h
+        d_z = tl.load(DZT + bkv.to(tl.int64) * D + dim, mask=dim_ok, other=0.0) - acc_z
+    else:                                                  # per key block, summed by linear_dense.key_sums
+        d_h = tl.load(DHT + (bkv.to(tl.int64) * TK + j) * D * D + hp, mask=hmask, other=0.0)
+        d_z = tl.load(DZT + (bkv.to(tl.int64) * TK + j) * D + dim, mask=dim_ok, other=0.0)
     base = bkv.to(tl.int64) * NK * D
-    for it in tl.range(0, PER, num_stages=PER_STAGES):
-        j = program_item(it, PER, TK)
-        if GATHER:
-            b = bkv // HK
-            acc_h = tl.zeros([BD, BD], tl.float32)
-            acc_z = tl.zeros([BD], tl.float32)
-            for g in range(GROUP):
-                head = (b * HK * GROUP + (bkv - b * HK) * GROUP + g).to(tl.int64)  # query head (b, kv * G + g)
-                start = tl.load(OFFSETS + head * (TK + 1) + j)
-                end = tl.load(OFFSETS + head * (TK + 1) + j + 1)
-                src_h = DHQ + head * TQ * D * D
-                src_z = DZQ + head * TQ * D
-                for e in tl.range(start, end, num_stages=STAGES):
-                    i = tl.load(LISTS + head * L + e).to(tl.int64)
-                    acc_h += tl.load(src_h + i * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
-                    acc_z += tl.load(src_z + i * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
-            d_h = tl.load(DHT + bkv.to(tl.int64) * D * D + hp, mask=hmask, other=0.0) - acc_h
-            d_z = tl.load(DZT + bkv.to(tl.int64) * D + dim, mask=dim_ok, other=0.0) - acc_z
-        else:                                              # per key block, summed by linear_dense.key_sums
-            d_h = tl.load(DHT + (bkv.to(tl.int64) * TK + j) * D * D + hp, mask=hmask, other=0.0)
-            d_z = tl.load(DZT + (bkv.to(tl.int64) * TK + j) * D + dim, mask=dim_ok, other=0.0)
-        for c in tl.static_range(SPLIT):
-            rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
-            mask = ok[:, None] & dim_ok[None, :]
-            ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
-            x = tl.load(K + ptr, mask=mask, other=0.0).to(tl.float32)
-            phi = feature(x, mask, 1, FMAP)                                             # (TILE, BD)
-            v = tl.load(V + ptr, mask=mask, other=0.0)
-            dphi = dot(v, tl.trans(d_h), BF16) + d_z[None, :]
-            tl.store(DV + ptr, dot(phi, d_h, BF16).to(DV.dtype.element_ty), mask=mask)
-            tl.store(DK + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DK.dtype.element_ty), mask=mask)
+    for c in range(SPLIT):
+        rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
+        mask = ok[:, None] & dim_ok[None, :]
+        ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
+        x = tl.load(K + ptr, mask=mask, other=0.0).to(tl.float32)
+        phi = feature(x, mask, 1, FMAP)                                             # (TILE, BD)
+        v = tl.load(V + ptr, mask=mask, other=0.0)
+        dphi = dot(v, tl.trans(d_h), BF16) + d_z[None, :]
+        tl.store(DV + ptr, dot(phi, d_h, BF16).to(DV.dtype.element_ty), mask=mask)
+        tl.store(DK + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DK.dtype.element_ty), mask=mask)
 
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
@@ -126,10 +123,9 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_hq = q.new_empty(bsz, heads, tq, d, d, dtype=dt)
     d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
     tile, n_split = split(block_q, tiles["TQ"])
-    per = tiles["PER"]
-    launcher(_query_grad_kernel)[(cdiv(tq, per), bsz * heads)](
+    launcher(_query_grad_kernel)[(tq, bsz * heads)](
         q, do, rows_h, rows_z, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
-        SPLIT=n_split, FMAP=fmap, BF16=bf16, PER=per, PER_STAGES=tiles["per_stages"], num_warps=tiles["warps"])
+        SPLIT=n_split, FMAP=fmap, BF16=bf16, num_warps=tiles["warps"])
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
     if not gather:
         from .linear_dense import keep_map, key_sums
@@ -141,9 +137,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         offsets, lists = block_csc(skipped, tk, deterministic=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tile, n_split = split(block_k, tiles["TK"])
-    per = 1 if gather else tiles["PER"]        # the gather's own loop over query blocks stays innermost
-    launcher(_key_grad_kernel)[(cdiv(tk, per), bsz * kv_heads)](
+    launcher(_key_grad_kernel)[(tk, bsz * kv_heads)](
         k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, dk, dv, nk, tq, tk, lists.shape[-1], kv_heads, group, D=d,
         BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, GATHER=gather,
-        STAGES=tiles["stages"], PER=per, PER_STAGES=1 if gather else tiles["per_stages"], num_warps=tiles["warps"])
+        STAGES=tiles["stages"], num_warps=tiles["warps"])
     return dq, dk, dv

@@ -70,13 +70,6 @@ def dot(a, b, BF16: tl.constexpr):
 
 
 @triton.jit
-def program_item(it, PER: tl.constexpr, count):
-    """Item ``it`` of the ``PER`` consecutive blocks of ``program_id(0)``, clamped to the last of ``count``: the
-    last program may compute that block again, writing the same bits (no masks on a partial last group)."""
-    return tl.minimum(tl.program_id(0) * PER + it, count - 1)
-
-
-@triton.jit
 def block_tokens(blk, chunk, BLOCK: tl.constexpr, TILE: tl.constexpr, n):
     """Token rows ``(TILE,)`` of chunk ``chunk`` of block ``blk`` and which are real (in the block, below n)."""
     local = chunk * TILE + tl.arange(0, TILE)
@@ -86,94 +79,90 @@ def block_tokens(blk, chunk, BLOCK: tl.constexpr, TILE: tl.constexpr, n):
 
 @triton.jit
 def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOCK_K: tl.constexpr,
-                   TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
-                   PER: tl.constexpr, PER_STAGES: tl.constexpr):
+                   TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr):
+    j = tl.program_id(0)
     bkv = tl.program_id(1).to(tl.int64)
     base = bkv * NK * D
     dim = tl.arange(0, BD)
     dim_ok = dim < D
+    h = tl.zeros([BD, BD], tl.float32)
+    z = tl.zeros([BD], tl.float32)
+    for c in range(SPLIT):
+        rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
+        mask_t = dim_ok[:, None] & ok[None, :]
+        kt = tl.load(K + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
+        phi_t = feature(kt.to(tl.float32), mask_t, 0, FMAP)                     # (BD, TILE)
+        v = tl.load(V + base + rows.to(tl.int64)[:, None] * D + dim[None, :], mask=ok[:, None] & dim_ok[None, :],
+                    other=0.0)
+        h += dot(phi_t, v, BF16)
+        z += tl.sum(phi_t, axis=1)
+    out = bkv * TK + j
     hp = dim[:, None] * D + dim[None, :]
-    for it in tl.range(0, PER, num_stages=PER_STAGES):
-        j = program_item(it, PER, TK)
-        h = tl.zeros([BD, BD], tl.float32)
-        z = tl.zeros([BD], tl.float32)
-        for c in tl.static_range(SPLIT):
-            rows, ok = block_tokens(j, c, BLOCK_K, TILE, NK)
-            mask_t = dim_ok[:, None] & ok[None, :]
-            kt = tl.load(K + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
-            phi_t = feature(kt.to(tl.float32), mask_t, 0, FMAP)                     # (BD, TILE)
-            v = tl.load(V + base + rows.to(tl.int64)[:, None] * D + dim[None, :],
-                        mask=ok[:, None] & dim_ok[None, :], other=0.0)
-            h += dot(phi_t, v, BF16)
-            z += tl.sum(phi_t, axis=1)
-        out = bkv * TK + j
-        tl.store(HS + out * D * D + hp, h.to(HS.dtype.element_ty), mask=dim_ok[:, None] & dim_ok[None, :])
-        tl.store(ZS + out * D + dim, z.to(ZS.dtype.element_ty), mask=dim_ok)
+    tl.store(HS + out * D * D + hp, h.to(HS.dtype.element_ty), mask=dim_ok[:, None] & dim_ok[None, :])
+    tl.store(ZS + out * D + dim, z.to(ZS.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
 def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr,
                     NQ, TQ, TK, S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
-                    GATHER: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr,
-                    PER: tl.constexpr, PER_STAGES: tl.constexpr):
-    """O_l of the ``PER`` query blocks of ``program_id(0)``; ``MIX`` 0: O = O_l; 1 (SLA): O = O_s + O_l W^T +
-    bias; 2 (SLA2): O = O_l + alpha (O_s - O_l), alpha = ``ALPHA[h * alpha_h + i]``. With ``MIX`` the O_l rounded
-    to q's dtype is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores it to ``OL``."""
+                    GATHER: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
+    """O_l of query block ``program_id(0)``; ``MIX`` 0: O = O_l; 1 (SLA): O = O_s + O_l W^T + bias; 2 (SLA2):
+    O = O_l + alpha (O_s - O_l), alpha = ``ALPHA[h * alpha_h + i]``. With ``MIX`` the O_l rounded to q's dtype
+    is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores it to ``OL``."""
+    i = tl.program_id(0)
     bh = tl.program_id(1)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
     hmask = dim_ok[:, None] & dim_ok[None, :]
     hp = dim[:, None] * D + dim[None, :]
+    row = bh.to(tl.int64) * TQ + i
+    if GATHER:
+        b = bh // H
+        kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
+        hs = HS + kv * TK * D * D
+        zs = ZS + kv * TK * D
+        ids = IDS + (bh.to(tl.int64) * TQ + i) * S
+        acc_h = tl.zeros([BD, BD], tl.float32)
+        acc_z = tl.zeros([BD], tl.float32)
+        for e in tl.range(0, S, num_stages=STAGES):
+            j = tl.load(ids + e).to(tl.int64)
+            acc_h += tl.load(hs + j * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
+            acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
+        state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
+        state_h = state_h.to(ROWS_H.dtype.element_ty)      # what the dots read, here and in the backward
+        tl.store(ROWS_H + row * D * D + hp, state_h, mask=hmask)
+        tl.store(ROWS_Z + row * D + dim, state_z, mask=dim_ok)
+    else:                                                  # summed by linear_dense.query_sums
+        state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
+        state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
     if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
         w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
         bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(tl.float32)
+    if MIX == 2:
+        alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(tl.float32)
     base = bh.to(tl.int64) * NQ * D
-    for it in tl.range(0, PER, num_stages=PER_STAGES):
-        i = program_item(it, PER, TQ)
-        row = bh.to(tl.int64) * TQ + i
-        if GATHER:
-            b = bh // H
-            kv = (b * (H // GROUP) + (bh - b * H) // GROUP).to(tl.int64)
-            hs = HS + kv * TK * D * D
-            zs = ZS + kv * TK * D
-            ids = IDS + row * S
-            acc_h = tl.zeros([BD, BD], tl.float32)
-            acc_z = tl.zeros([BD], tl.float32)
-            for e in tl.range(0, S, num_stages=STAGES):
-                j = tl.load(ids + e).to(tl.int64)
-                acc_h += tl.load(hs + j * D * D + hp, mask=hmask, other=0.0).to(tl.float32)
-                acc_z += tl.load(zs + j * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
-            state_h = tl.load(HT + kv * D * D + hp, mask=hmask, other=0.0) - acc_h
-            state_z = tl.load(ZT + kv * D + dim, mask=dim_ok, other=0.0) - acc_z
-            state_h = state_h.to(ROWS_H.dtype.element_ty)      # what the dots read, here and in the backward
-            tl.store(ROWS_H + row * D * D + hp, state_h, mask=hmask)
-            tl.store(ROWS_Z + row * D + dim, state_z, mask=dim_ok)
-        else:                                                  # summed by linear_dense.query_sums
-            state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
-            state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
-        if MIX == 2:
-            alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(tl.float32)
-        for c in tl.static_range(SPLIT):
-            rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
-            mask = ok[:, None] & dim_ok[None, :]
-            ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
-            phi = feature(tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32), mask, 1, FMAP)
-            num = dot(phi, state_h, BF16)
-            den = EPS + tl.sum(phi * state_z[None, :], axis=1)
-            o_l = (num / den[:, None]).to(O.dtype.element_ty)
-            if MIX == 0:
-                tl.store(O + ptr, o_l, mask=mask)
+    for c in range(SPLIT):
+        rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
+        mask = ok[:, None] & dim_ok[None, :]
+        ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
+        phi = feature(tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32), mask, 1, FMAP)
+        num = dot(phi, state_h, BF16)
+        den = EPS + tl.sum(phi * state_z[None, :], axis=1)
+        o_l = (num / den[:, None]).to(O.dtype.element_ty)
+        if MIX == 0:
+            tl.store(O + ptr, o_l, mask=mask)
+        else:
+            if STORE_LINEAR:
+                tl.store(OL + ptr, o_l, mask=mask)
+            o_s = tl.load(OS + ptr, mask=mask, other=0.0).to(tl.float32)
+            if MIX == 1:
+                out = o_s + dot(o_l, w_t, BF16) + bias[None, :]
             else:
-                if STORE_LINEAR:
-                    tl.store(OL + ptr, o_l, mask=mask)
-                o_s = tl.load(OS + ptr, mask=mask, other=0.0).to(tl.float32)
-                if MIX == 1:
-                    out = o_s + dot(o_l, w_t, BF16) + bias[None, :]
-                else:
-                    lin = o_l.to(tl.float32)
-                    out = lin + alpha * (o_s - lin)
-                tl.store(O + ptr, out.to(O.dtype.element_ty), mask=mask)
+                lin = o_l.to(tl.float32)
+                out = lin + alpha * (o_s - lin)
+            tl.store(O + ptr, out.to(O.dtype.element_ty), mask=mask)
 
 
 def feature_code(name: str) -> int:
@@ -190,19 +179,17 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
-    loops, ``dense_ratio`` (the strategy: ``dense``), blocks per program ``PER`` of the per-block kernels (states,
-    output, query and key gradients; 1 where a gather loop runs inside) and the stages ``per_stages`` of that
-    loop, with ``tiles.overrides("linear")``. Chosen so that
+    loops, and ``dense_ratio`` (the strategy: ``dense``), with ``tiles.overrides("linear")``. Chosen so that
     nothing spills on sm_90 (triton 3.6, ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32
     products on FMA units) take narrower tiles; bf16 keeps 64-row query tiles at D = 128 (its dQ products then
     run on wgmma: forward 2.06 -> 1.92 ms, backward 3.62 -> 3.35 at the public SLA shape, H200)."""
-    if device.type == "cpu":   # two blocks per program, so that the interpreter tests cover the grouping
-        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER, PER=2, per_stages=1)
+    if device.type == "cpu":
+        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER)
     elif dtype != torch.bfloat16:
         rows = 32 if d <= 64 else 16
-        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER, PER=1, per_stages=1)
+        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER)
     else:
-        base = dict(TQ=64, TK=64, warps=4 if d <= 64 else 8, stages=3, dense_ratio=0.03, PER=1, per_stages=1)
+        base = dict(TQ=64, TK=64, warps=4 if d <= 64 else 8, stages=3, dense_ratio=0.03)
     return {**base, **overrides("linear")}
 
 
@@ -228,11 +215,9 @@ def key_states(k: torch.Tensor, v: torch.Tensor, block_k: int, feature_map: str,
     hs = k.new_empty(bsz, kv_heads, tk, d, d, dtype=dt)
     zs = k.new_empty(bsz, kv_heads, tk, d, dtype=dt)
     tile, n_split = split(block_k, tiles["TK"])
-    per = tiles["PER"]
-    launcher(_states_kernel)[(cdiv(tk, per), bsz * kv_heads)](
+    launcher(_states_kernel)[(tk, bsz * kv_heads)](
         k, v, hs, zs, nk, tk, D=d, BD=pow2(d, 16), BLOCK_K=block_k, TILE=tile, SPLIT=n_split,
-        FMAP=feature_code(feature_map), BF16=dtype == torch.bfloat16, PER=per, PER_STAGES=tiles["per_stages"],
-        num_warps=tiles["warps"])
+        FMAP=feature_code(feature_map), BF16=dtype == torch.bfloat16, num_warps=tiles["warps"])
     return hs, zs
 
 
@@ -278,11 +263,9 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     extra = (o, o, o, o, o, 0) if mix is None else (
         mix.o_s, o if o_l is None else o_l, mix.weight if code == 1 else o, mix.bias if code == 1 else o,
         mix.alpha if code == 2 else o, tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
-    per = 1 if gather else tiles["PER"]        # the gather's own loop over skipped blocks stays innermost
-    launcher(_forward_kernel)[(cdiv(tq, per), bsz * heads)](
+    launcher(_forward_kernel)[(tq, bsz * heads)](
         q, hs, zs, ht, zt, skipped, o, rows_h, rows_z, *extra, float(eps), nq, tq, hs.shape[2], width, heads,
         heads // k.shape[1],
         D=d, BD=pow2(d, 16), BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=feature_code(feature_map), BF16=bf16,
-        GATHER=gather, STAGES=tiles["stages"], MIX=code, STORE_LINEAR=o_l is not None, PER=per,
-        PER_STAGES=1 if gather else tiles["per_stages"], num_warps=tiles["warps"])
+        GATHER=gather, STAGES=tiles["stages"], MIX=code, STORE_LINEAR=o_l is not None, num_warps=tiles["warps"])
     return (o, rows_h, rows_z) if mix is None else (o, rows_h, rows_z, o_l)
