@@ -1,6 +1,5 @@
-"""``flexsparse.triton.registry``: plain eager calls run the op body directly (no dispatcher, plain launches),
-with gradients through a plain ``autograd.Function`` of the registered backward; traced calls, and calls that need
-a gradient of an op without one, go through the registered op."""
+"""``flexsparse.triton.registry``: plain eager calls run the op body directly (no dispatcher, plain launches);
+calls that need autograd or are traced go through the registered op."""
 from __future__ import annotations
 
 import pytest
@@ -31,26 +30,6 @@ def _setup(ctx, inputs, output):
 scaled.register_autograd(_backward, setup_context=_setup)
 
 
-@registry.triton_op("flexsparse_test::shifted")
-def shifted(x: torch.Tensor, offset: float = 2.0) -> torch.Tensor:
-    """``x + offset``; its autograd keeps the inputs that ``setup_context`` saw."""
-    CALLS.append(registry.launching_directly())
-    return x + offset
-
-
-def _shifted_setup(ctx, inputs, output):
-    ctx.inputs = inputs
-
-
-shifted.register_autograd(lambda ctx, grad: (grad, None), setup_context=_shifted_setup)
-
-
-@registry.triton_op("flexsparse_test::no_autograd")
-def no_autograd(x: torch.Tensor) -> torch.Tensor:
-    CALLS.append(registry.launching_directly())
-    return x.clone()
-
-
 def _run(x, factor=3.0):
     CALLS.clear()
     out = scaled(x, factor)
@@ -64,27 +43,14 @@ def test_plain_eager_call_runs_the_body_directly():
     assert calls == [True] and not registry.launching_directly()
 
 
-def test_inputs_needing_gradients_run_directly_with_the_registered_backward():
+def test_inputs_needing_gradients_go_through_the_op():
     x = torch.randn(5, requires_grad=True)
     out, calls = _run(x)
-    assert calls == [True] and "Direct_scaled" in type(out.grad_fn).__name__
+    assert calls == [False]
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
     with torch.no_grad():
         assert _run(x)[1] == [True]
-
-
-def test_direct_autograd_passes_defaulted_inputs_to_setup_context():
-    x = torch.randn(3, requires_grad=True)
-    out = shifted(x)
-    assert out.grad_fn.inputs[1] == 2.0 and len(out.grad_fn.inputs) == 2
-    torch.testing.assert_close(out, x + 2.0)
-
-
-def test_op_without_autograd_needing_gradients_goes_through_the_op():
-    CALLS.clear()
-    no_autograd(torch.randn(3, requires_grad=True))
-    assert CALLS == [False]
 
 
 def test_traced_calls_go_through_the_op():

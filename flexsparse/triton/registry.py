@@ -2,17 +2,15 @@
 
 ``triton_op(name)`` registers a function like ``torch.library.triton_op`` (``wrap_triton`` launches, so
 ``torch.compile(fullgraph=True)`` traces the kernels; the body is its own fake implementation) and returns an
-``Op``. Calling an ``Op`` on plain eager tensors runs the body directly, with plain kernel launches; when an
-input needs a gradient, through a plain ``torch.autograd.Function`` made of the op's registered
-``setup_context`` and ``backward``. Through the dispatcher (custom-op and autograd wrappers, aliasing checks,
-dynamo's disable guard) each call cost ~30-50 us of host time without gradients (2-core CPU VM) and 0.2-0.4 ms
-with them (H200 host, cProfile), more than the GPU work of an eager call at small N. Everything else
-(``torch.compile``, fake or functional tensors) goes through the op.
+``Op``. Calling an ``Op`` on plain eager tensors with no autograd graph to record runs the body directly, with
+plain kernel launches: through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) each
+call cost ~30-50 us of host time (2-core CPU VM), about half the host time of an eager LLSA forward, which at
+small N is slower than the GPU work. Everything else (``torch.compile``, fake or functional tensors, inputs that
+need gradients) goes through the op.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 from typing import Callable
 
@@ -26,16 +24,14 @@ def launching_directly() -> bool:
     return getattr(_STATE, "direct", False)
 
 
-def _plain_tensors(values) -> bool:
-    """No tracing, and every tensor a plain ``torch.Tensor``."""
+def _plain_eager(values) -> bool:
+    """No tracing, plain ``torch.Tensor`` inputs, and no input that needs a gradient recorded."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(x) is torch.Tensor for x in values if isinstance(x, torch.Tensor))
-
-
-def _records_grad(values) -> bool:
-    """Whether autograd would record a call on ``values``: grad mode on and some tensor requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
+    tensors = [x for x in values if isinstance(x, torch.Tensor)]
+    if any(type(x) is not torch.Tensor for x in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
 
 
 class Op:
@@ -45,24 +41,11 @@ class Op:
     def __init__(self, name: str, body: Callable, mutates_args: tuple[str, ...]):
         self.op = torch.library.triton_op(name, body, mutates_args=mutates_args)
         self.body = body
-        self.signature = inspect.signature(body)
-        self.direct_autograd: type[torch.autograd.Function] | None = None
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
-        values = [*args, *kwargs.values()]
-        if not _plain_tensors(values):
+        if not _plain_eager([*args, *kwargs.values()]):
             return self.op(*args, **kwargs)
-        if _records_grad(values):
-            if self.direct_autograd is None:
-                return self.op(*args, **kwargs)
-            bound = self.signature.bind(*args, **kwargs)    # all inputs positional, as setup_context sees them
-            bound.apply_defaults()
-            return self.direct_autograd.apply(*bound.args)
-        return self.run_body(*args, **kwargs)
-
-    def run_body(self, *args, **kwargs):
-        """The body with plain kernel launches."""
         previous = launching_directly()
         _STATE.direct = True
         try:
@@ -71,23 +54,7 @@ class Op:
             _STATE.direct = previous
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
-        """``backward`` and ``setup_context`` for the op (``torch.library``'s contract) and for its direct eager
-        calls, as one ``torch.autograd.Function``."""
         self.op.register_autograd(backward, setup_context=setup_context)
-        run_body = self.run_body
-
-        def forward(*args):
-            return run_body(*args)
-
-        def setup(ctx, inputs, output):
-            setup_context(ctx=ctx, inputs=inputs, output=output)
-
-        def backward_fn(ctx, *grads):
-            return backward(ctx, *grads)
-
-        methods = {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
-                   "backward": staticmethod(backward_fn)}
-        self.direct_autograd = type(f"Direct_{self.body.__name__}", (torch.autograd.Function,), methods)
 
 
 def triton_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Op]:
