@@ -346,6 +346,18 @@ def test_gpu_llsa_levels(case, dtype, record_property):
     _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype, record_property)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_forward_tiles_divide_the_blocks_and_keep_key_tiles_at_most_64(dtype, head_dim):
+    """Kernel tiles must divide the sparse blocks; a 128-key tile (torch 2.11's own sm90 default at D=64) ran out of
+    shared memory on Hopper at long sequences."""
+    for bq in (16, 32, 64, 128, 256, 48):
+        for bk in (16, 32, 64, 128, 256, 80):
+            options = flex.tile_options(bq, bk, dtype, head_dim)
+            assert bq % options["fwd_BLOCK_M"] == 0 and bk % options["fwd_BLOCK_N"] == 0
+            assert 16 <= options["fwd_BLOCK_N"] <= 64 and 16 <= options["fwd_BLOCK_M"] <= 128
+
+
 def test_cuda_calls_take_static_graphs_for_the_first_variants_then_dynamic(monkeypatch):
     monkeypatch.setattr(flex.FLEX_ATTENTION, "budget", 2)
     monkeypatch.setattr(flex.FLEX_ATTENTION, "seen", set())
