@@ -2,7 +2,7 @@
 
 For each method of ``flexsparse.bench.DEMO_CONFIGS`` and each N (B=2, H=8, D=64, bf16, CUDA):
 
-* ``gpu_ms``: the forward replayed from a CUDA graph (no host work), ``do_bench`` median;
+* ``gpu_ms``: the forward replayed from a CUDA graph (no host work; ``gpu_llsa.bench_graph``);
 * ``eager_ms``, ``eager_fwd_bwd_ms``: the eager forward and forward + backward, ``do_bench`` medians;
 * ``host_ms``: wall time to enqueue one eager forward while the GPU is kept busy by ``torch.cuda._sleep``
   (so the queue never drains; a call that waits on the GPU shows up as ``host_ms`` near the sleep);
@@ -25,6 +25,7 @@ import pstats
 import time
 
 import torch
+from gpu_llsa import bench_graph
 from triton.testing import do_bench
 
 from flexsparse.bench import DEMO_CONFIGS, build, random_qkv
@@ -44,24 +45,6 @@ def enqueue_ms(fn, calls: int = 10) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e3 * elapsed / calls
-
-
-def graph_ms(fn) -> float | None:
-    """``do_bench`` median of ``fn`` replayed from a CUDA graph, or None when it cannot be captured."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return do_bench(graph.replay, return_mode="median")
-    except Exception as err:  # noqa: BLE001 - a diagnostic: report and go on
-        print(f"graph capture failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-        return None
 
 
 def top_functions(fn, calls: int = 20, limit: int = 30) -> str:
@@ -92,7 +75,8 @@ def measure(method: str, n: int, compiled: bool, profile: bool) -> dict:
     def forward_backward():
         torch.autograd.grad(module(q, k, v), (q, k, v), grad)
 
-    row = {"method": method, "n": n, "gpu_ms": graph_ms(forward), "eager_ms": do_bench(forward, return_mode="median"),
+    row = {"method": method, "n": n, "gpu_ms": bench_graph(forward),
+           "eager_ms": do_bench(forward, return_mode="median"),
            "eager_fwd_bwd_ms": do_bench(forward_backward, return_mode="median"),
            "host_ms": enqueue_ms(forward), "host_fwd_bwd_ms": enqueue_ms(forward_backward)}
     if compiled:

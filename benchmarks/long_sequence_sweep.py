@@ -16,6 +16,7 @@ import time
 import torch
 
 import flexsparse
+from flexsparse.bench import rel_l2
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 CASES = [  # (config, (B, H, Hk, N, D), dtype, backends)
@@ -35,10 +36,6 @@ CASES = [  # (config, (B, H, Hk, N, D), dtype, backends)
     ({"method": "sla", "block_size": 64, "topk_ratio": 0.05}, (1, 4, 4, 65536, 96), BF16, ("triton", "torch")),
     ({"method": "llsa", "block_size": 16, "topk": 8}, (1, 4, 1, 65537, 64), BF16, ("triton", "flex")),
 ]
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def run_case(cfg: dict, shape: tuple, dtype: torch.dtype, backends: tuple) -> dict:

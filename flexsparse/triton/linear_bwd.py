@@ -129,7 +129,7 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
     if not gather:
         from .linear_dense import keep_map, key_sums
-        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads, tk)
+        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq

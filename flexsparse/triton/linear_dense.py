@@ -18,19 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .layout import cdiv
-
-
-def pad16(n: int) -> int:
-    """``n`` rounded up to a multiple of 16 (row length of the keep maps: 16-byte aligned rows for any dtype)."""
-    return cdiv(n, 16) * 16
-
 
 def keep_map(skipped: torch.Tensor, tk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, H, Tq, pad16(Tk))`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones and
-    on the padding."""
-    keep = torch.ones(*skipped.shape[:3], pad16(tk), dtype=dtype, device=skipped.device)
-    keep[..., tk:] = 0.0
+    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones."""
+    keep = torch.ones(*skipped.shape[:3], tk, dtype=dtype, device=skipped.device)
     return keep.scatter_(-1, skipped.long(), 0.0)
 
 
@@ -44,32 +35,32 @@ def matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.bmm(a.to(dtype), b.to(dtype))
 
 
-def _folded_keep(keep: torch.Tensor, kv_heads: int, tk: int) -> torch.Tensor:
-    """keep ``(B, H, Tq, pad16(Tk))`` as ``(B Hk, G Tq, Tk)`` (a view: the query heads of a KV head are adjacent)."""
-    bsz, heads, tq = keep.shape[:3]
-    return keep[..., :tk].reshape(bsz * kv_heads, heads // kv_heads * tq, tk)
+def _folded_keep(keep: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """keep ``(B, H, Tq, Tk)`` as ``(B Hk, G Tq, Tk)`` (a view: the query heads of a KV head are adjacent)."""
+    bsz, heads, tq, tk = keep.shape
+    return keep.view(bsz * kv_heads, heads // kv_heads * tq, tk)
 
 
 def query_sums(keep: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept key blocks' states summed per query block: ``H (B, H, Tq, D, D)`` in hs's dtype and ``Z (B, H, Tq,
-    D)`` fp32. keep ``(B, H, Tq, pad16(Tk))`` (``keep_map``, hs's dtype); hs ``(B, Hk, Tk, D, D)``, zs
+    D)`` fp32. keep ``(B, H, Tq, Tk)`` (``keep_map``, hs's dtype); hs ``(B, Hk, Tk, D, D)``, zs
     ``(B, Hk, Tk, D)`` (the KV head of each query head), contiguous."""
     bsz, heads, tq = keep.shape[:3]
     kv_heads, tk, d = hs.shape[1], hs.shape[2], hs.shape[-1]
-    a = _folded_keep(keep, kv_heads, tk)
+    a = _folded_keep(keep, kv_heads)
     rows_h = matmul(a, hs.view(bsz * kv_heads, tk, d * d), hs.dtype)
     rows_z = matmul(a, zs.view(bsz * kv_heads, tk, d), torch.float32)
     return rows_h.view(bsz, heads, tq, d, d), rows_z.view(bsz, heads, tq, d)
 
 
-def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_heads: int, tk: int):
+def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_heads: int):
     """Key-block state gradients ``d_h (B, Hk, Tk, D, D)`` in d_hq's dtype and ``d_z (B, Hk, Tk, D)`` fp32: the
     query-block ones ``d_hq (B, H, Tq, D, D)``, ``d_zq (B, H, Tq, D)`` (contiguous, keep's dtype) summed over the
     query blocks (all query heads of the KV head) that keep each key block. keep: ``keep_map``'s
-    ``(B, H, Tq, pad16(Tk))``."""
-    bsz, heads, tq = keep.shape[:3]
+    ``(B, H, Tq, Tk)``."""
+    bsz, heads, tq, tk = keep.shape
     d = d_hq.shape[-1]
-    a = _folded_keep(keep, kv_heads, tk).transpose(1, 2)                                 # (B Hk, Tk, G Tq)
+    a = _folded_keep(keep, kv_heads).transpose(1, 2)                                 # (B Hk, Tk, G Tq)
     rows = heads // kv_heads * tq
     d_h = matmul(a, d_hq.view(bsz * kv_heads, rows, d * d), d_hq.dtype)
     d_z = matmul(a, d_zq.view(bsz * kv_heads, rows, d), torch.float32)
