@@ -363,3 +363,48 @@ def test_gpu_opcheck():
     (q, k, v), selection = _gpu_case(1000, 2, 1, 64, 64, 64, 4)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices, 64, 64, 0.125, False)
     torch.library.opcheck(block_ops.block_attn.op, args)
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk,dtype", [
+    (4096, 4, 2, 128, 64, 9, torch.bfloat16), (4000, 2, 2, 128, 64, 1, torch.bfloat16),
+    (1000, 4, 1, 64, 64, 5, torch.float16), (8192, 2, 2, 64, 128, 7, torch.bfloat16),
+    (7777, 2, 1, 128, 256, 11, torch.bfloat16), (32760, 2, 2, 128, 64, 25, torch.bfloat16)])
+def test_gpu_warp_specialized_forward_matches_triton_kernel(n, heads, kv_heads, d, block_q, topk, dtype):
+    """The Gluon forward (``block_fwd_ws``; ragged tails, GQA, 64-, 128- and 256-row query blocks) against the
+    Triton kernel on the same selection; they sum in the same order."""
+    from flexsparse.triton import block_fwd, block_fwd_ws
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is for sm_90")
+    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk, dtype)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    indices = selection.indices.contiguous()
+    assert block_fwd_ws.supported(q, k, indices, block_q, 64)
+    o, lse = block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, 64, d**-0.5)
+    want_o, want_lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5,
+                                               tiles=block_fwd.forward_tiles(q.device, d, dtype))
+    assert ts.rel_err(o, want_o) < 1e-3
+    assert (lse - want_lse).abs().max().item() < 1e-4
+    assert torch.isfinite(o).all()
+
+
+@gpu
+def test_gpu_compiled_warp_specialized_forward():
+    """D=128 (the Gluon forward's head dim): fullgraph compile of forward + backward, no graph break, equal to
+    eager."""
+    n, d, heads = 4000, 128, 4
+    config = Config.from_dict({"method": "topk", "block_size": 64, "topk": 6})
+
+    def step(q, k, v):
+        o, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True)
+        return o.float().square().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    leaves = [x.requires_grad_() for x in make_qkv(1, heads, 2, n, n, d, torch.bfloat16, "cuda")]
+    torch.compile(step, fullgraph=True)(*leaves).backward()
+    eager = [x.detach().clone().requires_grad_() for x in leaves]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager):
+        assert ts.rel_err(a.grad, b.grad) < 2e-2
+    assert not torch._dynamo.utils.counters["graph_break"]

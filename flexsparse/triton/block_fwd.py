@@ -17,8 +17,13 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, launcher, load_tile, mm, softmax_step, store_tile
+from . import block_fwd_ws
 from .layout import cdiv, pow2
+from .registry import launching_directly
 from .tiles import overrides
+
+WS_HEAD_DIMS = (64, 128)  # head dims where the warp-specialized Gluon forward runs (sm_90): H200, 5 % of 64x64
+# blocks, ms Gluon / Triton: D=64 N=65536 2.07 / 2.27, D=128 N=32760 1.83 / 2.23 (benchmarks/gluon_block_fwd.py)
 
 
 @triton.jit
@@ -143,6 +148,11 @@ def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, ti
     ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous.
     """
     bsz, heads, nq, d = q.shape
+    if (tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
+            and block_fwd_ws.supported(q, k, indices, block_q, block_k)):
+        if launching_directly():
+            return block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, block_k, scale)
+        return block_fwd_ws.block_attn_ws(q, k, v, indices, block_q, block_k, scale)
     nk = k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = tiles or forward_tiles(q.device, d, q.dtype)

@@ -1,0 +1,85 @@
+"""The warp-specialized Gluon block-sparse forward (``flexsparse/triton/block_fwd_ws.py``) against the Triton one
+(``block_fwd.py``) on the same random selection: max abs differences of O and LSE, and do_bench medians of
+both next to dense cuDNN SDPA, for several pipeline depths and register caps (H100/H200 only).
+
+    python benchmarks/gluon_block_fwd.py OUT.json [--cases d64,d128,public,sla2,sla2_d128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+import torch.nn.functional as F
+import triton
+from tabulate import tabulate
+
+from flexsparse.triton.block_fwd import block_forward, forward_tiles
+from flexsparse.triton.block_fwd_ws import supported, ws_block_forward
+from block_tiles import random_selection
+
+# name: B, H, N, D, block_q, block_k, K
+CASES = {"d64": (2, 8, 65536, 64, 64, 64, 51), "d128": (2, 16, 32768, 128, 64, 64, 25),
+         "public": (2, 16, 32760, 128, 64, 64, 25), "sla2": (2, 8, 65536, 64, 128, 64, 31),
+         "sla2_d128": (2, 16, 32768, 128, 128, 64, 25)}
+VARIANTS = {  # per head dim and query-tile rows
+    (64, 64): [dict(stages=st, maxnreg=r) for st in (3, 4) for r in (128, 80)],
+    (128, 64): [dict(stages=st, maxnreg=r) for st in (2, 3) for r in (128, 96)],
+    (64, 128): [dict(stages=st, maxnreg=80) for st in (2, 3)],
+    (128, 128): [dict(stages=2, maxnreg=96), dict(stages=2, maxnreg=112)],
+}
+
+
+def run_case(name: str) -> list[dict]:
+    bsz, heads, n, d, bq, bk, topk = CASES[name]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    idx = random_selection(bsz, heads, -(-n // bq), -(-n // bk), topk)
+    scale = d ** -0.5
+    assert supported(q, k, idx, bq, bk)
+    flops = 4.0 * bsz * heads * n * topk * bk * d
+    tiles = forward_tiles(q.device, d, q.dtype)  # forces the Triton kernel
+    o_ref, lse_ref = block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles)
+    rows = []
+    ms = triton.testing.do_bench(lambda: block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles))
+    rows.append(dict(case=name, kernel="triton", ms=ms, tflops=flops / ms / 1e9))
+    variants = [dict(var, bm=64) for var in VARIANTS[(d, 64)]]
+    if bq > 64:
+        variants += [dict(var, bm=128) for var in VARIANTS[(d, 128)]]
+    for var in variants:
+        try:
+            o, lse = ws_block_forward(q, k, v, idx, bq, bk, scale, **var)
+            torch.cuda.synchronize()
+            err_o = (o.float() - o_ref.float()).abs().max().item()
+            err_l = (lse - lse_ref).abs().max().item()
+            ms = triton.testing.do_bench(lambda: ws_block_forward(q, k, v, idx, bq, bk, scale, **var))
+            rows.append(dict(case=name, kernel=f"gluon {var}", ms=ms, tflops=flops / ms / 1e9, err_o=err_o,
+                             err_lse=err_l))
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
+            rows.append(dict(case=name, kernel=f"gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        print(rows[-1], flush=True)
+    qd, kd, vd = (t[:, :, : n // 4] for t in (q, k, v))  # dense SDPA at a quarter of N, scaled by 16
+    ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qd, kd, vd))
+    rows.append(dict(case=name, kernel="sdpa (N/4, x16)", ms=ms * 16, tflops=4.0 * bsz * heads * (n // 4) ** 2 * d
+                     / ms / 1e9))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--cases", default="d64,d128,public,sla2,sla2_d128")
+    args = parser.parse_args()
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name)
+    print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), cases={c: CASES[c] for c in args.cases.split(",")})
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
