@@ -145,7 +145,8 @@ def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, ti
     """O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with the same strides, q's dtype; indices:
-    ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous.
+    ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous. On sm_90 with default tiles the
+    calls ``block_fwd_ws.supported`` takes (head dims in ``WS_HEAD_DIMS``) run the Gluon kernel instead.
     """
     bsz, heads, nq, d = q.shape
     if (tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
