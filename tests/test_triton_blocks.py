@@ -408,3 +408,41 @@ def test_gpu_compiled_warp_specialized_forward():
     for a, b in zip(leaves, eager):
         assert ts.rel_err(a.grad, b.grad) < 2e-2
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,d,block_q,topk", [
+    (4096, 2, 64, 64, 9), (4000, 2, 64, 128, 3), (1000, 3, 128, 64, 1), (7777, 2, 64, 256, 5)])
+def test_gpu_warp_specialized_dkv_matches_triton_kernel(n, heads, d, block_q, topk):
+    """The Gluon dK/dV (``block_bwd_ws``; ragged tails, key blocks nobody selected, 64- to 256-row query
+    blocks) against the Triton kernel on the same CSC; with a deterministic CSC it is bitwise reproducible."""
+    from flexsparse.triton import block_bwd, block_bwd_ws, block_fwd
+    from flexsparse.triton.csc import block_csc
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm_90")
+    (q, k, v), selection = _gpu_case(n, heads, heads, d, block_q, 64, topk)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    do = torch.randn_like(q)
+    indices, tk = selection.indices.contiguous(), selection.num_k_blocks
+    o, lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5)
+    offsets, rows = block_csc(indices, tk, True)
+    if topk == 1:  # 16 query blocks picking one of 16 key blocks each: some key block has an empty list
+        assert (offsets[..., 1:] == offsets[..., :-1]).any()
+    tiles = block_bwd.backward_tiles(q.device, d, q.dtype)
+    _, want_dk, want_dv = block_bwd.block_backward(do, None, q, k, v, indices, offsets, rows, o, lse, block_q, 64,
+                                                   d**-0.5, tiles=tiles)
+    delta = (o.float() * do.float()).sum(-1)
+    order = block_bwd.longest_first(offsets, heads)
+    got = [block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q, d**-0.5) for _ in range(2)]
+    assert ts.rel_err(got[0][0], want_dk) < 1e-2 and ts.rel_err(got[0][1], want_dv) < 1e-2
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@gpu
+def test_gpu_warp_specialized_backward_end_to_end():
+    """D=64 without GQA (the Gluon dK/dV's case), ragged N: the default Triton path against the torch backend."""
+    (q, k, v), selection = _gpu_case(3001, 4, 4, 64, 64, 64, 7)
+    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.125)
+    want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, 0.125)
+    for name, a, b in zip(NAMES, got, want):
+        assert ts.rel_err(a, b) < 2e-2, name

@@ -21,10 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import block_bwd_ws
 from .block_fwd import chunk_rows, geometry, list_rows, list_steps
 from .common import LOG2E, launcher, load_tile, mm, store_tile
 from .layout import pow2
+from .registry import launching_directly
 from .tiles import overrides
+
+WS_HEAD_DIMS = (64,)  # head dims where the warp-specialized Gluon dK/dV runs (sm_90, no GQA)
 
 
 @triton.jit
@@ -164,6 +168,8 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
     tk = offsets.shape[2] - 1
+    gluon_dkv = (tiles is None and d in WS_HEAD_DIMS and not overrides("block_bwd")
+                 and block_bwd_ws.supported(q, k, block_q, block_k))
     tiles = tiles or backward_tiles(q.device, d, q.dtype)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)
@@ -175,11 +181,16 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
         q, k, v, indices, o, do, lse, dlse if dlse is not None else lse, delta, dq, *strides,
         heads, heads // kv_heads, nq, nk, tq, topk, HAS_DLSE=dlse is not None, STAGES=tiles["dq_stages"],
         num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
+    order = longest_first(offsets, kv_heads)
+    if gluon_dkv:
+        run = block_bwd_ws.ws_dkv if launching_directly() else block_bwd_ws.block_dkv_ws
+        dk, dv = run(q, k, v, do, lse, delta, offsets, rows, order, block_q, scale)
+        return dq, dk, dv
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     geo = geometry(block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"], topk, q_group=tiles["DKV_QB"])
     launcher(_block_dkv_kernel)[(bsz * kv_heads * tk * geo["K_SPLIT"],)](
-        q, k, v, do, lse, delta, offsets, rows, longest_first(offsets, kv_heads), dk, dv, *strides,
+        q, k, v, do, lse, delta, offsets, rows, order, dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, nq, nk, tq, tk, topk, STAGES=tiles["dkv_stages"],
         num_warps=tiles["dkv_warps"], num_stages=tiles["dkv_stages"], **geo, **common)
     return dq, dk, dv

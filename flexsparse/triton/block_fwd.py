@@ -23,7 +23,7 @@ from .registry import launching_directly
 from .tiles import overrides
 
 WS_HEAD_DIMS = (64, 128)  # head dims where the warp-specialized Gluon forward runs (sm_90): H200, 5 % of 64x64
-# blocks, ms Gluon / Triton: D=64 N=65536 2.07 / 2.27, D=128 N=32760 1.83 / 2.23 (benchmarks/gluon_block_fwd.py)
+# blocks, ms Gluon / Triton: D=64 N=65536 2.07 / 2.27, D=128 N=32760 1.83 / 2.23 (benchmarks/gluon_blocks.py)
 
 
 @triton.jit

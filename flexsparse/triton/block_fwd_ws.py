@@ -73,7 +73,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_p
     """The online softmax over the ring's tiles: ``Q K_j^T`` and ``P_{j-1} V_{j-1}`` issued back to back, the
     softmax of tile j while ``P_{j-1} V_{j-1}`` runs; stores the rows of O and LSE below ``NQ``.
     (Issuing ``Q K_{j+1}^T`` before the softmax of tile j as well, FlashAttention-3's full schedule with
-    separate K and V rings, measured slower: D=128 2.06 vs 1.81 ms, ``benchmarks/gluon_block_fwd.py``.)"""
+    separate K and V rings, measured slower: D=128 2.06 vs 1.81 ms, ``benchmarks/gluon_blocks.py``.)"""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -172,7 +172,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, block_q: 
 def default_tiles(d: int) -> dict:
     """Slots of the K/V ring, register cap per thread (the partitions share it out; 80 at D=64 lets three
     programs share an SM) and query-tile rows: the fastest measured (H200, B2 H8 N65536 D64 K=51 and B2 H16
-    N32768 D128 K=25, 64x64 and 128x64 blocks, ``benchmarks/gluon_block_fwd.py``; 64-row tiles also for 128-row
+    N32768 D128 K=25, 64x64 and 128x64 blocks, ``benchmarks/gluon_blocks.py``; 64-row tiles also for 128-row
     query blocks: 1.28 vs 1.35 ms at D=64, 1.84 vs 2.30 at D=128)."""
     return dict(stages=4, maxnreg=80, bm=64) if d <= 64 else dict(stages=3, maxnreg=128, bm=64)
 

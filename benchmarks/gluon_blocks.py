@@ -1,8 +1,9 @@
-"""The warp-specialized Gluon block-sparse forward (``flexsparse/triton/block_fwd_ws.py``) against the Triton one
-(``block_fwd.py``) on the same random selection: max abs differences of O and LSE, and do_bench medians of
-both next to dense cuDNN SDPA, for several pipeline depths and register caps (H100/H200 only).
+"""The warp-specialized Gluon block-sparse kernels (``flexsparse/triton/block_fwd_ws.py``, ``block_bwd_ws.py``)
+against the Triton ones (``block_fwd.py``, ``block_bwd.py``) on the same random selection: max abs differences
+of O and LSE (forward) or dK and dV (``--bwd``: the whole ``block_backward``, Triton dQ + either dK/dV kernel),
+and do_bench medians of both next to dense cuDNN SDPA, for several pipeline depths and register caps (sm_90).
 
-    python benchmarks/gluon_block_fwd.py OUT.json [--cases d64,d128,public,sla2,sla2_d128]
+    python benchmarks/gluon_blocks.py OUT.json [--cases d64,d128,public,sla2,sla2_d128] [--bwd]
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
+from flexsparse.triton import block_bwd, block_bwd_ws
 from flexsparse.triton.block_fwd import block_forward, forward_tiles
 from flexsparse.triton.block_fwd_ws import supported, ws_block_forward
+from flexsparse.triton.csc import block_csc
 from block_tiles import random_selection
 
 # name: B, H, N, D, block_q, block_k, K
@@ -66,14 +69,56 @@ def run_case(name: str) -> list[dict]:
     return rows
 
 
+BWD_VARIANTS = {64: [dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128), dict(stages=2, maxnreg=112)],
+                128: [dict(stages=2, maxnreg=168), dict(stages=2, maxnreg=240)]}
+
+
+def run_bwd_case(name: str) -> list[dict]:
+    bsz, heads, n, d, bq, bk, topk = CASES[name]
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    tk = -(-n // bk)
+    idx = random_selection(bsz, heads, -(-n // bq), tk, topk)
+    scale = d ** -0.5
+    o, lse = block_forward(q, k, v, idx, bq, bk, scale)
+    offsets, rows = block_csc(idx, tk, False)
+    flops = 10.0 * bsz * heads * n * topk * bk * d
+    tiles = block_bwd.backward_tiles(q.device, d, q.dtype)  # forces the Triton dK/dV kernel
+
+    def triton_bwd():
+        return block_bwd.block_backward(do, None, q, k, v, idx, offsets, rows, o, lse, bq, bk, scale, tiles=tiles)
+
+    dq, dk_ref, dv_ref = triton_bwd()
+    ms = triton.testing.do_bench(triton_bwd)
+    out = [dict(case=name, kernel="bwd triton", ms=ms, tflops=flops / ms / 1e9)]
+    delta = (o.float() * do.float()).sum(-1)
+    order = block_bwd.longest_first(offsets, heads)
+    dq_ms = ms - triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
+                                                                       bq, scale))
+    for var in BWD_VARIANTS[d]:
+        try:
+            dk, dv = block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, bq, scale, **var)
+            torch.cuda.synchronize()
+            err = max((dk.float() - dk_ref.float()).abs().max().item(), (dv.float() - dv_ref.float()).abs().max().item())
+            kms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
+                                                                        bq, scale, **var))
+            out.append(dict(case=name, kernel=f"dkv gluon {var}", ms=kms, err_o=err))
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
+            out.append(dict(case=name, kernel=f"dkv gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        print(out[-1], flush=True)
+    out.append(dict(case=name, kernel="bwd triton minus default gluon dkv (~ dq + csc)", ms=dq_ms))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--cases", default="d64,d128,public,sla2,sla2_d128")
+    parser.add_argument("--bwd", action="store_true", help="time the dK/dV kernels instead of the forward")
     args = parser.parse_args()
     rows = []
     for name in args.cases.split(","):
-        rows += run_case(name)
+        rows += run_bwd_case(name) if args.bwd else run_case(name)
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), cases={c: CASES[c] for c in args.cases.split(",")})

@@ -1,0 +1,192 @@
+"""Block-sparse attention dK/dV for Hopper in Gluon: a TMA producer warp and one wgmma consumer warpgroup.
+
+Same contract as ``block_bwd``'s ``_block_dkv_kernel`` for 64-token key blocks, no GQA, head dims 64 and 128,
+bf16 / fp16 and contiguous tensors (``supported``); ragged tails are masked. One program per key block and
+(batch, head), in ``block_bwd.longest_first`` order:
+
+* the producer (1 warp) loads the key block's K and V tiles once, then per entry of its CSC list (the query
+  blocks that selected it, ``Q_SPLIT`` tiles of 64 rows each) the Q and dO tiles through TMA into a ring of
+  ``STAGES`` shared-memory slots;
+* the consumer (4 warps) issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` of tile t and then ``dV += P^T dO`` and
+  ``dK += dS^T Q`` of tile t-1, so that the last two run on the tensor cores while the exponentials and
+  ``dS^T = P^T (dP^T - Delta)`` of tile t do (tile -1 is a zero ``P^T``). Query rows past ``Nq`` get
+  ``P^T = dS^T = 0``; key rows past ``Nk`` are not stored.
+
+The list order fixes the summation order, so dK/dV are reproducible under a deterministic CSC. Like
+``block_fwd_ws`` it is launched directly, or as the opaque custom op ``flexsparse::block_dkv_ws`` under
+``torch.compile``.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .block_fwd_ws import LOG2E
+
+
+@gluon.jit
+def _dkv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                  members, q_head_row, k_row, n_steps, BLOCK_Q: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """K and V once, then the Q and dO tiles of the list's steps into the ring of slots."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, 0], kv_bar, v_smem)
+    for t in range(n_steps):
+        slot = t % STAGES
+        row = q_head_row + gl.load(members + t // Q_SPLIT) * BLOCK_Q + (t % Q_SPLIT) * BM
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_bufs.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_bufs.index(slot))
+
+
+@gluon.jit
+def _dkv_consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                  members, stats_row, k_row, k_first, NQ, NK, n_steps, BLOCK_Q: gl.constexpr,
+                  Q_SPLIT: gl.constexpr, SCALE2: gl.constexpr, SCALE: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = k_smem.type.shape[0]
+    D: gl.constexpr = k_smem.type.shape[1]
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BM, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    zeros = gl.zeros([BN, BM], gl.float32, s_layout)
+    p_op = gl.zeros([BN, BM], dtype, a_layout)
+    ds_op = gl.zeros([BN, BM], dtype, a_layout)
+    dk = gl.zeros([BN, D], gl.float32, g_layout)
+    dv = gl.zeros([BN, D], gl.float32, g_layout)
+    cols = gl.arange(0, BM, layout=col_s)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_steps):
+        slot = t % STAGES
+        prev = gl.where(t > 0, (t + STAGES - 1) % STAGES, slot)  # step -1: a zero P^T on this step's tiles
+        first = gl.load(members + t // Q_SPLIT) * BLOCK_Q + (t % Q_SPLIT) * BM
+        row_ok = first + cols < NQ
+        lse2 = gl.load(lse_ptr + stats_row + first + cols, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = gl.load(delta_ptr + stats_row + first + cols, mask=row_ok, other=0.0)
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        s_t = warpgroup_mma(k_smem, q_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_smem, do_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dv_next = warpgroup_mma(p_op, do_bufs.index(prev), dv, is_async=True)
+        dk_next = warpgroup_mma(ds_op, q_bufs.index(prev), dk, is_async=True)
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(s_t, dp_t))  # groups complete in issue order
+        p_t = gl.exp2(s_t * SCALE2 - gl.expand_dims(lse2, 0))
+        p_t = gl.where(gl.expand_dims(row_ok, 0), p_t, 0.0)
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_next, dk_next))
+        mbarrier.arrive(empty.index(prev), count=1, pred=t > 0)
+        p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+        ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+    if n_steps > 0:
+        last = (n_steps - 1) % STAGES
+        dv = warpgroup_mma(p_op, do_bufs.index(last), dv)
+        dk = warpgroup_mma(ds_op, q_bufs.index(last), dk)
+
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, g_layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
+    offs = gl.expand_dims((k_row + rows).to(gl.int64) * D, 1) + gl.expand_dims(dims, 0)
+    ok = gl.expand_dims(k_first + rows < NK, 1)
+    gl.store(dk_ptr + offs, (dk * SCALE).to(dtype), mask=ok)
+    gl.store(dv_ptr + offs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, offsets_ptr, rows_ptr, order_ptr, dk_ptr,
+                   dv_ptr, NQ, NK, TQ, TK, TOPK, BLOCK_Q: gl.constexpr, Q_SPLIT: gl.constexpr,
+                   SCALE2: gl.constexpr, SCALE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    item = gl.load(order_ptr + gl.program_id(0))  # (batch * head) * TK + key block
+    bh = item // TK
+    kblk = item - bh * TK
+    k_first = kblk * BN
+    k_row = bh * NK + k_first
+    lo = gl.load(offsets_ptr + bh.to(gl.int64) * (TK + 1) + kblk)
+    hi = gl.load(offsets_ptr + bh.to(gl.int64) * (TK + 1) + kblk + 1)
+    members = rows_ptr + bh.to(gl.int64) * TQ * TOPK + lo
+    n_steps = (hi - lo) * Q_SPLIT
+
+    k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dkv_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         members, bh * NQ, k_row, k_first, NQ, NK, n_steps, BLOCK_Q, Q_SPLIT, SCALE2, SCALE,
+                         num_warps)),
+        (_dkv_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                         members, bh * NQ, k_row, n_steps, BLOCK_Q, Q_SPLIT)),
+    ], [1], [24])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int) -> bool:
+    """Whether ``ws_dkv`` takes this call: CUDA sm_90, bf16/fp16, D in (64, 128), no GQA, key blocks of 64,
+    query blocks a multiple of 64, contiguous q and k."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in (64, 128) and q.shape[1] == k.shape[1]
+            and block_k == 64 and block_q % 64 == 0 and q.is_contiguous() and k.is_contiguous())
+
+
+def default_tiles(d: int) -> dict:
+    """Slots of the Q/dO ring and the register cap per thread of the launch."""
+    return dict(stages=2, maxnreg=168) if d <= 64 else dict(stages=2, maxnreg=240)
+
+
+def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: float, stages: int | None = None,
+           maxnreg: int | None = None):
+    """``(dk, dv)`` ``(B, H, Nk, D)`` in k's dtype (see ``supported``): lse, delta ``(B, H, Nq)`` fp32 (``Delta =
+    rowsum(O dO) - dLSE`` from the dQ kernel); offsets, rows: the CSC of the index table; order: the programs'
+    ``(b * H + h) * Tk + key block`` ids (``block_bwd.longest_first``)."""
+    bsz, heads, nq, d = q.shape
+    nk = k.shape[2]
+    tk, tq = offsets.shape[2] - 1, q.shape[2] // block_q + (q.shape[2] % block_q > 0)
+    tiles = default_tiles(d)
+    stages, maxnreg = stages or tiles["stages"], maxnreg or tiles["maxnreg"]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([64, d], gl_dtype)
+    q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
+                                       for x in (q, do, k, v))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _ws_dkv_kernel[(order.numel(),)](
+        q_desc, do_desc, k_desc, v_desc, lse, delta, offsets, rows, order, dk, dv, nq, nk, tq, tk,
+        rows.shape[2] // tq, BLOCK_Q=block_q, Q_SPLIT=block_q // 64, SCALE2=float(scale * LOG2E),
+        SCALE=float(scale), STAGES=stages, num_warps=4, maxnreg=maxnreg)
+    return dk, dv
+
+
+@torch.library.custom_op("flexsparse::block_dkv_ws", mutates_args=())
+def block_dkv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                 delta: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, block_q: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ws_dkv`` as an opaque custom op (``torch.compile`` does not trace Gluon kernels)."""
+    return ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q, scale)
+
+
+@block_dkv_ws.register_fake
+def _block_dkv_ws_fake(q, k, v, do, lse, delta, offsets, rows, order, block_q, scale):
+    return torch.empty_like(k), torch.empty_like(v)
