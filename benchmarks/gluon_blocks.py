@@ -69,8 +69,7 @@ def run_case(name: str) -> list[dict]:
     return rows
 
 
-BWD_VARIANTS = {64: [dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128), dict(stages=2, maxnreg=112)],
-                128: [dict(stages=2, maxnreg=168), dict(stages=2, maxnreg=240)]}
+BWD_VARIANTS = {64: [dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128)], 128: [dict(stages=2, maxnreg=168)]}
 
 
 def run_bwd_case(name: str) -> list[dict]:
@@ -83,30 +82,39 @@ def run_bwd_case(name: str) -> list[dict]:
     o, lse = block_forward(q, k, v, idx, bq, bk, scale)
     offsets, rows = block_csc(idx, tk, False)
     flops = 10.0 * bsz * heads * n * topk * bk * d
-    tiles = block_bwd.backward_tiles(q.device, d, q.dtype)  # forces the Triton dK/dV kernel
+    tiles = block_bwd.backward_tiles(q.device, d, q.dtype)  # forces the Triton kernels
 
-    def triton_bwd():
+    def backward(tiles):
         return block_bwd.block_backward(do, None, q, k, v, idx, offsets, rows, o, lse, bq, bk, scale, tiles=tiles)
 
-    dq, dk_ref, dv_ref = triton_bwd()
-    ms = triton.testing.do_bench(triton_bwd)
-    out = [dict(case=name, kernel="bwd triton", ms=ms, tflops=flops / ms / 1e9)]
+    want = backward(tiles)
+    out = []
+    for label, choice in (("bwd triton", tiles), ("bwd default", None)):
+        got = backward(choice)
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+        ms = triton.testing.do_bench(lambda: backward(choice))
+        out.append(dict(case=name, kernel=label, ms=ms, tflops=flops / ms / 1e9, err_o=err))
     delta = (o.float() * do.float()).sum(-1)
+    for var in (dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128), dict(stages=3, maxnreg=80)):
+        try:
+            got, got_delta = block_bwd_ws.ws_dq(q, k, v, do, o, lse, None, idx, bq, scale, **var)
+            err = max((got.float() - want[0].float()).abs().max().item(), (got_delta - delta).abs().max().item())
+            ms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dq(q, k, v, do, o, lse, None, idx, bq, scale, **var))
+            out.append(dict(case=name, kernel=f"dq gluon {var}", ms=ms, err_o=err))
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
+            out.append(dict(case=name, kernel=f"dq gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        print(out[-1], flush=True)
     order = block_bwd.longest_first(offsets, heads)
-    dq_ms = ms - triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
-                                                                       bq, scale))
     for var in BWD_VARIANTS[d]:
         try:
             dk, dv = block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, bq, scale, **var)
-            torch.cuda.synchronize()
-            err = max((dk.float() - dk_ref.float()).abs().max().item(), (dv.float() - dv_ref.float()).abs().max().item())
-            kms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
-                                                                        bq, scale, **var))
-            out.append(dict(case=name, kernel=f"dkv gluon {var}", ms=kms, err_o=err))
+            err = max((dk.float() - want[1].float()).abs().max().item(), (dv.float() - want[2].float()).abs().max().item())
+            ms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
+                                                                       bq, scale, **var))
+            out.append(dict(case=name, kernel=f"dkv gluon {var}", ms=ms, err_o=err))
         except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
             out.append(dict(case=name, kernel=f"dkv gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
         print(out[-1], flush=True)
-    out.append(dict(case=name, kernel="bwd triton minus default gluon dkv (~ dq + csc)", ms=dq_ms))
     return out
 
 

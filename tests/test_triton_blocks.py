@@ -446,3 +446,30 @@ def test_gpu_warp_specialized_backward_end_to_end():
     want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, 0.125)
     for name, a, b in zip(NAMES, got, want):
         assert ts.rel_err(a, b) < 2e-2, name
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk,with_dlse", [
+    (4096, 4, 2, 64, 64, 9, False), (4000, 2, 2, 128, 128, 3, True), (1000, 3, 1, 64, 64, 1, True),
+    (7777, 2, 2, 128, 256, 5, False)])
+def test_gpu_warp_specialized_dq_matches_triton_kernel(n, heads, kv_heads, d, block_q, topk, with_dlse):
+    """The Gluon dQ and Delta (``block_bwd_ws.ws_dq``; ragged tails, GQA, a gradient on the LSE) against the
+    Triton kernel's."""
+    from flexsparse.triton import block_bwd, block_bwd_ws, block_fwd
+    from flexsparse.triton.csc import block_csc
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm_90")
+    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    do = torch.randn_like(q)
+    indices, tk = selection.indices.contiguous(), selection.num_k_blocks
+    o, lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    offsets, rows = block_csc(indices, tk, False)
+    tiles = block_bwd.backward_tiles(q.device, d, q.dtype)
+    want, _, _ = block_bwd.block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, 64, d**-0.5,
+                                          tiles=tiles)
+    dq, delta = block_bwd_ws.ws_dq(q, k, v, do, o, lse, dlse, indices, block_q, d**-0.5)
+    want_delta = (o.float() * do.float()).sum(-1) - (0 if dlse is None else dlse)
+    assert ts.rel_err(dq, want) < 1e-2
+    assert torch.allclose(delta, want_delta, atol=1e-3, rtol=1e-3)

@@ -21,14 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import block_bwd_ws
+from . import block_bwd_ws, block_fwd_ws
 from .block_fwd import chunk_rows, geometry, list_rows, list_steps
 from .common import LOG2E, launcher, load_tile, mm, store_tile
 from .layout import pow2
 from .registry import launching_directly
 from .tiles import overrides
 
-WS_HEAD_DIMS = (64,)  # head dims where the warp-specialized Gluon dK/dV runs (sm_90, no GQA)
+# Head dims where the warp-specialized Gluon kernels (sm_90) replace the Triton ones; H200, 5 % of 64x64 blocks,
+# ms Gluon / Triton (benchmarks/gluon_blocks.py --bwd): dK/dV (no GQA) at D=64 N=65536 3.54-3.66 / ~4.0 (at D=128
+# it spills: 5.7 / 3.65); dQ at D=128 N=32760 2.45 / ~2.9 (at D=64 2.74 / 2.25)
+WS_HEAD_DIMS = (64,)
+WS_DQ_HEAD_DIMS = (128,)
 
 
 @triton.jit
@@ -168,19 +172,25 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
     tk = offsets.shape[2] - 1
-    gluon_dkv = (tiles is None and d in WS_HEAD_DIMS and not overrides("block_bwd")
-                 and block_bwd_ws.supported(q, k, block_q, block_k))
+    gluon = tiles is None and not overrides("block_bwd")
+    gluon_dq = (gluon and d in WS_DQ_HEAD_DIMS and block_fwd_ws.supported(q, k, indices, block_q, block_k)
+                and do.is_contiguous() and o.is_contiguous())
+    gluon_dkv = gluon and d in WS_HEAD_DIMS and block_bwd_ws.supported(q, k, block_q, block_k)
     tiles = tiles or backward_tiles(q.device, d, q.dtype)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    dq = torch.empty_like(q)
-    delta = torch.empty_like(lse)
-    geo = geometry(block_q, block_k, nq, nk, tiles["DQ_BM"], tiles["DQ_BN"], topk, k_group=tiles["DQ_KB"])
-    launcher(_block_dq_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
-        q, k, v, indices, o, do, lse, dlse if dlse is not None else lse, delta, dq, *strides,
-        heads, heads // kv_heads, nq, nk, tq, topk, HAS_DLSE=dlse is not None, STAGES=tiles["dq_stages"],
-        num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
+    if gluon_dq:
+        run = block_bwd_ws.ws_dq if launching_directly() else block_bwd_ws.block_dq_ws
+        dq, delta = run(q, k, v, do, o, lse, dlse, indices, block_q, scale)
+    else:
+        dq = torch.empty_like(q)
+        delta = torch.empty_like(lse)
+        geo = geometry(block_q, block_k, nq, nk, tiles["DQ_BM"], tiles["DQ_BN"], topk, k_group=tiles["DQ_KB"])
+        launcher(_block_dq_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
+            q, k, v, indices, o, do, lse, dlse if dlse is not None else lse, delta, dq, *strides,
+            heads, heads // kv_heads, nq, nk, tq, topk, HAS_DLSE=dlse is not None, STAGES=tiles["dq_stages"],
+            num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
     order = longest_first(offsets, kv_heads)
     if gluon_dkv:
         run = block_bwd_ws.ws_dkv if launching_directly() else block_bwd_ws.block_dkv_ws

@@ -1,8 +1,10 @@
-"""Block-sparse attention dK/dV for Hopper in Gluon: a TMA producer warp and one wgmma consumer warpgroup.
+"""Block-sparse attention backward for Hopper in Gluon: dK/dV (``ws_dkv``) and dQ (``ws_dq``), each a TMA
+producer warp and one wgmma consumer warpgroup (``block_bwd`` picks them per head dim: ``WS_HEAD_DIMS``,
+``WS_DQ_HEAD_DIMS``).
 
-Same contract as ``block_bwd``'s ``_block_dkv_kernel`` for 64-token key blocks, no GQA, head dims 64 and 128,
-bf16 / fp16 and contiguous tensors (``supported``); ragged tails are masked. One program per key block and
-(batch, head), in ``block_bwd.longest_first`` order:
+dK/dV: ``block_bwd``'s ``_block_dkv_kernel`` for 64-token key blocks without GQA, head dims 64 and 128, bf16 /
+fp16 and contiguous tensors (``supported``). One program per key block and (batch, head), in
+``block_bwd.longest_first`` order:
 
 * the producer (1 warp) loads the key block's K and V tiles once, then per entry of its CSC list (the query
   blocks that selected it, ``Q_SPLIT`` tiles of 64 rows each) the Q and dO tiles through TMA into a ring of
@@ -10,13 +12,19 @@ bf16 / fp16 and contiguous tensors (``supported``); ragged tails are masked. One
 * the consumer (4 warps) issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` of tile t and then ``dV += P^T dO`` and
   ``dK += dS^T Q`` of tile t-1, so that the last two run on the tensor cores while the exponentials and
   ``dS^T = P^T (dP^T - Delta)`` of tile t do (tile -1 is a zero ``P^T``). Query rows past ``Nq`` get
-  ``P^T = dS^T = 0``; key rows past ``Nk`` are not stored.
+  ``P^T = dS^T = 0``; key rows past ``Nk`` are not stored. The list order fixes the summation order, so dK/dV
+  are reproducible under a deterministic CSC.
 
-The list order fixes the summation order, so dK/dV are reproducible under a deterministic CSC. Like
-``block_fwd_ws`` it is launched directly, or as the opaque custom op ``flexsparse::block_dkv_ws`` under
+dQ: ``block_bwd``'s ``_block_dq_kernel`` (GQA included) with the same structure as ``block_fwd_ws``: Q and dO
+once, K and V per selected block; ``S``, ``dP`` of tile t issued before ``dQ += dS K`` of tile t-1. It also
+stores ``Delta = rowsum(O dO) - dLSE``.
+
+Both are launched directly, or as the opaque custom ops ``flexsparse::block_dkv_ws`` / ``block_dq_ws`` under
 ``torch.compile``.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -25,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_fwd_ws import LOG2E
+from .block_fwd_ws import LOG2E, _mask_tail
 
 
 @gluon.jit
@@ -143,6 +151,137 @@ def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, offsets_
     ], [1], [24])
 
 
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr,
+                 q_row, kv_row, n_steps):
+    """Q and dO once, then the K and V tiles of the row's blocks into the ring of slots."""
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_row, 0], q_bar, do_smem)
+    for e in range(n_steps):
+        slot = e % STAGES
+        row = kv_row + gl.load(idx_ptr + e) * BN
+        mbarrier.wait(empty.index(slot), ((e // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_bufs.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_bufs.index(slot))
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                 idx_ptr, q_row, q_first, NQ, NK, n_steps, HAS_DLSE: gl.constexpr, SCALE2: gl.constexpr,
+                 SCALE: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = q_smem.type.shape[0]
+    D: gl.constexpr = q_smem.type.shape[1]
+    BN: gl.constexpr = k_bufs.type.shape[1]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+
+    # Delta = rowsum(O dO) - dLSE of the tile's rows (stored for the dK/dV kernel) and the rows' LSE
+    local = gl.arange(0, BM, layout=row_g)
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
+    row_ok = q_first + local < NQ
+    offs = gl.expand_dims((q_row + local).to(gl.int64) * D, 1) + gl.expand_dims(dims, 0)
+    o = gl.load(o_ptr + offs, mask=gl.expand_dims(row_ok, 1), other=0.0).to(gl.float32)
+    mbarrier.wait(q_bar, 0)
+    delta = gl.sum(o * do_smem.load(g_layout).to(gl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= gl.load(dlse_ptr + q_row + local, mask=row_ok, other=0.0)
+    gl.store(delta_ptr + q_row + local, delta, mask=row_ok)
+    delta = gl.convert_layout(delta, row_s)
+    local_s = gl.arange(0, BM, layout=row_s)
+    lse2 = gl.load(lse_ptr + q_row + local_s, mask=q_first + local_s < NQ, other=0.0) * 1.4426950408889634
+
+    zeros = gl.zeros([BM, BN], gl.float32, s_layout)
+    ds_op = gl.zeros([BM, BN], dtype, a_layout)
+    dq = gl.zeros([BM, D], gl.float32, g_layout)
+    for e in range(n_steps):
+        slot = e % STAGES
+        prev = gl.where(e > 0, (e + STAGES - 1) % STAGES, slot)  # step -1: a zero dS on this step's tiles
+        mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dq_next = warpgroup_mma(ds_op, k_bufs.index(prev), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # groups complete in issue order
+        p = gl.exp2(_mask_tail(s, idx_ptr, e, NK, BN, s_layout) * SCALE2 - gl.expand_dims(lse2, 1))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_next, ))
+        mbarrier.arrive(empty.index(prev), count=1, pred=e > 0)
+        ds_op = gl.convert_layout(ds.to(dtype), a_layout)
+    last = (n_steps - 1) % STAGES
+    dq = warpgroup_mma(ds_op, k_bufs.index(last), dq)
+    mbarrier.arrive(empty.index(last), count=1)
+    gl.store(dq_ptr + offs, (dq * SCALE).to(dtype), mask=gl.expand_dims(row_ok, 1))
+
+
+@gluon.jit
+def _ws_dq_kernel(q_desc, do_desc, k_desc, v_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr, idx_ptr, H, GROUP, NQ,
+                  NK, TQ, TOPK, BLOCK_Q: gl.constexpr, Q_SPLIT: gl.constexpr, HAS_DLSE: gl.constexpr,
+                  SCALE2: gl.constexpr, SCALE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    qblk = pid // Q_SPLIT
+    q_first = qblk * BLOCK_Q + (pid - qblk * Q_SPLIT) * BM
+    q_row = bh * NQ + q_first
+    kv_row = (b * (H // GROUP) + h // GROUP) * NK
+    idx = idx_ptr + (bh.to(gl.int64) * TQ + qblk) * TOPK
+
+    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BM, D], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, dlse_ptr, delta_ptr,
+                        dq_ptr, idx, q_row, q_first, NQ, NK, TOPK, HAS_DLSE, SCALE2, SCALE, num_warps)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, idx,
+                        q_row, kv_row, TOPK)),
+    ], [1], [24])
+
+
+def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages: int = 2, maxnreg: int = 128):
+    """``(dq, delta)``: dQ ``(B, H, Nq, D)`` in q's dtype and ``Delta = rowsum(O dO) - dLSE`` ``(B, H, Nq)`` fp32
+    (``dlse`` None: no gradient reaches the LSE), as ``block_bwd``'s dQ kernel; takes what
+    ``block_fwd_ws.supported`` takes (GQA included), with do and o contiguous like q."""
+    bsz, heads, nq, d = q.shape
+    tq, topk = indices.shape[2], indices.shape[3]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([64, d], gl_dtype)
+    q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
+                                       for x in (q, do, k, v))
+    dq, delta = torch.empty_like(q), torch.empty_like(lse)
+    _ws_dq_kernel[(tq * (block_q // 64), bsz * heads)](
+        q_desc, do_desc, k_desc, v_desc, o, lse, lse if dlse is None else dlse, delta, dq, indices, heads,
+        heads // k.shape[1], nq, k.shape[2], tq, topk, BLOCK_Q=block_q, Q_SPLIT=block_q // 64,
+        HAS_DLSE=dlse is not None, SCALE2=float(scale * LOG2E), SCALE=float(scale), STAGES=stages, num_warps=4,
+        maxnreg=maxnreg)
+    return dq, delta
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int) -> bool:
     """Whether ``ws_dkv`` takes this call: CUDA sm_90, bf16/fp16, D in (64, 128), no GQA, key blocks of 64,
     query blocks a multiple of 64, contiguous q and k."""
@@ -153,8 +292,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int) -> b
 
 
 def default_tiles(d: int) -> dict:
-    """Slots of the Q/dO ring and the register cap per thread of the launch."""
-    return dict(stages=2, maxnreg=168) if d <= 64 else dict(stages=2, maxnreg=240)
+    """Slots of the Q/dO ring and the register cap per thread of the launch (128: two programs per SM, no spill
+    at D=64; D=128 spills at any cap and runs slower than the Triton kernel, ``block_bwd.WS_HEAD_DIMS``)."""
+    return dict(stages=2, maxnreg=128) if d <= 64 else dict(stages=2, maxnreg=168)
 
 
 def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: float, stages: int | None = None,
@@ -190,3 +330,16 @@ def block_dkv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Te
 @block_dkv_ws.register_fake
 def _block_dkv_ws_fake(q, k, v, do, lse, delta, offsets, rows, order, block_q, scale):
     return torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("flexsparse::block_dq_ws", mutates_args=())
+def block_dq_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, dlse: Optional[torch.Tensor], indices: torch.Tensor, block_q: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ws_dq`` as an opaque custom op (``torch.compile`` does not trace Gluon kernels)."""
+    return ws_dq(q, k, v, do, o, lse, dlse, indices, block_q, scale)
+
+
+@block_dq_ws.register_fake
+def _block_dq_ws_fake(q, k, v, do, o, lse, dlse, indices, block_q, scale):
+    return torch.empty_like(q), torch.empty_like(lse)
