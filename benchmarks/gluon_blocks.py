@@ -25,7 +25,7 @@ from block_tiles import random_selection
 # name: B, H, N, D, block_q, block_k, K
 CASES = {"d64": (2, 8, 65536, 64, 64, 64, 51), "d128": (2, 16, 32768, 128, 64, 64, 25),
          "public": (2, 16, 32760, 128, 64, 64, 25), "sla2": (2, 8, 65536, 64, 128, 64, 31),
-         "sla2_d128": (2, 16, 32768, 128, 128, 64, 25)}
+         "sla2_d128": (2, 16, 32768, 128, 128, 64, 25), "k8": (2, 8, 65536, 64, 64, 64, 8)}
 VARIANTS = {  # per head dim and query-tile rows
     (64, 64): [dict(stages=st, maxnreg=r) for st in (3, 4) for r in (128, 80)],
     (128, 64): [dict(stages=st, maxnreg=r) for st in (2, 3) for r in (128, 96)],
