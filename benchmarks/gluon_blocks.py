@@ -40,7 +40,7 @@ def run_case(name: str) -> list[dict]:
     q, k, v = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     idx = random_selection(bsz, heads, -(-n // bq), -(-n // bk), topk)
     scale = d ** -0.5
-    assert supported(q, k, idx, bq, bk)
+    assert supported(q, k, v, idx, bq, bk)
     flops = 4.0 * bsz * heads * n * topk * bk * d
     tiles = forward_tiles(q.device, d, q.dtype)  # forces the Triton kernel
     o_ref, lse_ref = block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles)

@@ -379,7 +379,7 @@ def test_gpu_warp_specialized_forward_matches_triton_kernel(n, heads, kv_heads, 
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk, dtype)
     q, k, v = (x.contiguous() for x in (q, k, v))
     indices = selection.indices.contiguous()
-    assert block_fwd_ws.supported(q, k, indices, block_q, 64)
+    assert block_fwd_ws.supported(q, k, v, indices, block_q, 64)
     o, lse = block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, 64, d**-0.5)
     want_o, want_lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5,
                                                tiles=block_fwd.forward_tiles(q.device, d, dtype))

@@ -175,9 +175,9 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     tq, topk = indices.shape[2], indices.shape[3]
     tk = offsets.shape[2] - 1
     gluon = tiles is None and not overrides("block_bwd")
-    gluon_dq = (gluon and d in WS_DQ_HEAD_DIMS and block_fwd_ws.supported(q, k, indices, block_q, block_k)
+    gluon_dq = (gluon and d in WS_DQ_HEAD_DIMS and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)
                 and do.is_contiguous() and o.is_contiguous())
-    gluon_dkv = (gluon and d in WS_HEAD_DIMS and block_bwd_ws.supported(q, k, block_q, block_k)
+    gluon_dkv = (gluon and d in WS_HEAD_DIMS and block_bwd_ws.supported(q, k, v, do, block_q, block_k)
                  and block_q // 64 * tq * topk >= WS_DKV_MIN_STEPS * tk)
     tiles = tiles or backward_tiles(q.device, d, q.dtype)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),

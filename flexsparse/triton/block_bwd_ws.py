@@ -282,13 +282,14 @@ def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages
     return dq, delta
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int) -> bool:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, block_q: int,
+              block_k: int) -> bool:
     """Whether ``ws_dkv`` takes this call: CUDA sm_90, bf16/fp16, D in (64, 128), no GQA, key blocks of 64,
-    query blocks a multiple of 64, contiguous q and k."""
+    query blocks a multiple of 64, contiguous q, k, v and do."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in (64, 128) and q.shape[1] == k.shape[1]
-            and block_k == 64 and block_q % 64 == 0 and q.is_contiguous() and k.is_contiguous())
+            and block_k == 64 and block_q % 64 == 0 and all(t.is_contiguous() for t in (q, k, v, do)))
 
 
 def default_tiles(d: int) -> dict:

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, launcher, load_tile, mm, softmax_step, store_tile
 from . import block_fwd_ws
+from .common import LN2, LOG2E, launcher, load_tile, mm, softmax_step, store_tile
 from .layout import cdiv, pow2
 from .registry import launching_directly
 from .tiles import overrides
@@ -150,7 +150,7 @@ def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, ti
     """
     bsz, heads, nq, d = q.shape
     if (tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
-            and block_fwd_ws.supported(q, k, indices, block_q, block_k)):
+            and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)):
         if launching_directly():
             return block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, block_k, scale)
         return block_fwd_ws.block_attn_ws(q, k, v, indices, block_q, block_k, scale)

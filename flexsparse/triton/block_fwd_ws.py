@@ -158,7 +158,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, idx_ptr, H, GROUP, NQ
     ], [1], [24])
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: int) -> bool:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, block_q: int,
+              block_k: int) -> bool:
     """Whether ``ws_block_forward`` takes this call: CUDA sm_90, bf16/fp16, D in (64, 128), query blocks of 64 or
     a multiple of 128 rows, key blocks of 64, contiguous tensors, at least one block per row (any token counts:
     ragged tails are masked)."""
@@ -166,7 +167,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, block_q: 
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in (64, 128) and block_k == 64
             and (block_q == 64 or block_q % 128 == 0) and indices.shape[3] > 0
-            and all(t.is_contiguous() for t in (q, k, indices)))
+            and all(t.is_contiguous() for t in (q, k, v, indices)))
 
 
 def default_tiles(d: int) -> dict:
