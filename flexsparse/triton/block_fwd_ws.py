@@ -20,15 +20,13 @@ graphs call it as the opaque custom op ``flexsparse::block_attn_ws``.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_init, warpgroup_mma_wait)
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @gluon.jit
