@@ -11,6 +11,9 @@ reference, the methods, ``torch.compile(fullgraph=True)`` without recompiles, de
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -46,6 +49,20 @@ random_selection, make_qkv = ts.random_selection, ts.make_qkv
 @cpu_parent
 def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
+
+
+@cpu_parent
+def test_without_gluon_the_triton_kernels_serve():
+    """A triton whose Gluon lacks what the sm_90 kernels use: the package imports, warns, and ``block_fwd`` /
+    ``block_bwd`` have their Gluon paths off (the Triton kernels serve every call)."""
+    code = ("import sys, warnings\n"
+            "sys.modules['triton.experimental.gluon'] = None\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from flexsparse.triton import block_bwd, block_fwd\n"
+            "assert block_fwd.block_fwd_ws is None and block_bwd.block_bwd_ws is None\n"
+            "assert any('Gluon kernels are unavailable' in str(w.message) for w in caught)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ts.ROOT)
 
 
 def grad_run(fn, q, k, v, selection, scale, **kw):

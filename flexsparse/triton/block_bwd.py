@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import block_bwd_ws, block_fwd_ws
 from .block_fwd import chunk_rows, geometry, list_rows, list_steps
 from .common import LOG2E, launcher, load_tile, mm, store_tile
+from .gluon import block_bwd_ws, block_fwd_ws
 from .layout import pow2
 from .registry import launching_directly
 from .tiles import overrides
@@ -174,7 +174,7 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, topk = indices.shape[2], indices.shape[3]
     tk = offsets.shape[2] - 1
-    gluon = tiles is None and not overrides("block_bwd")
+    gluon = block_bwd_ws is not None and tiles is None and not overrides("block_bwd")
     gluon_dq = (gluon and d in WS_DQ_HEAD_DIMS and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)
                 and do.is_contiguous() and o.is_contiguous())
     gluon_dkv = (gluon and d in WS_HEAD_DIMS and block_bwd_ws.supported(q, k, v, do, block_q, block_k)

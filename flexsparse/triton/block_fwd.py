@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import block_fwd_ws
 from .common import LN2, LOG2E, launcher, load_tile, mm, softmax_step, store_tile
+from .gluon import block_fwd_ws
 from .layout import cdiv, pow2
 from .registry import launching_directly
 from .tiles import overrides
@@ -149,7 +149,7 @@ def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, ti
     calls ``block_fwd_ws.supported`` takes (head dims in ``WS_HEAD_DIMS``) run the Gluon kernel instead.
     """
     bsz, heads, nq, d = q.shape
-    if (tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
+    if (block_fwd_ws is not None and tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
             and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)):
         if launching_directly():
             return block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, block_k, scale)
