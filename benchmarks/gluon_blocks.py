@@ -1,7 +1,8 @@
 """The warp-specialized Gluon block-sparse kernels (``flexsparse/triton/block_fwd_ws.py``, ``block_bwd_ws.py``)
-against the Triton ones (``block_fwd.py``, ``block_bwd.py``) on the same random selection: max abs differences
-of O and LSE (forward) or dK and dV (``--bwd``: the whole ``block_backward``, Triton dQ + either dK/dV kernel),
-and do_bench medians of both next to dense cuDNN SDPA, for several pipeline depths and register caps (sm_90).
+against the Triton ones (``block_fwd.py``, ``block_bwd.py``) on the same random selection: the largest abs
+difference from the Triton kernel's outputs (O and LSE; with ``--bwd`` the whole ``block_backward`` with and
+without the Gluon kernels, and dQ and Delta or dK and dV of each Gluon variant) and do_bench medians, next to
+dense cuDNN SDPA, for several pipeline depths and register caps (sm_90).
 
     python benchmarks/gluon_blocks.py OUT.json [--cases d64,d128,public,sla2,sla2_d128] [--bwd]
 """
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
+from flexsparse.bench import attempt
 from flexsparse.triton import block_bwd, block_bwd_ws
 from flexsparse.triton.block_fwd import block_forward, forward_tiles
 from flexsparse.triton.block_fwd_ws import supported, ws_block_forward
 from flexsparse.triton.csc import block_csc
+from flexsparse.triton.layout import cdiv
 from block_tiles import random_selection
 
 # name: B, H, N, D, block_q, block_k, K
@@ -34,34 +37,44 @@ VARIANTS = {  # per head dim and query-tile rows
 }
 
 
-def run_case(name: str) -> list[dict]:
+def time_variant(case: str, label: str, run, want, flops: float = 0.0) -> dict:
+    """``run()``'s largest abs difference from the tensors ``want`` and its do_bench median (and TFLOP/s for
+    ``flops``); an error is recorded instead (``flexsparse.bench.attempt``)."""
+    def work():
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(run(), want))
+        ms = triton.testing.do_bench(run)
+        return dict(case=case, kernel=label, ms=ms, **(dict(tflops=flops / ms / 1e9) if flops else {}), max_diff=err)
+
+    result = attempt(work)
+    row = result if isinstance(result, dict) else dict(case=case, kernel=label, error=result[:300])
+    print(row, flush=True)
+    return row
+
+
+def random_case(name: str, tensors: int):
+    """``tensors`` random bf16 ``(B, H, N, D)`` tensors (q, k, v[, do]) and a random index table of the case."""
     bsz, heads, n, d, bq, bk, topk = CASES[name]
     torch.manual_seed(0)
-    q, k, v = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    idx = random_selection(bsz, heads, -(-n // bq), -(-n // bk), topk)
+    qkv = [torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(tensors)]
+    return qkv, random_selection(bsz, heads, cdiv(n, bq), cdiv(n, bk), topk)
+
+
+def run_case(name: str) -> list[dict]:
+    bsz, heads, n, d, bq, bk, topk = CASES[name]
+    (q, k, v), idx = random_case(name, 3)
     scale = d ** -0.5
     assert supported(q, k, v, idx, bq, bk)
     flops = 4.0 * bsz * heads * n * topk * bk * d
     tiles = forward_tiles(q.device, d, q.dtype)  # forces the Triton kernel
-    o_ref, lse_ref = block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles)
-    rows = []
-    ms = triton.testing.do_bench(lambda: block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles))
-    rows.append(dict(case=name, kernel="triton", ms=ms, tflops=flops / ms / 1e9))
+    want = block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles)
+    rows = [time_variant(name, "triton", lambda: block_forward(q, k, v, idx, bq, bk, scale, tiles=tiles), want,
+                         flops)]
     variants = [dict(var, bm=64) for var in VARIANTS[(d, 64)]]
     if bq > 64:
         variants += [dict(var, bm=128) for var in VARIANTS[(d, 128)]]
     for var in variants:
-        try:
-            o, lse = ws_block_forward(q, k, v, idx, bq, bk, scale, **var)
-            torch.cuda.synchronize()
-            err_o = (o.float() - o_ref.float()).abs().max().item()
-            err_l = (lse - lse_ref).abs().max().item()
-            ms = triton.testing.do_bench(lambda: ws_block_forward(q, k, v, idx, bq, bk, scale, **var))
-            rows.append(dict(case=name, kernel=f"gluon {var}", ms=ms, tflops=flops / ms / 1e9, err_o=err_o,
-                             err_lse=err_l))
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
-            rows.append(dict(case=name, kernel=f"gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-        print(rows[-1], flush=True)
+        rows.append(time_variant(name, f"gluon {var}", lambda: ws_block_forward(q, k, v, idx, bq, bk, scale, **var),
+                                 want, flops))
     qd, kd, vd = (t[:, :, : n // 4] for t in (q, k, v))  # dense SDPA at a quarter of N, scaled by 16
     ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qd, kd, vd))
     rows.append(dict(case=name, kernel="sdpa (N/4, x16)", ms=ms * 16, tflops=4.0 * bsz * heads * (n // 4) ** 2 * d
@@ -70,17 +83,15 @@ def run_case(name: str) -> list[dict]:
 
 
 BWD_VARIANTS = {64: [dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128)], 128: [dict(stages=2, maxnreg=168)]}
+DQ_VARIANTS = [dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128), dict(stages=3, maxnreg=80)]
 
 
 def run_bwd_case(name: str) -> list[dict]:
     bsz, heads, n, d, bq, bk, topk = CASES[name]
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    tk = -(-n // bk)
-    idx = random_selection(bsz, heads, -(-n // bq), tk, topk)
+    (q, k, v, do), idx = random_case(name, 4)
     scale = d ** -0.5
     o, lse = block_forward(q, k, v, idx, bq, bk, scale)
-    offsets, rows = block_csc(idx, tk, False)
+    offsets, rows = block_csc(idx, cdiv(n, bk), False)
     flops = 10.0 * bsz * heads * n * topk * bk * d
     tiles = block_bwd.backward_tiles(q.device, d, q.dtype)  # forces the Triton kernels
 
@@ -88,33 +99,17 @@ def run_bwd_case(name: str) -> list[dict]:
         return block_bwd.block_backward(do, None, q, k, v, idx, offsets, rows, o, lse, bq, bk, scale, tiles=tiles)
 
     want = backward(tiles)
-    out = []
-    for label, choice in (("bwd triton", tiles), ("bwd default", None)):
-        got = backward(choice)
-        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
-        ms = triton.testing.do_bench(lambda: backward(choice))
-        out.append(dict(case=name, kernel=label, ms=ms, tflops=flops / ms / 1e9, err_o=err))
+    out = [time_variant(name, label, lambda: backward(choice), want, flops)
+           for label, choice in (("bwd triton", tiles), ("bwd default", None))]
     delta = (o.float() * do.float()).sum(-1)
-    for var in (dict(stages=2, maxnreg=128), dict(stages=3, maxnreg=128), dict(stages=3, maxnreg=80)):
-        try:
-            got, got_delta = block_bwd_ws.ws_dq(q, k, v, do, o, lse, None, idx, bq, scale, **var)
-            err = max((got.float() - want[0].float()).abs().max().item(), (got_delta - delta).abs().max().item())
-            ms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dq(q, k, v, do, o, lse, None, idx, bq, scale, **var))
-            out.append(dict(case=name, kernel=f"dq gluon {var}", ms=ms, err_o=err))
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
-            out.append(dict(case=name, kernel=f"dq gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-        print(out[-1], flush=True)
+    for var in DQ_VARIANTS:
+        out.append(time_variant(name, f"dq gluon {var}",
+                                lambda: block_bwd_ws.ws_dq(q, k, v, do, o, lse, None, idx, bq, scale, **var),
+                                (want[0], delta)))
     order = block_bwd.longest_first(offsets, heads)
     for var in BWD_VARIANTS[d]:
-        try:
-            dk, dv = block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, bq, scale, **var)
-            err = max((dk.float() - want[1].float()).abs().max().item(), (dv.float() - want[2].float()).abs().max().item())
-            ms = triton.testing.do_bench(lambda: block_bwd_ws.ws_dkv(q, k, v, do, lse, delta, offsets, rows, order,
-                                                                       bq, scale, **var))
-            out.append(dict(case=name, kernel=f"dkv gluon {var}", ms=ms, err_o=err))
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
-            out.append(dict(case=name, kernel=f"dkv gluon {var}", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-        print(out[-1], flush=True)
+        out.append(time_variant(name, f"dkv gluon {var}", lambda: block_bwd_ws.ws_dkv(
+            q, k, v, do, lse, delta, offsets, rows, order, bq, scale, **var), want[1:]))
     return out
 
 
@@ -122,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--cases", default="d64,d128,public,sla2,sla2_d128")
-    parser.add_argument("--bwd", action="store_true", help="time the dK/dV kernels instead of the forward")
+    parser.add_argument("--bwd", action="store_true", help="time the backward kernels instead of the forward")
     args = parser.parse_args()
     rows = []
     for name in args.cases.split(","):

@@ -382,6 +382,26 @@ def test_gpu_opcheck():
     torch.library.opcheck(block_ops.block_attn.op, args)
 
 
+def _skip_unless_sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm_90")
+
+
+def _ws_backward_case(n, heads, kv_heads, d, block_q, topk, deterministic):
+    """Inputs of the Gluon backward tests (skipped off sm_90): contiguous q, k, v, a random dO, the index table
+    (64-token key blocks), the forward's O and LSE and the table's CSC."""
+    from flexsparse.triton import block_fwd
+    from flexsparse.triton.csc import block_csc
+    _skip_unless_sm90()
+    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    do = torch.randn_like(q)
+    indices = selection.indices.contiguous()
+    o, lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5)
+    offsets, rows = block_csc(indices, selection.num_k_blocks, deterministic)
+    return q, k, v, do, indices, o, lse, offsets, rows
+
+
 @gpu
 @pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk,dtype", [
     (4096, 4, 2, 128, 64, 9, torch.bfloat16), (4000, 2, 2, 128, 64, 1, torch.bfloat16),
@@ -391,8 +411,7 @@ def test_gpu_warp_specialized_forward_matches_triton_kernel(n, heads, kv_heads, 
     """The Gluon forward (``block_fwd_ws``; ragged tails, GQA, 64-, 128- and 256-row query blocks) against the
     Triton kernel on the same selection; they sum in the same order."""
     from flexsparse.triton import block_fwd, block_fwd_ws
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward is for sm_90")
+    _skip_unless_sm90()
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk, dtype)
     q, k, v = (x.contiguous() for x in (q, k, v))
     indices = selection.indices.contiguous()
@@ -433,16 +452,8 @@ def test_gpu_compiled_warp_specialized_forward():
 def test_gpu_warp_specialized_dkv_matches_triton_kernel(n, heads, d, block_q, topk):
     """The Gluon dK/dV (``block_bwd_ws``; ragged tails, key blocks nobody selected, 64- to 256-row query
     blocks) against the Triton kernel on the same CSC; with a deterministic CSC it is bitwise reproducible."""
-    from flexsparse.triton import block_bwd, block_bwd_ws, block_fwd
-    from flexsparse.triton.csc import block_csc
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for sm_90")
-    (q, k, v), selection = _gpu_case(n, heads, heads, d, block_q, 64, topk)
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    do = torch.randn_like(q)
-    indices, tk = selection.indices.contiguous(), selection.num_k_blocks
-    o, lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5)
-    offsets, rows = block_csc(indices, tk, True)
+    from flexsparse.triton import block_bwd, block_bwd_ws
+    q, k, v, do, indices, o, lse, offsets, rows = _ws_backward_case(n, heads, heads, d, block_q, topk, True)
     if topk == 1:  # 16 query blocks picking one of 16 key blocks each: some key block has an empty list
         assert (offsets[..., 1:] == offsets[..., :-1]).any()
     tiles = block_bwd.backward_tiles(q.device, d, q.dtype)
@@ -473,17 +484,9 @@ def test_gpu_warp_specialized_backward_end_to_end():
 def test_gpu_warp_specialized_dq_matches_triton_kernel(n, heads, kv_heads, d, block_q, topk, with_dlse):
     """The Gluon dQ and Delta (``block_bwd_ws.ws_dq``; ragged tails, GQA, a gradient on the LSE) against the
     Triton kernel's."""
-    from flexsparse.triton import block_bwd, block_bwd_ws, block_fwd
-    from flexsparse.triton.csc import block_csc
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for sm_90")
-    (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk)
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    do = torch.randn_like(q)
-    indices, tk = selection.indices.contiguous(), selection.num_k_blocks
-    o, lse = block_fwd.block_forward(q, k, v, indices, block_q, 64, d**-0.5)
+    from flexsparse.triton import block_bwd, block_bwd_ws
+    q, k, v, do, indices, o, lse, offsets, rows = _ws_backward_case(n, heads, kv_heads, d, block_q, topk, False)
     dlse = torch.randn_like(lse) if with_dlse else None
-    offsets, rows = block_csc(indices, tk, False)
     tiles = block_bwd.backward_tiles(q.device, d, q.dtype)
     want, _, _ = block_bwd.block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, 64, d**-0.5,
                                           tiles=tiles)

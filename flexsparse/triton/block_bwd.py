@@ -31,7 +31,7 @@ from .tiles import overrides
 # Head dims where the warp-specialized Gluon kernels (sm_90) replace the Triton ones; H200, 5 % of 64x64 blocks,
 # ms Gluon / Triton (benchmarks/gluon_blocks.py --bwd): dK/dV (no GQA) at D=64 N=65536 3.54-3.66 / ~4.0 (at D=128
 # it spills: 5.7 / 3.65); dQ at D=128 N=32760 2.45 / ~2.9 (at D=64 2.74 / 2.25)
-WS_HEAD_DIMS = (64,)
+WS_DKV_HEAD_DIMS = (64,)
 WS_DQ_HEAD_DIMS = (128,)
 WS_DKV_MIN_STEPS = 16  # Gluon dK/dV only for CSC lists of this many 64-row tiles on average: at 8 (K=8 of 64x64
 # blocks) the backward took 1.38 ms against 1.34 with the Triton dK/dV, at 31 (sla2 97 %) and 51 it is faster
@@ -177,7 +177,7 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
     gluon = block_bwd_ws is not None and tiles is None and not overrides("block_bwd")
     gluon_dq = (gluon and d in WS_DQ_HEAD_DIMS and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)
                 and do.is_contiguous() and o.is_contiguous())
-    gluon_dkv = (gluon and d in WS_HEAD_DIMS and block_bwd_ws.supported(q, k, v, do, block_q, block_k)
+    gluon_dkv = (gluon and d in WS_DKV_HEAD_DIMS and block_bwd_ws.supported(q, k, v, do, block_q, block_k)
                  and block_q // 64 * tq * topk >= WS_DKV_MIN_STEPS * tk)
     tiles = tiles or backward_tiles(q.device, d, q.dtype)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),

@@ -1,5 +1,5 @@
 """Block-sparse attention backward for Hopper in Gluon: dK/dV (``ws_dkv``) and dQ (``ws_dq``), each a TMA
-producer warp and one wgmma consumer warpgroup (``block_bwd`` picks them per head dim: ``WS_HEAD_DIMS``,
+producer warp and one wgmma consumer warpgroup (``block_bwd`` picks them per head dim: ``WS_DKV_HEAD_DIMS``,
 ``WS_DQ_HEAD_DIMS``).
 
 dK/dV: ``block_bwd``'s ``_block_dkv_kernel`` for 64-token key blocks without GQA, head dims 64 and 128, bf16 /
@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_fwd_ws import LOG2E, _mask_tail
+from .block_fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail
+from .layout import cdiv
 
 
 @gluon.jit
@@ -41,18 +41,10 @@ def _dkv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bu
                   members, q_head_row, k_row, n_steps, BLOCK_Q: gl.constexpr, Q_SPLIT: gl.constexpr):
     """K and V once, then the Q and dO tiles of the list's steps into the ring of slots."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
-    STAGES: gl.constexpr = q_bufs.type.shape[0]
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row, 0], kv_bar, v_smem)
+    _load_two(k_desc, v_desc, k_smem, v_smem, kv_bar, k_row)
     for t in range(n_steps):
-        slot = t % STAGES
         row = q_head_row + gl.load(members + t // Q_SPLIT) * BLOCK_Q + (t % Q_SPLIT) * BM
-        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_bufs.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_bufs.index(slot))
+        _fill_slot(q_desc, do_desc, q_bufs, do_bufs, ready, empty, t, row)
 
 
 @gluon.jit
@@ -133,14 +125,7 @@ def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, offsets_
     v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    kv_bar, ready, empty = _barriers(STAGES)
 
     gl.warp_specialize([
         (_dkv_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -156,18 +141,9 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_buf
                  q_row, kv_row, n_steps):
     """Q and dO once, then the K and V tiles of the row's blocks into the ring of slots."""
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [q_row, 0], q_bar, do_smem)
+    _load_two(q_desc, do_desc, q_smem, do_smem, q_bar, q_row)
     for e in range(n_steps):
-        slot = e % STAGES
-        row = kv_row + gl.load(idx_ptr + e) * BN
-        mbarrier.wait(empty.index(slot), ((e // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_bufs.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_bufs.index(slot))
+        _fill_slot(k_desc, v_desc, k_bufs, v_bufs, ready, empty, e, kv_row + gl.load(idx_ptr + e) * BN)
 
 
 @gluon.jit
@@ -246,14 +222,7 @@ def _ws_dq_kernel(q_desc, do_desc, k_desc, v_desc, o_ptr, lse_ptr, dlse_ptr, del
     do_smem = gl.allocate_shared_memory(dtype, [BM, D], do_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    q_bar, ready, empty = _barriers(STAGES)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, dlse_ptr, delta_ptr,
@@ -294,7 +263,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
 
 def default_tiles(d: int) -> dict:
     """Slots of the Q/dO ring and the register cap per thread of the launch (128: two programs per SM, no spill
-    at D=64; D=128 spills at any cap and runs slower than the Triton kernel, ``block_bwd.WS_HEAD_DIMS``)."""
+    at D=64; D=128 spills at any cap and runs slower than the Triton kernel, ``block_bwd.WS_DKV_HEAD_DIMS``)."""
     return dict(stages=2, maxnreg=128) if d <= 64 else dict(stages=2, maxnreg=168)
 
 
@@ -305,7 +274,7 @@ def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: f
     ``(b * H + h) * Tk + key block`` ids (``block_bwd.longest_first``)."""
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
-    tk, tq = offsets.shape[2] - 1, q.shape[2] // block_q + (q.shape[2] % block_q > 0)
+    tk, tq = offsets.shape[2] - 1, cdiv(q.shape[2], block_q)
     tiles = default_tiles(d)
     stages, maxnreg = stages or tiles["stages"], maxnreg or tiles["maxnreg"]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16

@@ -30,20 +30,44 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
+def _barriers(STAGES: gl.constexpr):
+    """Initialised mbarriers: one for the tiles loaded once, and ``ready`` / ``empty`` per slot of a ring."""
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    return once, ready, empty
+
+
+@gluon.jit
+def _load_two(a_desc, b_desc, a_smem, b_smem, bar, row):
+    """TMA loads of the ``row ...`` tiles of two descriptors, completing ``bar``."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row, 0], bar, a_smem)
+    tma.async_copy_global_to_shared(b_desc, [row, 0], bar, b_smem)
+
+
+@gluon.jit
+def _fill_slot(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row):
+    """Step ``step`` of a ring: once its slot is free, the ``row ...`` tiles of both descriptors into it."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    slot = step % STAGES
+    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+    _load_two(a_desc, b_desc, a_bufs.index(slot), b_bufs.index(slot), ready.index(slot), row)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, q_row, kv_row,
               n_steps, BLOCK_K: gl.constexpr):
     """Q once, then the K and V tiles of the row's blocks into the ring of slots."""
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     for e in range(n_steps):
-        slot = e % STAGES
-        row = kv_row + gl.load(idx_ptr + e) * BLOCK_K
-        mbarrier.wait(empty.index(slot), ((e // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_bufs.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_bufs.index(slot))
+        _fill_slot(k_desc, v_desc, k_bufs, v_bufs, ready, empty, e, kv_row + gl.load(idx_ptr + e) * BLOCK_K)
 
 
 @gluon.jit
@@ -139,14 +163,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, idx_ptr, H, GROUP, NQ
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    q_bar, ready, empty = _barriers(STAGES)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, q_row, q_first, NQ, NK,
