@@ -106,11 +106,13 @@ def _linear_kernels(q, k, v, selection: BlockSelection, feature_map: str) -> dic
     o, rows_h, rows_z = linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5)
     do = torch.randn_like(o)
     gbytes = skipped.numel() * d * (d + 1) * torch.finfo(state_dtype(q.dtype)).bits / 8 / 1e9
-    out = {"strategy": "dense" if dense(skipped, selection.num_k_blocks, tiles) else "gather", "gather_GB": gbytes,
+    out = {"strategy": "dense" if dense(skipped, selection.num_k_blocks, tiles) else "gather",
+           "strategy_bwd": "dense" if dense(skipped, selection.num_k_blocks, tiles, backward=True) else "gather",
+           "gather_GB": gbytes,
            "states_ms": bench(lambda: key_states(k, v, bk, feature_map, tiles, q.dtype)),
            "csc_ms": bench(lambda: block_csc(skipped, selection.num_k_blocks, deterministic=True))}
     for name, ratio in (("gather", DENSE_NEVER), ("dense", 0.0)):
-        t = {**tiles, "dense_ratio": ratio}
+        t = {**tiles, "dense_ratio": ratio, "dense_ratio_bwd": ratio}
         out[f"{name}_forward_ms"] = bench(lambda: linear_forward(q, k, v, skipped, bq, bk, feature_map, 1e-5, t))
         out[f"{name}_backward_ms"] = bench(
             lambda: linear_backward(do, q, k, v, skipped, rows_h, rows_z, bq, bk, feature_map, 1e-5, t))

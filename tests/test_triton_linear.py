@@ -138,13 +138,15 @@ OP_CASES = [
 ]
 
 
-STRATEGIES = {"gather": {"dense_ratio": 2.0}, "dense": {"dense_ratio": 0.0}}   # linear_fwd.dense
+STRATEGIES = {"gather": {"dense_ratio": 2.0, "dense_ratio_bwd": 2.0},   # linear_fwd.dense, forward / backward
+              "dense": {"dense_ratio": 0.0, "dense_ratio_bwd": 0.0},
+              "gather_then_dense": {"dense_ratio": 2.0, "dense_ratio_bwd": 0.0}}
 
 
 @pytest.fixture(params=list(STRATEGIES))
 def strategy(request, monkeypatch):
-    """Each test runs with the gather and with the dense block-sum strategy forced (``FLEXSPARSE_TRITON_TILES``,
-    read at every call)."""
+    """Each test runs with the gather and with the dense block-sum strategy forced, and with a gather forward
+    before a dense backward (``FLEXSPARSE_TRITON_TILES``, read at every call)."""
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[request.param]}))
     return request.param
 
@@ -215,9 +217,12 @@ def test_strategy_rule():
     from flexsparse.triton.linear_fwd import dense, linear_tiles
     skipped = torch.zeros(1, 1, 4, 3, dtype=torch.int32)
     cuda = torch.device("cuda")
-    assert dense(skipped, 100, linear_tiles(cuda, 64, torch.bfloat16))            # 3% of 100 key blocks
-    assert not dense(skipped, 101, linear_tiles(cuda, 64, torch.bfloat16))
+    bf16_64, bf16_128 = linear_tiles(cuda, 64, torch.bfloat16), linear_tiles(cuda, 128, torch.bfloat16)
+    assert dense(skipped, 150, bf16_64) and not dense(skipped, 151, bf16_64)      # 2% forward at D <= 64
+    assert dense(skipped, 600, bf16_64, backward=True) and not dense(skipped, 601, bf16_64, backward=True)
+    assert dense(skipped, 600, bf16_128) and not dense(skipped, 601, bf16_128)    # 0.5% at D = 128
     assert not dense(skipped, 10, linear_tiles(cuda, 64, torch.float32))           # fp32: always gather
+    assert not dense(skipped, 10, linear_tiles(cuda, 64, torch.float32), backward=True)
     assert not dense(skipped[..., :0], 10, {"dense_ratio": 0.0})                   # nothing skipped
     assert not dense(skipped, 10, linear_tiles(torch.device("cpu"), 64, torch.float32))
 

@@ -25,6 +25,7 @@ from .csc import block_csc
 from .layout import cdiv, pow2
 from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split,
                          state_dtype)
+from .registry import launching_directly
 
 
 @triton.jit
@@ -107,6 +108,14 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, T
         tl.store(DK + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DK.dtype.element_ty), mask=mask)
 
 
+def register_cap(tiles: dict, kernel: str) -> dict:
+    """``{"maxnreg": cap}`` for ``kernel`` (``"dq"``, ``"dkv"``) when ``tiles`` caps its registers and the kernel
+    launches directly (eager; ``torch.compile``'s ``wrap_triton`` takes no ``maxnreg``, so traced launches run
+    uncapped: same results, measured 0.06-0.14 ms slower, docs/triton_sla_pieces.md); else ``{}``."""
+    cap = tiles.get(f"{kernel}_maxnreg")
+    return {"maxnreg": cap} if cap and launching_directly() else {}
+
+
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
                     rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
                     eps: float, tiles: dict | None = None):
@@ -125,8 +134,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
         q, do, rows_h, rows_z, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
-        SPLIT=n_split, FMAP=fmap, BF16=bf16, num_warps=tiles["warps"])
-    group, gather = heads // kv_heads, not dense(skipped, tk, tiles)
+        SPLIT=n_split, FMAP=fmap, BF16=bf16, num_warps=tiles["warps"], **register_cap(tiles, "dq"))
+    group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
     if not gather:
         from .linear_dense import keep_map, key_sums
         d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads)
@@ -140,5 +149,5 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launcher(_key_grad_kernel)[(tk, bsz * kv_heads)](
         k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, dk, dv, nk, tq, tk, lists.shape[-1], kv_heads, group, D=d,
         BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, GATHER=gather,
-        STAGES=tiles["stages"], num_warps=tiles["warps"])
+        STAGES=tiles["stages"], num_warps=tiles["warps"], **register_cap(tiles, "dkv"))
     return dq, dk, dv

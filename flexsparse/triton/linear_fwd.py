@@ -179,25 +179,33 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
-    loops, and ``dense_ratio`` (the strategy: ``dense``), with ``tiles.overrides("linear")``. Chosen so that
-    nothing spills on sm_90 (triton 3.6, ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32
-    products on FMA units) take narrower tiles; bf16 keeps 64-row query tiles at D = 128 (its dQ products then
-    run on wgmma: forward 2.06 -> 1.92 ms, backward 3.62 -> 3.35 at the public SLA shape, H200)."""
+    loops, the strategy of the sums over key blocks (``dense``: ``dense_ratio`` forward, ``dense_ratio_bwd``
+    backward) and register caps ``dq_maxnreg`` / ``dkv_maxnreg`` of the backward kernels (``linear_bwd``), with
+    ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 without a cap (triton 3.6,
+    ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32 products on FMA units) take narrower tiles;
+    bf16 keeps 64-row query tiles at D = 128 (its dQ products then run on wgmma: forward 2.06 -> 1.92 ms,
+    backward 3.62 -> 3.35 at the public SLA shape, H200). The bf16 ratios and caps were measured on an H200
+    (session 16, docs/triton_sla_pieces.md)."""
     if device.type == "cpu":
-        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER)
+        base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER, dense_ratio_bwd=DENSE_NEVER)
     elif dtype != torch.bfloat16:
         rows = 32 if d <= 64 else 16
-        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER)
+        base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER, dense_ratio_bwd=DENSE_NEVER)
+    elif d <= 64:
+        base = dict(TQ=64, TK=64, warps=4, stages=3, dense_ratio=0.02, dense_ratio_bwd=0.005, dq_maxnreg=168)
     else:
-        base = dict(TQ=64, TK=64, warps=4 if d <= 64 else 8, stages=3, dense_ratio=0.03)
+        base = dict(TQ=64, TK=64, warps=8, stages=3, dense_ratio=0.005, dense_ratio_bwd=0.005, dkv_maxnreg=128)
     return {**base, **overrides("linear")}
 
 
-def dense(skipped: torch.Tensor, tk: int, tiles: dict) -> bool:
+def dense(skipped: torch.Tensor, tk: int, tiles: dict, backward: bool = False) -> bool:
     """Whether the sums over key blocks run as block matmuls (``linear_dense``) rather than gathers: when the
-    skipped blocks per row reach ``tiles["dense_ratio"]`` of all key blocks (bf16 on GPUs: 3%, where the
-    tensor-core matmul beats the gathered bytes; never by default for fp32 / fp16 and on CPU)."""
-    return skipped.shape[-1] > 0 and skipped.shape[-1] >= tiles["dense_ratio"] * tk
+    skipped blocks per row reach ``tiles["dense_ratio"]`` (``"dense_ratio_bwd"`` for the ``backward``) of all key
+    blocks. bf16 on GPUs: forward 2% at D <= 64 (below it the gathered bytes cost less than the matmul),
+    0.5% above; backward 0.5% (the gather's deterministic CSC alone costs ~0.3 ms); never by default for fp32 /
+    fp16 and on CPU. The two directions may differ: both produce and read the same query-block states."""
+    ratio = tiles["dense_ratio_bwd" if backward else "dense_ratio"]
+    return skipped.shape[-1] > 0 and skipped.shape[-1] >= ratio * tk
 
 
 def split(block: int, cap: int) -> tuple[int, int]:

@@ -3,7 +3,7 @@
 Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
 ``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``),
 ``linear`` (SLA's masked linear branch, forward and backward: ``linear_fwd.linear_tiles``, keys ``TQ``, ``TK``,
-``warps``, ``stages``, ``dense_ratio``),
+``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg``),
 ``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
 ``SELECT_WARPS`` per row),
 ``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys).
