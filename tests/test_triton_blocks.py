@@ -322,7 +322,7 @@ def test_gpu_methods_match_torch_backend(cfg):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [ts.GPU_METHODS[0], ts.GPU_METHODS[2]], ids=["topk", "sla"])
+@pytest.mark.parametrize("cfg", [ts.GPU_METHODS[0], ts.GPU_METHODS[2], ts.GPU_METHODS[3]], ids=["topk", "sla", "sla2"])
 def test_gpu_compiled_training_no_recompiles(cfg):
     """fullgraph compile of forward + backward, 3 steps with new inputs (new selections): one graph, no
     breaks, no recompiles; matches eager."""

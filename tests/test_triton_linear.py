@@ -27,7 +27,7 @@ import triton_support as ts
 
 pytest.importorskip("triton")
 
-from flexsparse.backends import torch_linear, triton_linear  # noqa: E402
+from flexsparse.backends import torch_linear, triton_linear, triton_sparse  # noqa: E402
 from flexsparse.backends.torch_linear import skipped_blocks  # noqa: E402
 from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sla_block_counts, num_blocks  # noqa: E402
 from flexsparse.reference import block_mask_dense  # noqa: E402
@@ -345,6 +345,67 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
     with pytest.raises(ValueError, match="either weight"):
         sla_ops.masked_linear_mix(q, k, v, skipped, o_s, params["weight"], None, torch.ones(1, 4), 16, 16, "elu",
                                   1e-5, False)
+
+
+def _both_run(fn, q, k, v, selection, params, fmap):
+    """Output, LSE and the gradients of q, k, v and the mixing parameters of a fixed random loss on both."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    extra = {name: t.detach().clone().requires_grad_() for name, t in params.items()}
+    out, lse = fn(*leaves, selection, fmap, **extra)
+    gen = torch.Generator().manual_seed(0)
+    weight, lse_weight = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    ((out.float() * weight).sum() + (lse * lse_weight).sum()).backward()
+    return {"out": out, "lse": lse, **{n: x.grad for n, x in zip("qkv", leaves)},
+            **{n: t.grad for n, t in extra.items()}}
+
+
+def _one_op(q, k, v, selection, fmap, **params):
+    return triton_linear.sparse_linear_output(q, k, v, selection, 0.3, deterministic=True, feature_map=fmap,
+                                              eps=1e-5, **params)
+
+
+def _two_ops(q, k, v, selection, fmap, **params):
+    """The sparse branch (op ``block_attn``) and ``mixed_output`` as separate ops, autograd summing dq, dk, dv."""
+    o_s, lse = triton_sparse.block_sparse_attention(q, k, v, selection, 0.3, deterministic=True)
+    return _fused(q, k, v, selection, o_s, fmap, **params), lse
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", MIXES)
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,bq,bk,ratio,negligible,fmap", CASES[:3])
+def test_sparse_linear_output_matches_two_ops(kind, b, h, hk, nq, nk, d, bq, bk, ratio, negligible, fmap):
+    """Both branches and the combine in one op (``flexsparse::sparse_linear_mix``, whose linear kernels add their
+    dq, dk, dv to the sparse branch's) equal the two ops (fp32, interpreter): output, LSE and the gradients of q,
+    k, v (GQA: summed over the group in both) and weight / bias / alpha, with a gradient on the LSE as well."""
+    q, k, v = _inputs(b, h, hk, nq, nk, d)
+    selection = _selection(q, k, bq, bk, ratio, negligible)
+    params = _mix_params(kind, h, selection.num_q_blocks, d)
+    got = _both_run(_one_op, q, k, v, selection, params, fmap)
+    want = _both_run(_two_ops, q, k, v, selection, params, fmap)
+    assert set(got) == set(want)
+    for name in want:
+        assert want[name].abs().max() > 0, name
+        assert ts.rel_err(got[name], want[name]) < 1e-5, name
+
+
+@cpu_only
+def test_sparse_linear_mix_opcheck_and_inference():
+    """opcheck of ``sparse_linear_mix``; without gradients O_l is not stored and the output is the same; every block
+    skipped gives None (the methods run the sparse branch alone then)."""
+    q, k, v = _inputs(1, 4, 2, 50, 50, 16)
+    selection = _selection(q, k, 16, 16, 0.25, 0.0)
+    params = _mix_params("alpha_per_head", 4, selection.num_q_blocks, 16)
+    with torch.no_grad():
+        out, lse = _one_op(q, k, v, selection, "relu", **params)
+    trained = _one_op(q, k, v, selection, "relu", **{n: t.clone().requires_grad_() for n, t in params.items()})
+    assert trained[0].requires_grad and torch.equal(out, trained[0].detach()) and torch.equal(lse, trained[1])
+    everything = BlockSelection(torch.zeros(1, 4, 4, 1, dtype=torch.int32), 16, 16, 50, 50,
+                                excluded=torch.arange(1, 4, dtype=torch.int32).expand(1, 4, 4, 3).contiguous())
+    assert _one_op(q, k, v, everything, "relu", **params) is None
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices.contiguous(),
+            skipped_blocks(selection), None, None, params["alpha"].requires_grad_(), 16, 16, 0.25, False, "relu",
+            1e-5, True)
+    torch.library.opcheck(sla_ops.sparse_linear_mix.op, args, test_utils=("test_schema", "test_autograd_registration"))
 
 
 def _assert_rounded_once(d_ol, dout, alpha, block_q):

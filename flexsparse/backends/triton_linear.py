@@ -3,7 +3,8 @@
 Same contract as ``torch_linear.masked_linear_attention``; no token gather: per key block ``[h_j | z_j]``, per
 query block the global sums minus its skipped blocks (O(N (K + Kx) D^2) gathers) or, with many skipped blocks,
 the kept blocks' sums as tensor-core block matmuls (``flexsparse.triton.linear_dense``). ``mixed_output``: the
-branch with SLA's or SLA2's combine done in its output kernel.
+branch with SLA's or SLA2's combine done in its output kernel; ``sparse_linear_output``: both branches and the
+combine in one op, whose backward adds the linear branch's gradients to the sparse branch's inside its kernels.
 """
 from __future__ import annotations
 
@@ -45,3 +46,23 @@ def mixed_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: B
     out, _, _, _ = sla_ops.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
                                           selection.block_k, feature_map, eps, store)
     return out
+
+
+def sparse_linear_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float, *,
+                         deterministic: bool, feature_map: str, eps: float, weight: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None, alpha: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse)``: the sparse branch over ``selection.indices`` (``triton_sparse.block_sparse_attention``) mixed
+    with the masked linear branch as in ``mixed_output``, in one op (``flexsparse::sparse_linear_mix``; same
+    values, gradients with one rounding of the summed dq, dk, dv). ``None`` where ``mixed_output`` is: the caller
+    runs the branches separately then."""
+    from .triton_sparse import _checked_indices
+    skipped = skipped_blocks(selection)
+    if not sla_ops.linear_kernels(q) or skipped.shape[-1] == selection.num_k_blocks:
+        return None
+    indices = _checked_indices(q, k, selection)
+    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, weight, bias, alpha))
+    out, lse, _, _, _, _ = sla_ops.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype), indices, skipped, weight, bias,
+                                                     alpha, selection.block_q, selection.block_k, scale,
+                                                     deterministic, feature_map, eps, store)
+    return out, lse

@@ -9,7 +9,8 @@ SLA-1) or over every key with ``linear="full"`` (the official main branch).
 combine: ``O = O_s + O_l W^T + b`` in the input dtype (W and b, fp32 parameters, cast to it; bf16 / fp16
 matmuls accumulate in fp32, as autocast's ``Linear`` does), W and b zero-initialised, so a fresh module
 returns the sparse branch. On ``triton`` with ``linear="masked"`` the combine runs in the linear branch's
-output kernel (``backends.triton_linear.mixed_output``). The returned LSE is the sparse branch's.
+output kernel (``backends.triton_linear.mixed_output``), without ``quant`` both branches in one op
+(``sparse_linear_output``). The returned LSE is the sparse branch's.
 """
 from __future__ import annotations
 
@@ -47,9 +48,17 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
     if backend == "reference":
         return sla_dense(q, k, v, selection, scale, linear=cfg.linear, feature_map=cfg.feature_map, eps=cfg.eps,
                          proj_weight=p["proj_weight"], proj_bias=p["proj_bias"], quant=cfg.quant)
+    fused = backend == "triton" and cfg.linear == "masked"  # the combine inside the linear branch's output kernel
+    if fused and cfg.quant is None:                            # and both branches in one op
+        from ..backends.triton_linear import sparse_linear_output
+        both = sparse_linear_output(q, k, v, selection, scale, deterministic=cfg.deterministic,
+                                    feature_map=cfg.feature_map, eps=cfg.eps, weight=p["proj_weight"],
+                                    bias=p["proj_bias"])
+        if both is not None:
+            return both
     o_s, lse = block_attention(q, k, v, selection, scale, backend=backend, deterministic=cfg.deterministic,
                                quant=cfg.quant)
-    if backend == "triton" and cfg.linear == "masked":   # the combine inside the linear branch's output kernel
+    if fused:
         from ..backends.triton_linear import mixed_output
         out = mixed_output(q, k, v, selection, o_s, feature_map=cfg.feature_map, eps=cfg.eps,
                            weight=p["proj_weight"], bias=p["proj_bias"])

@@ -12,8 +12,8 @@ attend: softmax attention over the selected blocks and linear attention over the
 router only) fake-quantizes the sparse branch's forward in FP8.
 combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dtype), ``alpha =
 sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); on ``triton`` (hard router)
-in the linear branch's output kernel (``backends.triton_linear.mixed_output``). The returned LSE is the sparse
-branch's.
+in the linear branch's output kernel (``backends.triton_linear.mixed_output``; without ``quant`` both branches in
+one op, ``sparse_linear_output``). The returned LSE is the sparse branch's.
 """
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def forward(q, k, v, cfg, *, backend: str, scale: float, params=None, need_lse: 
         o_l = torch_linear.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                      mask.block_k, feature_map=cfg.feature_map, eps=cfg.eps)
     else:
+        if backend == "triton" and cfg.quant is None:  # both branches and the lerp in one op
+            from ..backends.triton_linear import sparse_linear_output
+            both = sparse_linear_output(q, k, v, mask, scale, deterministic=cfg.deterministic,
+                                        feature_map=cfg.feature_map, eps=cfg.eps, alpha=alpha)
+            if both is not None:
+                return both
         o_s, lse = block_attention(q, k, v, mask, scale, backend=backend,
                                    deterministic=cfg.deterministic, quant=cfg.quant)
         if backend == "triton":                    # the lerp inside the linear branch's output kernel

@@ -29,9 +29,9 @@ from .registry import launching_directly
 
 
 @triton.jit
-def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
+def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                       FMAP: tl.constexpr, BF16: tl.constexpr):
+                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     dim = tl.arange(0, BD)
@@ -58,7 +58,10 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ, DHQ, DZQ, EPS: tl.constexpr, N
         dy_num = g / den[:, None]
         dy_den = -tl.sum(g * out, axis=1) / den
         dphi = dot(dy_num, tl.trans(state_h), BF16) + dy_den[:, None] * state_z[None, :]
-        tl.store(DQ + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DQ.dtype.element_ty), mask=mask)
+        dq = feature_grad(x, phi, dphi, 1, FMAP)
+        if ADD:
+            dq += tl.load(DQ_ADD + ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DQ + ptr, dq.to(DQ.dtype.element_ty), mask=mask)
         d_h += dot(phi_t, dy_num, BF16)
         d_z += tl.sum(phi_t * dy_den[None, :], axis=1)
     out_row = bh * TQ + i
@@ -67,9 +70,10 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ, DHQ, DZQ, EPS: tl.constexpr, N
 
 
 @triton.jit
-def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, TK, L, HK, GROUP, D: tl.constexpr,
-                     BD: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr):
+def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK_ADD, DV_ADD, DK, DV, NK, TQ, TK, L, HK, GROUP,
+                     D: tl.constexpr, BD: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                     FMAP: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, STAGES: tl.constexpr,
+                     ADD: tl.constexpr):
     j = tl.program_id(0)
     bkv = tl.program_id(1)
     dim = tl.arange(0, BD)
@@ -104,8 +108,13 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK, DV, NK, TQ, T
         phi = feature(x, mask, 1, FMAP)                                             # (TILE, BD)
         v = tl.load(V + ptr, mask=mask, other=0.0)
         dphi = dot(v, tl.trans(d_h), BF16) + d_z[None, :]
-        tl.store(DV + ptr, dot(phi, d_h, BF16).to(DV.dtype.element_ty), mask=mask)
-        tl.store(DK + ptr, feature_grad(x, phi, dphi, 1, FMAP).to(DK.dtype.element_ty), mask=mask)
+        dv = dot(phi, d_h, BF16)
+        dk = feature_grad(x, phi, dphi, 1, FMAP)
+        if ADD:
+            dv += tl.load(DV_ADD + ptr, mask=mask, other=0.0).to(tl.float32)
+            dk += tl.load(DK_ADD + ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DV + ptr, dv.to(DV.dtype.element_ty), mask=mask)
+        tl.store(DK + ptr, dk.to(DK.dtype.element_ty), mask=mask)
 
 
 def register_cap(tiles: dict, kernel: str) -> dict:
@@ -118,10 +127,11 @@ def register_cap(tiles: dict, kernel: str) -> dict:
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
                     rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
-                    eps: float, tiles: dict | None = None):
+                    eps: float, tiles: dict | None = None, add: tuple | None = None):
     """``(dq, dk, dv)`` of ``linear_fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
     ``rows_h (B, H, Tq, D, D)``, ``rows_z (B, H, Tq, D)``. Shapes and dtypes as ``linear_forward``; all
-    contiguous."""
+    contiguous. ``add``: ``(dq, dk, dv)`` of another branch (shapes and dtypes of q, k, v, contiguous), added in
+    fp32 before the one rounding of the stores (one pass over each instead of a separate sum)."""
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, tk = skipped.shape[2], cdiv(nk, block_k)
@@ -133,8 +143,9 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
-        q, do, rows_h, rows_z, dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
-        SPLIT=n_split, FMAP=fmap, BF16=bf16, num_warps=tiles["warps"], **register_cap(tiles, "dq"))
+        q, do, rows_h, rows_z, dq if add is None else add[0], dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd,
+        BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
+        num_warps=tiles["warps"], **register_cap(tiles, "dq"))
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
     if not gather:
         from .linear_dense import keep_map, key_sums
@@ -147,7 +158,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tile, n_split = split(block_k, tiles["TK"])
     launcher(_key_grad_kernel)[(tk, bsz * kv_heads)](
-        k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, dk, dv, nk, tq, tk, lists.shape[-1], kv_heads, group, D=d,
-        BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, GATHER=gather,
-        STAGES=tiles["stages"], num_warps=tiles["warps"], **register_cap(tiles, "dkv"))
+        k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, *((dk, dv) if add is None else add[1:]), dk, dv, nk, tq, tk,
+        lists.shape[-1], kv_heads, group, D=d, BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap,
+        BF16=bf16, GATHER=gather, STAGES=tiles["stages"], ADD=add is not None, num_warps=tiles["warps"],
+        **register_cap(tiles, "dkv"))
     return dq, dk, dv

@@ -130,18 +130,27 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
 
 @triton_op("flexsparse::masked_linear_bwd")
 def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
-                      block_q: int, block_k: int, feature_map: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                      block_q: int, block_k: int, feature_map: str, eps: float, dq_add: Optional[Tensor] = None,
+                      dk_add: Optional[Tensor] = None, dv_add: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
-    ``rows_z`` (``H_i``, ``Z_i``).
+    ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
+    all three or none; the kernels add them before their one rounding).
 
     With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
     ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
     ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
+    adds = None if dq_add is None else (dq_add, dk_add, dv_add)
     if linear_kernels(q):
         from .linear_bwd import linear_backward
         return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
-                               eps)
+                               eps, add=None if adds is None else contiguous(*adds))
+    grads = _masked_linear_bwd_torch(do, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps)
+    return grads if adds is None else tuple(g + a for g, a in zip(grads, adds))
+
+
+def _masked_linear_bwd_torch(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor,
+                             rows_z: Tensor, block_q: int, block_k: int, feature_map: str, eps: float):
     nq, d = q.shape[2], q.shape[3]
     tq, tk = skipped.shape[2], -(-k.shape[2] // block_k)
     phi_q, phi_k, v_aug = _features(q, k, v, tq, block_q, tk, block_k, feature_map)
@@ -242,22 +251,71 @@ def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
     return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
 
 
-def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
-    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
-    block_q = ctx.args[0]
+def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
+                   alpha: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
+    """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha)`` (None where absent)."""
     if o_l.numel() == 0:
-        raise RuntimeError("masked_linear_mix was called with store_linear=False; pass True when gradients are needed")
+        raise RuntimeError("the linear branch was mixed with store_linear=False; pass True when gradients are needed")
     d_weight = d_bias = d_alpha = None
     if weight is not None:                          # out = o_s + O_l W^T + b
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
         flat = dout.flatten(0, 2)
         d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
-        d_bias = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
+        d_bias = None if bias_dtype is None else flat.sum(0).to(bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
         d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
         d_alpha = d_alpha.to(alpha.dtype)
+    return d_os, d_ol, d_weight, d_bias, d_alpha
+
+
+def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
+    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
+    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, ctx.args[0], ctx.bias_dtype)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args)
     return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
 
 
 masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
+
+
+@triton_op("flexsparse::sparse_linear_mix")
+def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped: Tensor, weight: Optional[Tensor],
+                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, scale: float,
+                      deterministic: bool, feature_map: str, eps: float,
+                      store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_ops.block_attn``: ``o_s``, LSE over
+    the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
+    branch's gradients first and the linear kernels add theirs to them (one pass fewer over dq, dk and dv than
+    two ops whose gradients autograd sums). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two
+    ops (kernels only: ``linear_kernels(q)``)."""
+    from .block_ops import block_attn
+    o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
+    out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
+                                                      feature_map, eps, store_linear)
+    return out, lse, o_s, o_l, rows_h, rows_z
+
+
+def _sparse_mix_setup(ctx, inputs, output):
+    q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, deterministic, feature_map, eps, _ = inputs
+    _, lse, o_s, o_l, rows_h, rows_z = output
+    ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha)
+    ctx.mark_non_differentiable(o_s, o_l, rows_h, rows_z)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the internal outputs
+    ctx.args = (block_q, block_k, scale, deterministic, feature_map, eps)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
+    from .block_ops import block_attn_bwd
+    q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha = ctx.saved_tensors
+    block_q, block_k, scale, deterministic, feature_map, eps = ctx.args
+    if dout is None:                                # only the LSE reaches the loss
+        dout = torch.zeros_like(o_s)
+    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, block_q, ctx.bias_dtype)
+    dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
+                                   dv)
+    return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 7
+
+
+sparse_linear_mix.register_autograd(_sparse_mix_backward, setup_context=_sparse_mix_setup)
