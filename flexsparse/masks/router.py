@@ -50,8 +50,12 @@ def key_mean(k: torch.Tensor, block: int = 64, sums: torch.Tensor | None = None)
 
 def _center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """``x - mean`` in mean's dtype, rounded once to x's, one pass: the Triton op on CUDA in eager mode; compiled,
-    the PyTorch expression, which inductor fuses into one pass itself."""
-    if HAS_TRITON and x.is_cuda and not torch.compiler.is_compiling():
+    the PyTorch expression, which inductor fuses into one pass itself. (Not ``torch.sub(..., out=empty)`` when
+    compiled: in a traced backward on CUDA, torch 2.11, that returned zeros, so SLA2's compiled key gradient was
+    0 with ``smooth_k="all"``; ``tests/test_triton_blocks.py::test_gpu_compiled_training_no_recompiles``.)"""
+    if torch.compiler.is_compiling():
+        return (x - mean).to(x.dtype)
+    if HAS_TRITON and x.is_cuda:
         from ..triton.sla_ops import center_tokens
         return center_tokens(x, mean)
     return torch.sub(x, mean, out=torch.empty_like(x))
