@@ -13,6 +13,7 @@ import torch
 from ..masks import BlockSelection
 from ..triton import sla_ops
 from .torch_linear import skipped_blocks
+from .triton_sparse import checked_indices
 
 
 def masked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
@@ -56,11 +57,10 @@ def sparse_linear_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sele
     with the masked linear branch as in ``mixed_output``, in one op (``flexsparse::sparse_linear_mix``; same
     values, gradients with one rounding of the summed dq, dk, dv). ``None`` where ``mixed_output`` is: the caller
     runs the branches separately then."""
-    from .triton_sparse import _checked_indices
     skipped = skipped_blocks(selection)
     if not sla_ops.linear_kernels(q) or skipped.shape[-1] == selection.num_k_blocks:
         return None
-    indices = _checked_indices(q, k, selection)
+    indices = checked_indices(q, k, selection)
     store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, weight, bias, alpha))
     out, lse, _, _, _, _ = sla_ops.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype), indices, skipped, weight, bias,
                                                      alpha, selection.block_q, selection.block_k, scale,

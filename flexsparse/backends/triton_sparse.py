@@ -53,7 +53,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     int32, ascending, distinct. Returns ``o (B, H, Nq, D)`` in q's dtype and ``lse (B, H, Nq)`` fp32
     (fp64 for fp64 inputs). ``deterministic``: bitwise-reproducible dK/dV.
     """
-    indices = _checked_indices(q, k, selection)
+    indices = checked_indices(q, k, selection)
     return block_ops.block_attn(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k, scale,
                                 deterministic)
 
@@ -63,12 +63,12 @@ def fp8_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """The FP8 forward of ``block_sparse_attention`` (``flexsparse::block_attn_fp8``: K smoothed, e4m3 Q and K
     per block, V per channel, P static; docs/methods.md "FP8 QAT"). Same arguments; returns ``o`` in q's dtype
     and the LSE of the unsmoothed logits, without gradients (``flexsparse.quant.qat_attention`` adds them)."""
-    indices = _checked_indices(q, k, selection)
+    indices = checked_indices(q, k, selection)
     return block_ops.block_attn_fp8(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k,
                                     scale)
 
 
-def _checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
+def checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
     """The selection's index table as contiguous int32, after checking that it fits q and k."""
     bsz, heads, nq = q.shape[:3]
     expected = (bsz, heads, selection.num_q_blocks)

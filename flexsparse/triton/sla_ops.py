@@ -131,7 +131,8 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
 @triton_op("flexsparse::masked_linear_bwd")
 def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
                       block_q: int, block_k: int, feature_map: str, eps: float, dq_add: Optional[Tensor] = None,
-                      dk_add: Optional[Tensor] = None, dv_add: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                      dk_add: Optional[Tensor] = None,
+                      dv_add: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
     ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
     all three or none; the kernels add them before their one rounding).
