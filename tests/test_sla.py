@@ -136,6 +136,19 @@ def test_block_counts(ratios, tk, want):
     assert sla_block_counts(ratios[0], ratios[1], ratios[2]) == want
 
 
+def test_block_counts_trace_with_dynamic_sequence_lengths():
+    """``torch.compile(fullgraph=True, dynamic=True)`` over two sequence lengths: the block counts are symbolic
+    sizes there, so their ratio arithmetic must trace (``round`` of a symbolic float broke the graph); the
+    compiled outputs equal eager ones."""
+    module = flexsparse.SparseAttention({"method": "sla", "block_size": 16, "topk_ratio": 0.1, "negligible_ratio": 0.1},
+                                        head_dim=16, num_heads=2, backend="torch")
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for n in (256, 336):
+        q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
+
+
 def test_block_counts_that_do_not_fit_raise():
     with pytest.raises(ValueError, match="negligible_ratio"):
         sla_block_counts(0.5, 0.6, 10)

@@ -12,10 +12,14 @@ from .pooling import block_means, block_sums, mean_pool
 from .topk import HAS_TRITON, grouped_scores
 
 
+RATIO_DIGITS = 10**9   # ratios count to 9 decimals
+
+
 def ratio_count(ratio: float, available: int, *, minimum: int = 0) -> int:
-    """``max(minimum, floor(ratio * available))``; the product is rounded to 9 decimals first so
-    that e.g. ``0.29 * 100`` counts 29 blocks, not 28."""
-    return max(minimum, math.floor(round(ratio * available, 9)))
+    """``max(minimum, floor(ratio * available))`` with ``ratio`` taken to 9 decimals, in integer arithmetic: exact
+    (``0.29 * 100`` counts 29 blocks, not the float product's 28) and traceable when ``available`` is a symbolic
+    size (``torch.compile`` with dynamic shapes; ``round`` of a symbolic float broke the graph)."""
+    return max(minimum, (round(ratio * RATIO_DIGITS) * available) // RATIO_DIGITS)
 
 
 def sla_block_counts(topk_ratio: float, negligible_ratio: float, num_k_blocks: int) -> tuple[int, int]:
