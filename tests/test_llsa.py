@@ -138,3 +138,15 @@ def test_module_and_functional_agree():
     attn = fs.SparseAttention(cfg, head_dim=8, num_heads=2, backend="torch")
     assert len(list(attn.parameters())) == 0
     assert torch.equal(attn(q, k, v), fs.attention(q, k, v, cfg, backend="torch"))
+
+
+def test_compiles_with_dynamic_sequence_lengths():
+    """``torch.compile(fullgraph=True, dynamic=True)`` over lengths with the same levels and a ragged one: the
+    pyramid and selection arithmetic traces with symbolic sizes, and the outputs equal eager ones."""
+    module = fs.SparseAttention({"method": "llsa", "block_size": 16, "topk": 2, "levels": 2}, head_dim=16,
+                                num_heads=2, backend="torch")
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for n in (288, 400, 333):
+        q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
