@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail
+from .block_fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout
 from .layout import cdiv
 
 
@@ -56,10 +56,8 @@ def _dkv_consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, lse_ptr
     BM: gl.constexpr = q_bufs.type.shape[1]
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BM, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = mma_layout(num_warps, BM)
+    g_layout: gl.constexpr = mma_layout(num_warps, D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -155,10 +153,8 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, ls
     BN: gl.constexpr = k_bufs.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BN, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = mma_layout(num_warps, BN)
+    g_layout: gl.constexpr = mma_layout(num_warps, D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_g: gl.constexpr = gl.SliceLayout(1, g_layout)

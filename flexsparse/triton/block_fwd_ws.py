@@ -29,6 +29,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E = 1.4426950408889634
 
 
+@gluon.constexpr_function
+def mma_layout(num_warps, cols):
+    """The wgmma accumulator layout of a tile of ``cols`` columns on ``num_warps`` warps (16 rows per warp)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _barriers(STAGES: gl.constexpr):
     """Initialised mbarriers: one for the tiles loaded once, and ``ready`` / ``empty`` per slot of a ring."""
@@ -100,10 +106,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_p
     D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
+    o_layout: gl.constexpr = mma_layout(num_warps, D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
