@@ -18,10 +18,10 @@ from tabulate import tabulate
 import flexsparse
 from gpu_llsa import attention_fns, bench, make_inputs
 
-FWD_SWEEP = [{"stages": 3}, {"BM": 64, "warps": 4, "stages": 3}, {"BN": 128}, {"fine_stages": 4}, {"SUB": 4},
-             {"SUB": 16}, {"fine_warps": 8}]
+FWD_SWEEP = [{"stages": 3}, {"BM": 64, "warps": 4, "stages": 3}, {"BN": 128}, {"W": 2}, {"WN": 16}, {"WN": 64},
+             {"w_stages": 3}]
 BWD_SWEEP = [{"stages": 3}, {"QR": 64}, {"dkv_warps": 8}, {"top_stages": 3}, {"programs": 2 * 132},
-             {"TK": 32}, {"fine_stages": 2}]
+             {"TK": 32}, {"W": 4}, {"WN": 32}]
 
 
 def main() -> None:

@@ -67,15 +67,16 @@ def main():
     dev = torch.device("cuda")
     d, dt, block = args.d, args.dtype, 16
     common = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=False)
-    ft = llsa_fwd.forward_tiles(dev, d, block)
+    ft = llsa_fwd.forward_tiles(dev, d)
     bt = llsa_bwd.backward_tiles(dev, d, block)
     q = f"*{dt}"
     jobs = [
         ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
          dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False),
          max(1, 16 * pow2(d) // 1024), 1),
-        ("select(children)", select._select_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
-         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, DENSE=False), 4 if d <= 64 else 8, 1),
+        ("select(children)", select._select_children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
+         dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, W=select.CHILD_PARENTS, DC=16, SCAN=True),
+         select.CHILD_PARENTS, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
         ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
          dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, LSE="*fp32"),
@@ -83,8 +84,8 @@ def main():
               STAGES=ft["stages"], **common), ft["warps"], ft["stages"]),
         ("fine fwd", llsa_fwd._fine_fwd_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", O=q, LSE="*fp32"),
-         dict(BLOCK=block, FQ=ft["FQ"], FN=128, SUB=ft["SUB"], EVEN=True, KEYS=128, **common), ft["fine_warps"],
-         ft["fine_stages"]),
+         dict(BLOCK=block, W=ft["W"], WN=ft["WN"], WSUB=ft["WSUB"], KEYS=128, STAGES=ft["w_stages"], FULL=True,
+              **common), ft["W"], 1),
         ("coarse dq", llsa_bwd._coarse_dq_kernel,
          dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
               DELTA="*fp32", DQ=q),
@@ -92,9 +93,8 @@ def main():
               STAGES=bt["stages"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]),
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
-         dict(BLOCK=block, SCALE=0.125, FQ=bt["FQ"], FN=128, SUB=bt["SUB"], EVEN=True, KEYS=128, **common),
-         bt["fine_warps"],
-         bt["fine_stages"]),
+         dict(BLOCK=block, SCALE=0.125, W=bt["W"], WN=bt["WN"], WSUB=bt["WSUB"], KEYS=128, STAGES=bt["w_stages"],
+              FULL=True, **common), bt["W"], 1),
     ]
     dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
                     ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32", PART_K="*fp32", PART_V="*fp32")

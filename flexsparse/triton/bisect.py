@@ -54,71 +54,76 @@ def midpoint(lo, hi, VALUE: tl.constexpr, SMALLEST: tl.constexpr):
 
 @triton.jit
 def first_k_rows(key, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: tl.constexpr = False):
-    """Mask ``(R, C)`` of the ``count`` largest keys of each row of ``key (R, C)``, ties at the threshold to the
-    smallest columns; with ``SMALLEST`` the ``count`` smallest, ties to the largest columns (the same search
-    over ``~key``, with reversed compares instead of a second array). Padding keys hold ``INT_MIN`` (never
-    taken; ``pad`` of them per row, counted only with ``SMALLEST``); ``1 <= count <=`` the real keys of a row.
+    """Mask ``(R, C)`` of the ``count`` largest keys of each row of ``key (R, C)`` (or ``(W, R, C)``: rows along the
+    last axis), ties at the threshold to the smallest columns; with ``SMALLEST`` the ``count`` smallest, ties to
+    the largest columns (the same search over ``~key``, with reversed compares instead of a second array).
+    Padding keys hold ``INT_MIN`` (never taken; ``pad`` of them per row, counted only with ``SMALLEST``);
+    ``1 <= count <=`` the real keys of a row.
 
     Invariant per row: at least ``count`` keys >= lo; fewer than ``count`` keys > hi, or exactly ``count``
     keys >= hi = lo (keys read as ``~key`` with ``SMALLEST``: ``~key >= m`` is ``key <= ~m``, which counts the
     padding too). The first ``VALUE_PASSES`` passes split at halfway values, the rest at halfway keys: at most
     ``VALUE_PASSES + 32``. A finished row (lo == hi) stays put: its split point is lo itself. ``TIES_BY_SCAN``:
     how the ties at the threshold are cut (see the comment there; same result either way)."""
-    least = tl.min(tl.where(key == INT_MIN, INT_MAX, key), axis=1)
-    most = tl.max(key, axis=1)
+    least = tl.min(tl.where(key == INT_MIN, INT_MAX, key), axis=-1)
+    most = tl.max(key, axis=-1)
     if SMALLEST:
         lo, hi = (~most).to(tl.int64), (~least).to(tl.int64)
     else:
         lo, hi = least.to(tl.int64), most.to(tl.int64)
     passes = 0
-    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
+    while tl.max((lo < hi).to(tl.int32)) > 0:
         if passes < VALUE_PASSES:
             mid = midpoint(lo, hi, True, SMALLEST)
         else:
             mid = midpoint(lo, hi, False, SMALLEST)
         if SMALLEST:
-            n = tl.sum((key <= ~mid.to(tl.int32)[:, None]).to(tl.int32), axis=1) - pad
+            n = tl.sum((key <= tl.expand_dims(~mid.to(tl.int32), -1)).to(tl.int32), axis=-1) - pad
         else:
-            n = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
+            n = tl.sum((key >= tl.expand_dims(mid.to(tl.int32), -1)).to(tl.int32), axis=-1)
         hi = tl.where(n == count, mid, tl.where(n > count, hi, mid - 1))
         lo = tl.where(n >= count, mid, lo)
         passes += 1
     threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
     if SMALLEST:
         threshold = ~threshold
-        need = count - tl.sum((key < threshold[:, None]).to(tl.int32), axis=1) + pad
+    bound = tl.expand_dims(threshold, -1)
+    if SMALLEST:
+        need = count - tl.sum((key < bound).to(tl.int32), axis=-1) + pad
     else:
-        need = count - tl.sum((key > threshold[:, None]).to(tl.int32), axis=1)
-    ties = key == threshold[:, None]
-    tied = tl.sum(ties.to(tl.int32), axis=1)
+        need = count - tl.sum((key > bound).to(tl.int32), axis=-1)
+    ties = key == bound
+    tied = tl.sum(ties.to(tl.int32), axis=-1)
     # the ties taken: columns <= cut (top) or >= cut (SMALLEST). Where some are left out, the cut is the column of
     # the target-th tie from the left: by a prefix sum with TIES_BY_SCAN, else by bisection over the columns (the
     # prefix sum, even when no row needs it, made block_topk's kernel ~35x slower at 512 columns on an H100 with
     # triton 3.6; LLSA's 16 x 128 candidate rows run ~10% faster with it: docs/triton_sla_pieces.md)
-    cols = tl.arange(0, key.shape[1])
-    cut = tl.zeros_like(need) + (0 if SMALLEST else key.shape[1])
-    if tl.max((need < tied).to(tl.int32), axis=0) > 0:
+    width: tl.constexpr = key.shape[len(key.shape) - 1]
+    cols = tl.arange(0, width)
+    cut = tl.zeros_like(need) + (0 if SMALLEST else width)
+    if tl.max((need < tied).to(tl.int32)) > 0:
         target = tied - need + 1 if SMALLEST else need
         if TIES_BY_SCAN:
-            seen = tl.cumsum(ties.to(tl.int32), 1)
-            first = tl.min(tl.where(seen == target[:, None], cols[None, :], key.shape[1]), axis=1)
+            seen = tl.cumsum(ties.to(tl.int32), -1)
+            first = tl.min(tl.where(seen == tl.expand_dims(target, -1), cols, width), axis=-1)
         else:
             first = tl.zeros_like(need)
-            last = tl.zeros_like(need) + (key.shape[1] - 1)
-            while tl.max((first < last).to(tl.int32), axis=0) > 0:
+            last = tl.zeros_like(need) + (width - 1)
+            while tl.max((first < last).to(tl.int32)) > 0:
                 half = (first + last) // 2
-                enough = tl.sum((ties & (cols[None, :] <= half[:, None])).to(tl.int32), axis=1) >= target
+                enough = tl.sum((ties & (cols <= tl.expand_dims(half, -1))).to(tl.int32), axis=-1) >= target
                 last = tl.where(enough, half, last)
                 first = tl.where(enough, first, half + 1)
         cut = tl.where(need < tied, first, cut)
     if SMALLEST:
-        return ((key < threshold[:, None]) & (key != INT_MIN)) | (ties & (cols[None, :] >= cut[:, None]))
+        return ((key < bound) & (key != INT_MIN)) | (ties & (cols >= tl.expand_dims(cut, -1)))
     else:
-        return (key > threshold[:, None]) | (ties & (cols[None, :] <= cut[:, None]))
+        return (key > bound) | (ties & (cols <= tl.expand_dims(cut, -1)))
 
 
 @triton.jit
 def store_taken(out_rows, taken, values):
-    """Store ``values (C,)`` where ``taken (R, C)``, row r packed from ``out_rows[r]`` in column order."""
-    slot = tl.cumsum(taken.to(tl.int32), 1) - 1
-    tl.store(out_rows[:, None] + slot, values[None, :] + tl.zeros_like(slot), mask=taken)
+    """Store ``values (C,)`` where ``taken (R, C)``, row r packed from ``out_rows[r]`` in column order; or batched:
+    ``values (W, C)``, ``taken (W, R, C)``, ``out_rows (W, R)``."""
+    slot = tl.cumsum(taken.to(tl.int32), -1) - 1
+    tl.store(tl.expand_dims(out_rows, -1) + slot, tl.expand_dims(values, -2) + tl.zeros_like(slot), mask=taken)

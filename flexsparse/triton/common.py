@@ -37,14 +37,15 @@ def mm(a, b, IEEE: tl.constexpr):
 @triton.jit
 def softmax_step(x, scale, v, m, l, acc, IEEE: tl.constexpr):
     """Online-softmax update of ``(m, l, acc)`` with logits ``x * scale`` (log2 units; ``x (BM, BN)``, ``scale > 0`` a
-    scalar) and values ``v (BN, BD)``. The row max is taken on ``x`` (``max(x) scale`` is ``max(x scale)`` exactly:
-    rounding is monotone), so each logit costs one FMA in ``exp2(x scale - m)``."""
-    m_new = tl.maximum(m, tl.max(x, axis=1) * scale)
+    scalar) and values ``v (BN, BD)``; or batched: ``x (W, BM, BN)``, ``v (W, BN, BD)``. The row max is taken on
+    ``x`` (``max(x) scale`` is ``max(x scale)`` exactly: rounding is monotone), so each logit costs one FMA in
+    ``exp2(x scale - m)``."""
+    m_new = tl.maximum(m, tl.max(x, axis=-1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
-    p = tl.exp2(x * scale - m_use[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
+    p = tl.exp2(x * scale - tl.expand_dims(m_use, -1))
+    l = l * alpha + tl.sum(p, axis=-1)
+    acc = acc * tl.expand_dims(alpha, -1) + mm(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
 
 
@@ -115,3 +116,28 @@ def store_tile(base, x, rows, stride, dim, row_ok, D: tl.constexpr, BD: tl.const
             tl.store(ptr, x)
         else:
             tl.store(ptr, x, mask=dim[None, :] < D)
+
+
+@triton.jit
+def load_slab(base, rows, stride, dim, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``rows (W, R)`` of a ``(tokens, D)`` slab at ``base``: ``(W, R, BD)`` (the batched form of
+    ``load_tile`` without row masks), zeros past the head dim ``D``."""
+    ptr = base + rows.to(tl.int64)[:, :, None] * stride + dim[None, None, :]
+    if BD == D:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=dim[None, None, :] < D, other=0.0)
+
+
+@triton.jit
+def store_slab(base, x, rows, stride, dim, row_ok, D: tl.constexpr, BD: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Store ``x (W, R, BD)`` into rows ``rows (W, R)`` of a ``(tokens, D)`` slab; with ``MASK_ROWS`` only where
+    ``row_ok`` (broadcast to ``(W, R)``)."""
+    ptr = base + rows.to(tl.int64)[:, :, None] * stride + dim[None, None, :]
+    x = x.to(base.dtype.element_ty)
+    if MASK_ROWS:
+        tl.store(ptr, x, mask=row_ok[:, :, None] & (dim[None, None, :] < D))
+    elif BD == D:
+        tl.store(ptr, x)
+    else:
+        tl.store(ptr, x, mask=dim[None, None, :] < D)

@@ -1,8 +1,8 @@
 """LLSA backward.
 
 dQ, query-major, like the forward in two kernels: ``_coarse_dq_kernel`` (the forward's tiles and key lists
-over levels 1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (one query block
-per step, adds the fine level).
+over levels 1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (adds the fine
+level; batched like the fine forward, ``_fine_dq_ragged_kernel`` for the other N and b).
 
 dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
 
@@ -26,18 +26,19 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_tile, log2_count, mm,
-                     sparse_keys, store_rows, store_tile)
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_slab, load_tile,
+                     log2_count, mm, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
-from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, even_fine_keys, fine_launch
+from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, fine_launch, fine_tokens, step_blocks
 from .tiles import overrides
 
 
 @triton.jit
 def _dq_step(s, lse2, do, delta, k, v, dq, IEEE: tl.constexpr):
-    """``dq += dS @ K`` (unscaled) for log2 logits ``s (BM, BN)`` (-inf where a key is not attended)."""
-    p = tl.exp2(s - lse2[:, None])
-    ds = p * (mm(do, tl.trans(v), IEEE) - delta[:, None])
+    """``dq += dS @ K`` (unscaled) for log2 logits ``s (BM, BN)`` (-inf where a key is not attended); or batched:
+    ``s (W, BM, BN)``, ``k, v (W, BN, BD)``."""
+    p = tl.exp2(s - tl.expand_dims(lse2, -1))
+    ds = p * (mm(do, tl.trans(v), IEEE) - tl.expand_dims(delta, -1))
     return dq + mm(ds.to(k.dtype), k, IEEE)
 
 
@@ -87,8 +88,43 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
 def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
                     H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                    SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
-                    EVEN: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
+                    SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
+                    KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
+    """The fine level's dQ, batched like ``llsa_fwd._fine_fwd_kernel`` (``W`` query blocks per step, one per
+    warp), added to the coarse dQ in ``DQ``."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    hk = h // GROUP
+    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+    dim = tl.arange(0, BD)
+    for sub in range(WSUB):
+        real, blk, rows = step_blocks(pid, sub, N // BLOCK, W, WSUB, BLOCK)
+        q = load_slab(Q + head, rows, q_n, dim, D, BD)
+        do = load_slab(DO + head, rows, q_n, dim, D, BD)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows) * LOG2E
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + rows)
+        dq = tl.zeros([W, BLOCK, BD], tl.float32)
+        for c in tl.range(0, KEYS, WN, num_stages=STAGES):
+            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+            k = load_slab(kb, tok, k_n, dim, D, BD)
+            dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
+                          load_slab(vb, tok, k_n, dim, D, BD), dq, IEEE)
+        dq = load_slab(DQ + head, rows, q_n, dim, D, BD).to(tl.float32) + dq * SCALE
+        store_slab(DQ + head, dq, rows, q_n, dim, real[:, None], D, BD, not FULL)
+
+
+@triton.jit
+def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
+                           H, GROUP, N, S_TOTAL,
+                           D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                           SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
+                           IEEE: tl.constexpr):
+    """The fine level's dQ for any N and b (``llsa_fwd._fine_fwd_ragged_kernel``'s steps)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -100,34 +136,27 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
-    for sub in range(SUB):  # with EVEN the innermost loop: the next rows' gathers overlap this math
+    for sub in range(SUB):
         start = (pid * SUB + sub) * FQ
         rows = start + tl.arange(0, FQ)
         row_ok = rows < N
-        q = load_tile(Q + head, rows, q_n, dim, row_ok, D, BD, not EVEN)
-        do = load_tile(DO + head, rows, q_n, dim, row_ok, D, BD, not EVEN)
+        q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+        do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([FQ, BD], tl.float32)
         qb0 = start // BLOCK
-        if EVEN:  # one whole query block, its K_1 * b keys in whole chunks: no masks
-            for c in tl.static_range(0, KEYS, FN):
-                tok = even_fine_keys(sel + qb0 * topk, c, FN, BLOCK)
-                k = load_tile(kb, tok, k_n, dim, row_ok, D, BD, False)
-                dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
-                              load_tile(vb, tok, k_n, dim, row_ok, D, BD, False), dq, IEEE)
-        else:
-            n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
-            row_block = rows // BLOCK - qb0
-            for c in range(0, n_keys, FN):
-                g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
-                ok = ok & (tok < N)
-                k = load_rows(kb, tok, k_n, dim, ok, D)
-                s = mm(q, tl.trans(k), IEEE) * SCALE2
-                s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-                dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
-        dq = load_tile(DQ + head, rows, q_n, dim, row_ok, D, BD, not EVEN).to(tl.float32) + dq * SCALE
-        store_tile(DQ + head, dq, rows, q_n, dim, row_ok, D, BD, not EVEN)
+        n_keys = ((tl.minimum(start + FQ, N) - 1) // BLOCK - qb0 + 1) * topk * BLOCK
+        row_block = rows // BLOCK - qb0
+        for c in range(0, n_keys, FN):
+            g, tok, ok = sparse_keys(sel + qb0 * topk, c + tl.arange(0, FN), n_keys, topk, BLOCK)
+            ok = ok & (tok < N)
+            k = load_rows(kb, tok, k_n, dim, ok, D)
+            s = mm(q, tl.trans(k), IEEE) * SCALE2
+            s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
+            dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
+        dq = load_rows(DQ + head, rows, q_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
+        store_rows(DQ + head, dq, rows, q_n, dim, row_ok, D)
 
 
 @triton.jit
@@ -280,14 +309,15 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split)."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        base = dict(BM=max(32, fq), BN=32, FQ=fq, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32, TOP_QR=32, warps=4,
-                    stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1, programs=4,
-                    dkv_programs=4)
-    else:
+        base = dict(BM=max(32, fq), BN=32, W=2, WN=32, WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
+                    TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
+                    programs=4, dkv_programs=4)
+    else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128)
         wide = d > 64
-        base = dict(BM=max(128, fq), BN=64, FQ=fq, FN=256, SUB=8, QR_FINE=64, QR=64 if wide else 128,
-                    TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4, fine_stages=2 if wide else 3, dkv_warps=4,
-                    top_warps=8 if wide else 4, top_stages=3, programs=4 * 132, dkv_programs=16 * 132)
+        base = dict(BM=max(128, fq), BN=64, W=2, WN=16, WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
+                    QR=64 if wide else 128, TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4,
+                    fine_stages=2 if wide else 3, dkv_warps=4, top_warps=8 if wide else 4, top_stages=3,
+                    programs=4 * 132, dkv_programs=16 * 132)
     return {**base, **overrides("bwd")}
 
 
@@ -314,11 +344,11 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
         q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3],
         heads, group, n, STAGES=tiles["stages"], HAS_DLSE=dlse is not None,
         num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
-    launcher(_fine_dq_kernel)[(cdiv(cdiv(n, tiles["FQ"]), tiles["SUB"]), bsz * heads)](
+    batched, programs, fine, options = fine_launch(levels, tiles)
+    launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
         q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size, BLOCK=levels.block,
-        num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"],
-        **fine_launch(levels, tiles["FQ"], tiles["FN"], tiles["SUB"]), **common)
+        **options, **fine, **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
     dvc = torch.empty_like(dkc)
