@@ -29,7 +29,7 @@ from . import layout
 from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_slab, load_tile,
                      log2_count, mm, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
-from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, fine_launch, fine_tokens, step_blocks
+from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, fine_launch, fine_program, fine_tokens, step_blocks
 from .tiles import overrides
 
 
@@ -93,14 +93,8 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     """The fine level's dQ, batched like ``llsa_fwd._fine_fwd_kernel`` (``W`` query blocks per step, one per
     warp), added to the coarse dQ in ``DQ``."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     dim = tl.arange(0, BD)
     for sub in range(WSUB):
         real, blk, rows = step_blocks(pid, sub, N // BLOCK, W, WSUB, BLOCK)
@@ -126,14 +120,8 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
                            IEEE: tl.constexpr):
     """The fine level's dQ for any N and b (``llsa_fwd._fine_fwd_ragged_kernel``'s steps)."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
     for sub in range(SUB):

@@ -124,6 +124,17 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, 
 
 
 @triton.jit
+def fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL):
+    """This fine program's ``(bh, b, h)`` (``program_id(1)`` is batch x query head), the K and V bases of its KV
+    head and its rows of ``S_1``."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    kv = b.to(tl.int64) * k_b + (h // GROUP).to(tl.int64) * k_h
+    return bh, b, h, K + kv, V + kv, SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+
+
+@triton.jit
 def step_blocks(pid, sub, blocks, W: tl.constexpr, WSUB: tl.constexpr, BLOCK: tl.constexpr):
     """Query blocks of step ``sub`` of program ``pid`` of the batched fine kernels: ``(real (W,), block (W,),
     rows (W, BLOCK))``. A partial last step repeats the last block (``real`` is False there: never stored)."""
@@ -147,16 +158,10 @@ def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o
                      W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr, KEYS: tl.constexpr,
                      STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
     qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     lse = LSE + bh.to(tl.int64) * N
-    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     dim = tl.arange(0, BD)
     for sub in range(WSUB):
         real, blk, rows = step_blocks(pid, sub, N // BLOCK, W, WSUB, BLOCK)
@@ -181,16 +186,10 @@ def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                             FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
     qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     lse = LSE + bh.to(tl.int64) * N
-    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
     for sub in range(SUB):

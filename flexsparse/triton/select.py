@@ -24,6 +24,18 @@ from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
+def level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL):
+    """This program's packed selection, its query head's and KV head's pyramids (``program_id(1)`` is batch x query
+    head), the tokens of ``LEVEL`` and their first pyramid row."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    return (SEL + bh.to(tl.int64) * S_TOTAL, QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h,
+            KP + b.to(tl.int64) * kp_b + (h // GROUP).to(tl.int64) * kp_h, tl.load(META + LEVEL * 6 + T),
+            tl.load(META + LEVEL * 6 + KV_OFF))
+
+
+@triton.jit
 def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                        D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BC: tl.constexpr, KSEL: tl.constexpr,
                        SCAN: tl.constexpr):
@@ -31,22 +43,17 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
     dots). The top ``KSEL`` of each row, ascending; ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s
     ``TIES_BY_SCAN``)."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    tokens = tl.load(META + LEVEL * 6 + T)
-    off = tl.load(META + LEVEL * 6 + KV_OFF)
-    sel = SEL + bh.to(tl.int64) * S_TOTAL
+    sel, q_base, k_base, tokens, off = level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
+                                                     LEVEL)
     rows = pid * BQ + tl.arange(0, BQ)
     row_ok = rows < tokens
     cand = tl.arange(0, BC)
     c_ok = cand < tokens
     dim = tl.arange(0, BD)
-    q = tl.load(QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h + (off + rows).to(tl.int64)[:, None] * D
-                + dim[None, :], mask=row_ok[:, None] & (dim[None, :] < D), other=0.0)
-    k = tl.load(KP + b.to(tl.int64) * kp_b + hk.to(tl.int64) * kp_h + (off + cand).to(tl.int64)[:, None] * D
-                + dim[None, :], mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
+    q = tl.load(q_base + (off + rows).to(tl.int64)[:, None] * D + dim[None, :],
+                mask=row_ok[:, None] & (dim[None, :] < D), other=0.0)
+    k = tl.load(k_base + (off + cand).to(tl.int64)[:, None] * D + dim[None, :],
+                mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
     key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision="ieee")), INT_MIN)
     taken = first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, None]
     store_taken(sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL, taken, cand)
@@ -62,13 +69,8 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). A partial last program repeats the last parent
     (the same rows, stored twice with the same values)."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    tokens = tl.load(META + LEVEL * 6 + T)
-    off = tl.load(META + LEVEL * 6 + KV_OFF)
-    sel = SEL + bh.to(tl.int64) * S_TOTAL
+    sel, q_base, k_base, tokens, off = level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
+                                                     LEVEL)
     parent = tl.minimum(pid * W + tl.arange(0, W), PARENTS - 1)
     j = tl.arange(0, BQ)
     e = tl.arange(0, BC)
@@ -80,8 +82,8 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
                   mask=e_ok, other=0)
     cand = ids * BLOCK + (e % BLOCK)[None, :]
     c_ok = e_ok & (cand < tokens)
-    q_rows = QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h + (off + rows).to(tl.int64)[:, :, None] * D
-    k_rows = KP + b.to(tl.int64) * kp_b + hk.to(tl.int64) * kp_h + (off + cand).to(tl.int64)[:, :, None] * D
+    q_rows = q_base + (off + rows).to(tl.int64)[:, :, None] * D
+    k_rows = k_base + (off + cand).to(tl.int64)[:, :, None] * D
     scores = tl.zeros([W, BQ, BC], tl.float32)
     for c in range(0, BD, DC):  # head-dim chunks: a warp's whole (BC, D) fp32 candidate tile would spill
         dim = c + tl.arange(0, DC)[None, None, :]
