@@ -39,6 +39,7 @@ CASES = [
     (1024, 8, (4, 2), 2, 1, 16),    # even: no ragged token, whole key chunks per level (kernels without masks)
     (256, 16, (4,), 2, 1, 16),      # even at the default block
     (272, 16, (3,), 2, 1, 16),      # batched fine steps with a partial last one; K_1 b = 48 keys in chunks of 16
+    (512, 16, (2, 2), 2, 1, 24),    # a head dim that is no power of two (masked in the batched kernels)
     (2048, 32, (2, 2), 1, 1, 16),
 ]
 
