@@ -39,13 +39,12 @@ def mixed_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: B
     instead of O_l, a projection and a sum). ``(B, H, Nq, D)`` in q's dtype, differentiable w.r.t. q, k, v, o_s,
     weight, bias and alpha; ``None`` when the kernels do not run on q (``sla_ops.linear_kernels``) or every
     block is skipped (O_l = 0): the caller combines in PyTorch then."""
-    skipped = skipped_blocks(selection)
-    if not sla_ops.linear_kernels(q) or skipped.shape[-1] == selection.num_k_blocks:
+    skipped = _kernel_skips(q, selection)
+    if skipped is None:
         return None
-    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, o_s, weight, bias,
-                                                                                     alpha))
     out, _, _, _ = sla_ops.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
-                                          selection.block_k, feature_map, eps, store)
+                                          selection.block_k, feature_map, eps,
+                                          _grad_needed(q, k, v, o_s, weight, bias, alpha))
     return out
 
 
@@ -57,12 +56,25 @@ def sparse_linear_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sele
     with the masked linear branch as in ``mixed_output``, in one op (``flexsparse::sparse_linear_mix``; same
     values, gradients with one rounding of the summed dq, dk, dv). ``None`` where ``mixed_output`` is: the caller
     runs the branches separately then."""
+    skipped = _kernel_skips(q, selection)
+    if skipped is None:
+        return None
+    out, lse, _, _, _, _ = sla_ops.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype), checked_indices(q, k, selection),
+                                                     skipped, weight, bias, alpha, selection.block_q,
+                                                     selection.block_k, scale, deterministic, feature_map, eps,
+                                                     _grad_needed(q, k, v, weight, bias, alpha))
+    return out, lse
+
+
+def _kernel_skips(q: torch.Tensor, selection: BlockSelection) -> torch.Tensor | None:
+    """The selection's skipped key blocks per query block, or ``None`` when the linear kernels do not run on q
+    (``sla_ops.linear_kernels``) or every block is skipped (O_l = 0)."""
     skipped = skipped_blocks(selection)
     if not sla_ops.linear_kernels(q) or skipped.shape[-1] == selection.num_k_blocks:
         return None
-    indices = checked_indices(q, k, selection)
-    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, weight, bias, alpha))
-    out, lse, _, _, _, _ = sla_ops.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype), indices, skipped, weight, bias,
-                                                     alpha, selection.block_q, selection.block_k, scale,
-                                                     deterministic, feature_map, eps, store)
-    return out, lse
+    return skipped
+
+
+def _grad_needed(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a gradient through any of ``tensors`` (the branch then stores O_l and its states)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -98,7 +98,7 @@ def first_k_rows(key, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: tl.const
     # the target-th tie from the left: by a prefix sum with TIES_BY_SCAN, else by bisection over the columns (the
     # prefix sum, even when no row needs it, made block_topk's kernel ~35x slower at 512 columns on an H100 with
     # triton 3.6; LLSA's 16 x 128 candidate rows run ~10% faster with it: docs/triton_sla_pieces.md)
-    width: tl.constexpr = key.shape[len(key.shape) - 1]
+    width: tl.constexpr = key.shape[-1]
     cols = tl.arange(0, width)
     cut = tl.zeros_like(need) + (0 if SMALLEST else width)
     if tl.max((need < tied).to(tl.int32)) > 0:
