@@ -26,6 +26,15 @@ def launcher(kernel):
 
 
 @triton.jit
+def program_heads(H):
+    """``(bh, b, h)``: ``program_id(1)`` as batch x query head. (Helpers that compute store addresses take no
+    tensor pointer: ``torch.compile``'s write analysis taints a helper's results with all of its arguments.)"""
+    bh = tl.program_id(1)
+    b = bh // H
+    return bh, b, bh - b * H
+
+
+@triton.jit
 def mm(a, b, IEEE: tl.constexpr):
     """``a @ b`` with fp32 accumulation; exact fp32 products when ``IEEE`` (no TF32)."""
     if IEEE:

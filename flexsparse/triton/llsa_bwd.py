@@ -27,9 +27,10 @@ import triton.language as tl
 
 from . import layout
 from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_slab, load_tile,
-                     log2_count, mm, sparse_keys, store_rows, store_slab)
+                     log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
-from .llsa_fwd import coarse_keys, coarse_launch, coarse_rows, fine_launch, fine_program, fine_tokens, step_blocks
+from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_launch, coarse_rows, fine_bases,
+                       fine_launch, fine_tokens, key_chunk, step_blocks)
 from .tiles import overrides
 
 
@@ -85,15 +86,65 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
 
 
 @triton.jit
+def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h,
+                     k_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
+                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                     N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BN: tl.constexpr,
+                     EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
+                     W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, IEEE: tl.constexpr):
+    """The whole dQ of a tile of ``TB`` query blocks (``llsa_fwd._fused_fwd_kernel``'s tiles): ``_coarse_dq_kernel``
+    on ``TB * b`` rows, then, reshaped to ``(TB, b, ...)``, the fine level's batched steps; dQ is stored once."""
+    bh, b, h = program_heads(H)
+    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
+    BM: tl.constexpr = TB * BLOCK
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < N
+    dim = tl.arange(0, BD)
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
+    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+    delta = tl.sum(load_rows(O + head, rows, q_n, dim, row_ok, D).to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
+    dq = tl.zeros([BM, BD], tl.float32)
+    n_total = N_SPARSE + TOP_T
+    for c in tl.range(0, n_total, BN, num_stages=STAGES):
+        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
+        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
+        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
+        if EVEN:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
+        else:
+            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
+        dq = _dq_step(s, lse2, do, delta, k, v, dq, IEEE)
+    real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
+    q = tl.reshape(q, (TB, BLOCK, BD))
+    do = tl.reshape(do, (TB, BLOCK, BD))
+    lse2 = tl.reshape(lse2, (TB, BLOCK))
+    delta = tl.reshape(delta, (TB, BLOCK))
+    dq = tl.reshape(dq, (TB, BLOCK, BD))
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
+        tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        k = load_slab(kb, tok, k_n, dim, D, BD)
+        dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, k_n, dim, D, BD), dq,
+                      IEEE)
+    store_slab(DQ + head, dq * SCALE, rows, q_n, dim, real[:, None], D, BD, True)
+
+
+@triton.jit
 def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
                     H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
                     KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
-    """The fine level's dQ, batched like ``llsa_fwd._fine_fwd_kernel`` (``W`` query blocks per step, one per
-    warp), added to the coarse dQ in ``DQ``."""
+    """The fine level's dQ, batched like the fine part of ``llsa_fwd._fused_fwd_kernel`` (``W`` query blocks per
+    step, one per warp), added to the coarse dQ in ``DQ``."""
     pid = tl.program_id(0)
-    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
+    bh, b, h = program_heads(H)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     dim = tl.arange(0, BD)
     for sub in range(WSUB):
@@ -120,7 +171,8 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
                            IEEE: tl.constexpr):
     """The fine level's dQ for any N and b (``llsa_fwd._fine_fwd_ragged_kernel``'s steps)."""
     pid = tl.program_id(0)
-    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
+    bh, b, h = program_heads(H)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
@@ -297,12 +349,14 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split)."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        base = dict(BM=max(32, fq), BN=32, W=2, WN=32, WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
+        base = dict(fuse_dq=True, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
+                    WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
                     programs=4, dkv_programs=4)
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128)
         wide = d > 64
-        base = dict(BM=max(128, fq), BN=64, W=2, WN=16, WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
+        base = dict(fuse_dq=True, fused_BM=64, fused_warps=4, fused_WN=16, BM=max(128, fq), BN=64, W=2, WN=16,
+                    WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
                     QR=64 if wide else 128, TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4,
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=8 if wide else 4, top_stages=3,
                     programs=4 * 132, dkv_programs=16 * 132)
@@ -326,17 +380,29 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
     key_list = coarse_rows(sel, levels)
-    grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
-    launcher(_coarse_dq_kernel)[grid](
-        q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3],
-        heads, group, n, STAGES=tiles["stages"], HAS_DLSE=dlse is not None,
-        num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
-    batched, programs, fine, options = fine_launch(levels, tiles)
-    launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
-        q, k, v, sel, meta, do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), heads, group, n, levels.selection_size, BLOCK=levels.block,
-        **options, **fine, **common)
+    q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
+    list_stride = key_list.shape[2] * key_list.shape[3]
+    if batched_blocks(levels) and tiles["fuse_dq"]:
+        grid, coarse = coarse_launch(q, levels, tiles["fused_BM"], tiles["BN"])
+        del coarse["BM"]  # TB * b
+        keys = levels.topk[0] * levels.block
+        launcher(_fused_dq_kernel)[grid](
+            q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
+            dlse if dlse is not None else lse, delta, dq, *q_strides, k.stride(0), k.stride(1), k.stride(2),
+            *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size, STAGES=tiles["stages"],
+            WN=key_chunk(keys, tiles["fused_WN"]), KEYS=keys, W_STAGES=tiles["w_stages"],
+            HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **coarse,
+            **common)
+    else:
+        grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
+        launcher(_coarse_dq_kernel)[grid](
+            q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
+            *q_strides, *c_strides, list_stride, heads, group, n, STAGES=tiles["stages"], HAS_DLSE=dlse is not None,
+            num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+        batched, programs, fine, options = fine_launch(levels, tiles)
+        launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
+            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, k.stride(0), k.stride(1), k.stride(2), heads, group,
+            n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
     dvc = torch.empty_like(dkc)

@@ -1,24 +1,24 @@
 """LLSA forward: one online softmax over the fine level, the enriched coarse levels and the top level.
 
-Two kernels share the softmax state through O and LSE:
+Query tiles of whole query blocks that share their level-2 ancestor (``TB`` blocks, ``TB * b`` rows) attend, in one
+pipelined loop (``coarse_softmax``), the ancestor's key list (``coarse_rows``: the level-l children of ``S_{l+1}``
+of its ancestors, l = 1..L-1, shared by every query block under it) and every level-L token, each level-l token with
+logit bias ``log2(count)``. Then the fine level, in one of two ways:
 
-1. ``_coarse_fwd_kernel``, query tiles of whole query blocks that share their level-2 ancestor (``BM`` rows):
-   the ancestor's key list (``coarse_rows``: the level-l children of ``S_{l+1}`` of its ancestors, l = 1..L-1,
-   shared by every query block under it) and every level-L token, in one pipelined loop, each level-l token
-   with logit bias ``log2(count)``. It stores the normalised partial output and its LSE (log2 units).
-2. ``_fine_fwd_kernel`` (b a power of two >= 16 that divides N): ``W`` whole query blocks per step, one
-   per warp, as batched 3-d products (``(W, b, keys)``): each warp's rows, softmax state and probabilities stay
-   in its own registers, with no cross-warp reduction and no shared-memory round trip of P (the 2-d form
-   spread one block's keys over the warps: 0.383 -> 0.329 ms at B2 H8 N65536 D64 on an H200). It starts
-   from the partial state (running max = partial LSE, running sum 1, accumulator = partial output), adds
-   the ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` and stores the final output and natural-log
-   LSE. ``_fine_fwd_ragged_kernel`` does the same for any N and b, ``FQ`` rows per step, with masks. Their
-   products have ``b`` rows (``mma.sync`` on Hopper). A transposed form (keys x queries, wgmma with N = b)
-   needs a transposed shared-memory A operand, which triton 3.6 miscompiles (out-of-bounds wgmma reads on an
-   H200).
+1. ``_fused_fwd_kernel`` (b a power of two >= 16 that divides N, ``batched_blocks``): the same program reshapes its
+   softmax state to ``(TB, b, ...)`` and adds each block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as
+   batched 3-d products (``(TB, b, keys)``; with one block per warp the row reductions stay in the warp and P in
+   registers), then stores the output and the natural-log LSE. The partial state never leaves the registers
+   (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721 -> 0.696 ms
+   for both at B2 H8 N65536 D64, 1.586 -> 1.297 at D128, on an H100).
+2. Otherwise ``_coarse_fwd_kernel`` stores the normalised partial output and its LSE (log2 units), and
+   ``_fine_fwd_ragged_kernel`` (any N and b, ``FQ`` rows per step, with masks) starts from that partial state
+   (running max = partial LSE, running sum 1, accumulator = partial output).
 
-The coarse kernel has an ``EVEN`` specialisation (N a multiple of ``b^L``, whole key chunks per level: no
-masks). Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
+The fine products have ``b`` rows (``mma.sync`` on Hopper). A transposed form (keys x queries, wgmma with N = b)
+needs a transposed shared-memory A operand, which triton 3.6 miscompiles (out-of-bounds wgmma reads on an H200).
+The coarse pass has an ``EVEN`` specialisation (N a multiple of ``b^L``, whole key chunks per level: no masks).
+Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import layout
 from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, T, TOPK, launcher, load_rows, load_slab, load_tile, mm,
-                     softmax_step, sparse_keys, store_rows, store_slab)
+                     program_heads, softmax_step, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, coarse_tile_blocks, pow2
 from .tiles import overrides
 
@@ -88,24 +88,11 @@ def coarse_keys(lst, LOG2C, c, BN: tl.constexpr, N_SPARSE: tl.constexpr, n_total
 
 
 @triton.jit
-def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, l_bh,
-                       H, GROUP, N, TOP_OFF, TOP_T,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
-                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    lst = LIST + bh.to(tl.int64) * l_bh + ((pid * TB) // BLOCK) * N_SPARSE
-    local = tl.arange(0, BM)
-    rows = pid * TB * BLOCK + local
-    row_ok = (local < TB * BLOCK) & (rows < N)
-    dim = tl.arange(0, BD)
-    q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
+def coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D: tl.constexpr, BD: tl.constexpr,
+                   N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax state ``(m, l, acc)`` (log2 units; ``(BM,)``, ``(BM,)``, ``(BM, BD)`` fp32) of query rows
+    ``q (BM, BD)`` over their ancestor's key list ``lst`` and every top-level token, in chunks of ``BN``."""
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
@@ -119,19 +106,76 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, 
         else:
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
         m, l, acc = softmax_step(s, 1.0, v, m, l, acc, IEEE)
+    return m, l, acc
+
+
+@triton.jit
+def coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB: tl.constexpr, BLOCK: tl.constexpr,
+                 N_SPARSE: tl.constexpr):
+    """The pooled K and V of head ``(b, h)``'s KV head and the key list of this tile's ancestor (``program_id(0)`` is
+    the tile of ``TB`` query blocks); read-only (``program_heads``)."""
+    kv = b.to(tl.int64) * c_b + (h // GROUP).to(tl.int64) * c_h
+    return KC + kv, VC + kv, LIST + bh.to(tl.int64) * l_bh + ((tl.program_id(0) * TB) // BLOCK) * N_SPARSE
+
+
+@triton.jit
+def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, l_bh,
+                       H, GROUP, N, TOP_OFF, TOP_T,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+    bh, b, h = program_heads(H)
+    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
+    local = tl.arange(0, BM)
+    rows = tl.program_id(0) * TB * BLOCK + local
+    row_ok = (local < TB * BLOCK) & (rows < N)
+    dim = tl.arange(0, BD)
+    q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
+    m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
+                               STAGES, IEEE)
     store_rows(O + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, acc / l[:, None], rows, q_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
 
 
 @triton.jit
-def fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL):
-    """This fine program's ``(bh, b, h)`` (``program_id(1)`` is batch x query head), the K and V bases of its KV
-    head and its rows of ``S_1``."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
+def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
+                      l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
+                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+                      STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr, W_STAGES: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the coarse pass
+    as ``_coarse_fwd_kernel`` on ``TB * b`` rows, then the state reshaped to ``(TB, b, ...)``, one block per warp
+    where ``TB`` is the warp count, adds each block's ``K_1 * b`` fine keys (batched 3-d products, chunks of
+    ``WN``) and stores the output and the natural-log LSE."""
+    bh, b, h = program_heads(H)
+    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
+    BM: tl.constexpr = TB * BLOCK
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    dim = tl.arange(0, BD)
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    q = load_rows(Q + head, rows, q_n, dim, rows < N, D)
+    m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
+                               STAGES, IEEE)
+    real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
+    q = tl.reshape(q, (TB, BLOCK, BD))
+    m = tl.reshape(m, (TB, BLOCK))
+    l = tl.reshape(l, (TB, BLOCK))
+    acc = tl.reshape(acc, (TB, BLOCK, BD))
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
+        tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
+        m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, k_n, dim, D, BD), m, l, acc, IEEE)
+    store_slab(O + head, acc / l[:, :, None], rows, q_n, dim, real[:, None], D, BD, True)
+    tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
+
+
+@triton.jit
+def fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL):
+    """The K and V of head ``(b, h)``'s KV head and its rows of ``S_1``; read-only (``program_heads``)."""
     kv = b.to(tl.int64) * k_b + (h // GROUP).to(tl.int64) * k_h
-    return bh, b, h, K + kv, V + kv, SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+    return K + kv, V + kv, SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
 
 
 @triton.jit
@@ -152,41 +196,13 @@ def fine_tokens(sel, blk, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.co
 
 
 @triton.jit
-def _fine_fwd_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
-                     H, GROUP, N, S_TOTAL,
-                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
-                     W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr, KEYS: tl.constexpr,
-                     STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
-    qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
-    lse = LSE + bh.to(tl.int64) * N
-    dim = tl.arange(0, BD)
-    for sub in range(WSUB):
-        real, blk, rows = step_blocks(pid, sub, N // BLOCK, W, WSUB, BLOCK)
-        q = load_slab(qb, rows, q_n, dim, D, BD)
-        acc = load_slab(o, rows, o_n, dim, D, BD).to(tl.float32)
-        m = tl.load(lse + rows)
-        l = tl.full([W, BLOCK], 1.0, tl.float32)
-        for c in tl.range(0, KEYS, WN, num_stages=STAGES):
-            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
-            s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
-            m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, k_n, dim, D, BD), m, l, acc, IEEE)
-        store_slab(o, acc / l[:, :, None], rows, o_n, dim, real[:, None], D, BD, not FULL)
-        if FULL:
-            tl.store(lse + rows, (m + tl.log2(l)) * LN2)
-        else:
-            tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
-
-
-@triton.jit
 def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
                             H, GROUP, N, S_TOTAL,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                             FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    bh, b, h, kb, vb, sel = fine_program(K, V, SEL, META, k_b, k_h, H, GROUP, S_TOTAL)
+    bh, b, h = program_heads(H)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
     qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     lse = LSE + bh.to(tl.int64) * N
@@ -213,22 +229,32 @@ def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h,
         tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
 
-def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
-    """How the fine kernels run: ``(batched, programs per head, constants, launch options)``.
+def batched_blocks(levels: Levels) -> bool:
+    """Whether the fine level runs batched (``_fused_fwd_kernel``, ``llsa_bwd._fine_dq_kernel``): b a power of two
+    >= 16 that divides N."""
+    return levels.block >= 16 and levels.block & (levels.block - 1) == 0 and levels.n % levels.block == 0
 
-    Batched (``_fine_fwd_kernel``, ``_fine_dq_kernel``) where b is a power of two >= 16 that divides N: ``W``
-    query blocks per step (one per warp), ``WSUB`` steps per program, keys in chunks of ``WN`` (halved until it
-    divides ``K_1 b``) on ``w_stages`` pipeline stages; ``FULL`` when the steps cover the blocks exactly. Else
-    the ragged kernels: ``FQ`` rows per step (``b`` rounded up to a power of two >= 16), ``SUB`` steps, key
-    chunks of ``FN`` at most."""
+
+def key_chunk(keys: int, cap: int) -> int:
+    """Fine keys per step: ``cap`` halved until it divides the ``keys = K_1 b`` of a query block."""
+    while keys % cap:
+        cap //= 2
+    return cap
+
+
+def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
+    """How the fine dQ kernels (and the ragged fine forward) run: ``(batched, programs per head, constants, launch
+    options)``.
+
+    Batched (``batched_blocks``, ``_fine_dq_kernel``): ``W`` query blocks per step (one per warp), ``WSUB`` steps
+    per program, keys in chunks of ``WN`` (``key_chunk``) on ``w_stages`` pipeline stages; ``FULL`` when the steps
+    cover the blocks exactly. Else the ragged kernels: ``FQ`` rows per step (``b`` rounded up to a power of two
+    >= 16), ``SUB`` steps, key chunks of ``FN`` at most."""
     block, keys = levels.block, levels.topk[0] * levels.block
-    if block >= 16 and block & (block - 1) == 0 and levels.n % block == 0:
-        wn = tiles["WN"]
-        while keys % wn:
-            wn //= 2
+    if batched_blocks(levels):
         per_program = tiles["W"] * tiles["WSUB"]
         return True, cdiv(levels.tokens(1), per_program), dict(
-            W=tiles["W"], WN=wn, WSUB=tiles["WSUB"], KEYS=keys, STAGES=tiles["w_stages"],
+            W=tiles["W"], WN=key_chunk(keys, tiles["WN"]), WSUB=tiles["WSUB"], KEYS=keys, STAGES=tiles["w_stages"],
             FULL=levels.tokens(1) % per_program == 0), dict(num_warps=tiles["W"], num_stages=1)
     fq = pow2(block, 16)
     blocks = fq // block if fq % block == 0 else fq // block + 2  # query blocks a step can touch
@@ -239,13 +265,14 @@ def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
 
 def forward_tiles(device: torch.device, d: int) -> dict:
     """Tile sizes of the forward kernels (see module docstring and ``fine_launch``), with
-    ``tiles.overrides("fwd")``: the coarse kernel's tiles hold at most ``BM`` rows (whole query blocks that share
-    their ancestors), ``BN`` keys per step."""
+    ``tiles.overrides("fwd")``. The fused kernel's tiles hold at most ``fused_BM`` rows (whole query blocks that
+    share their ancestors) on ``fused_warps`` warps, ``BN`` coarse keys per step on ``stages`` stages, ``WN``
+    fine keys per step on ``w_stages``; the ragged path's coarse tiles ``BM`` rows on ``warps`` warps."""
     if device.type == "cpu":
-        base = dict(BM=32, BN=32, W=2, WN=32, WSUB=2, w_stages=1, FN=64, SUB=2, warps=4, stages=1, fine_warps=4,
-                    fine_stages=1)
-    else:  # batched fine steps: H200, B2 H8 N65536, D64 0.343 ms and D128 0.751 (W 2-8, WN 16-64, 1-3 stages)
-        base = dict(BM=128, BN=64, W=4, WN=32, WSUB=1, w_stages=2, FN=256, SUB=8, warps=8, stages=2,
+        base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
+                    fine_warps=4, fine_stages=1)
+    else:
+        base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=32, w_stages=2, FN=256, SUB=8, warps=8, stages=2,
                     fine_warps=4, fine_stages=2 if d > 64 else 3)
     return {**base, **overrides("fwd")}
 
@@ -272,7 +299,7 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     """O ``(B, H, N, D)`` in q's dtype and natural-log LSE ``(B, H, N)`` fp32.
 
     q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)`` (same strides); kc, vc: pooled levels 1..L
-    ``(B, Hk, T_1 + ... + T_L, D)`` contiguous; sel: packed selection ``(B, H, S)`` int32.
+    ``(B, Hk, T_1 + ... + T_L, D)`` contiguous; sel: packed selection ``(B, H, S)`` int32. O shares q's strides.
     """
     bsz, heads, n, d = q.shape
     tiles = tiles or forward_tiles(q.device, d)
@@ -280,16 +307,26 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
     group = heads // k.shape[1]
     key_list = coarse_rows(sel, levels)
-    grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
+    q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
+    list_stride = key_list.shape[2] * key_list.shape[3]
+    if batched_blocks(levels):
+        grid, coarse = coarse_launch(q, levels, tiles["fused_BM"], tiles["BN"])
+        del coarse["BM"]  # TB * b
+        keys = levels.topk[0] * levels.block
+        launcher(_fused_fwd_kernel)[grid](
+            q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, k.stride(0),
+            k.stride(1), k.stride(2), *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
+            STAGES=tiles["stages"], WN=key_chunk(keys, tiles["WN"]), KEYS=keys, W_STAGES=tiles["w_stages"],
+            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **coarse, **common)
+        return o, lse
+    grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](
-        q, kc, vc, key_list, levels.log2_counts(q), o, lse, q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), key_list.shape[2] * key_list.shape[3], heads, group, n, STAGES=tiles["stages"],
-        num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
-    batched, programs, fine, options = fine_launch(levels, tiles)
-    launcher(_fine_fwd_kernel if batched else _fine_fwd_ragged_kernel)[(programs, bsz * heads)](
-        q, k, v, sel, meta, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), heads, group, n, levels.selection_size, BLOCK=levels.block,
-        **options, **fine, **common)
+        q, kc, vc, key_list, levels.log2_counts(q), o, lse, *q_strides, *c_strides, list_stride, heads, group, n,
+        STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+    _, programs, fine, options = fine_launch(levels, tiles)
+    launcher(_fine_fwd_ragged_kernel)[(programs, bsz * heads)](
+        q, k, v, sel, meta, o, lse, *q_strides, k.stride(0), k.stride(1), k.stride(2), *q_strides, heads, group, n,
+        levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
     return o, lse

@@ -18,19 +18,16 @@ import triton.language as tl
 
 from .bisect import INT_MIN, first_k_rows, ordered_key, store_taken
 from .block_topk import block_topk
-from .common import KV_OFF, SEL_OFF, T, TOPK, launcher
+from .common import KV_OFF, SEL_OFF, T, TOPK, launcher, program_heads
 from . import layout
 from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
-def level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL):
-    """This program's packed selection, its query head's and KV head's pyramids (``program_id(1)`` is batch x query
-    head), the tokens of ``LEVEL`` and their first pyramid row."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    return (SEL + bh.to(tl.int64) * S_TOTAL, QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h,
+def level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL):
+    """Query head ``(b, h)``'s and its KV head's pyramids, the tokens of ``LEVEL`` and their first pyramid row;
+    read-only (``common.program_heads``)."""
+    return (QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h,
             KP + b.to(tl.int64) * kp_b + (h // GROUP).to(tl.int64) * kp_h, tl.load(META + LEVEL * 6 + T),
             tl.load(META + LEVEL * 6 + KV_OFF))
 
@@ -43,8 +40,9 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
     dots). The top ``KSEL`` of each row, ascending; ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s
     ``TIES_BY_SCAN``)."""
     pid = tl.program_id(0)
-    sel, q_base, k_base, tokens, off = level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
-                                                     LEVEL)
+    bh, b, h = program_heads(H)
+    q_base, k_base, tokens, off = level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL)
+    sel = SEL + bh.to(tl.int64) * S_TOTAL
     rows = pid * BQ + tl.arange(0, BQ)
     row_ok = rows < tokens
     cand = tl.arange(0, BC)
@@ -69,8 +67,9 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). A partial last program repeats the last parent
     (the same rows, stored twice with the same values)."""
     pid = tl.program_id(0)
-    sel, q_base, k_base, tokens, off = level_program(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL,
-                                                     LEVEL)
+    bh, b, h = program_heads(H)
+    q_base, k_base, tokens, off = level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL)
+    sel = SEL + bh.to(tl.int64) * S_TOTAL
     parent = tl.minimum(pid * W + tl.arange(0, W), PARENTS - 1)
     j = tl.arange(0, BQ)
     e = tl.arange(0, BC)

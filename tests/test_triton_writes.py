@@ -1,0 +1,205 @@
+"""``torch.compile`` must see exactly which arguments each Triton kernel writes.
+
+``wrap_triton`` decides that from the kernel's TTIR (``identify_accessed_tensors``). It is conservative across
+``@triton.jit`` helper calls: every operand of a call taints the call's results, so a helper that takes a tensor
+pointer and returns an index later used in a store address marks that tensor as written. Compiled graphs then
+clone it before the launch, and a leaf that requires grad fails ("a leaf Variable that requires grad is being used
+in an in-place operation"). The GPU's compiled tests catch that only for the kernels they trace; this test checks
+every kernel the methods launch, on CPU.
+
+A child process with ``TRITON_INTERPRET=1`` runs the methods forward and backward and records each launch: its
+arguments (tensors as shapes) and which tensors' bytes it changed. This process then asks torch's analysis (TTIR
+for an sm_90 target, no GPU needed) which tensors each kernel writes, and compares.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import triton_support as ts
+
+SCENARIOS = [
+    ("llsa", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1),  # fused forward, batched dQ
+    ("llsa ragged", {"method": "llsa", "block_size": 8, "topk": [4, 2]}, 100, 2, 1),
+    ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2),
+    ("topk", {"method": "topk", "block_size": 16, "topk": 2}, 96, 2, 1),
+    ("sla", {"method": "sla", "block_size": 16, "topk_ratio": 0.3}, 96, 2, 1),
+    ("sla2", {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.3}, 96, 2, 2),
+]
+
+
+# Kernels whose store addresses come from the data they read: the selection kernels pack each row's taken columns
+# by rank, a scatter whose address depends on the scores and so on the pyramids and the level table. The analysis
+# cannot tell that from writing them; compiled graphs copy these (intermediate) tensors before the launch.
+DATA_ADDRESSED = {("flexsparse.triton.select", "_select_top_kernel"): {"QP", "KP", "META"},
+                  ("flexsparse.triton.select", "_select_children_kernel"): {"QP", "KP", "META"}}
+
+
+class _Recorder:
+    """Stands in for ``common.launcher``: launches as it would and records each launch in ``LAUNCHES``: the
+    module and name of the kernel, its arguments (tensors as ``("tensor", shape, stride, dtype)``) and its tensor
+    arguments in groups of overlapping memory (a tensor passed twice, or a view of another) with whether the launch
+    stored into each group (``ADDRESSES``, filled by the interpreter's patched stores)."""
+
+    def __init__(self, launcher, kernel):
+        self.launcher, self.kernel = launcher, kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            fn = self.kernel.fn  # the Python function of the (interpreted) kernel
+            named = dict(zip(inspect.signature(fn).parameters, args), **kwargs)
+            spans = {k: _span(v) for k, v in named.items() if isinstance(v, torch.Tensor) and v.numel()}
+            ADDRESSES.clear()
+            self.launcher(self.kernel)[grid](*args, **kwargs)
+            stored = np.concatenate(ADDRESSES) if ADDRESSES else np.zeros(0, np.uint64)
+            hit = {k for k, (lo, hi) in spans.items() if ((stored >= lo) & (stored < hi)).any()}
+            LAUNCHES.append((fn.__module__, fn.__name__, {
+                k: ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype)) if isinstance(v, torch.Tensor) else v
+                for k, v in named.items()}, [(group, bool(hit & set(group))) for group in _overlapping(spans)]))
+        return launch
+
+
+LAUNCHES: list = []
+ADDRESSES: list = []
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[first, end)`` a tensor's elements cover."""
+    last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    return x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size()
+
+
+def _overlapping(spans: dict) -> list[tuple[str, ...]]:
+    """The names of ``spans`` grouped by overlapping ranges (sorted names per group)."""
+    groups: list[tuple[set, int, int]] = []
+    for name, (lo, hi) in sorted(spans.items(), key=lambda item: item[1]):
+        if groups and lo < groups[-1][2]:
+            names, first, end = groups[-1]
+            groups[-1] = (names | {name}, first, max(end, hi))
+        else:
+            groups.append(({name}, lo, hi))
+    return [tuple(sorted(names)) for names, _, _ in groups]
+
+
+def _watch_stores() -> None:
+    """Make the interpreter's stores and atomics append the addresses they write to ``ADDRESSES``."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    store, rmw, cas = builder.create_masked_store, builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def masked(ptrs, mask):
+        ADDRESSES.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data.astype(bool)].astype(np.uint64))
+
+    def create_masked_store(ptrs, value, mask, *rest):
+        masked(ptrs, mask)
+        return store(ptrs, value, mask, *rest)
+
+    def create_atomic_rmw(op, ptr, val, mask, *rest):
+        masked(ptr, mask)
+        return rmw(op, ptr, val, mask, *rest)
+
+    def create_atomic_cas(ptr, *rest):
+        ADDRESSES.append(np.asarray(ptr.data, dtype=np.uint64).ravel())
+        return cas(ptr, *rest)
+
+    builder.create_masked_store = create_masked_store
+    builder.create_atomic_rmw = create_atomic_rmw
+    builder.create_atomic_cas = create_atomic_cas
+
+
+def record(out: str) -> None:
+    """Child process: run every scenario forward and backward through the interpreter, pickle the launches."""
+    import flexsparse
+    import flexsparse.triton as package
+    from flexsparse.config import Config
+    from flexsparse.methods import method_module
+    _watch_stores()
+    for name in os.listdir(os.path.dirname(package.__file__)):
+        if name.endswith(".py"):
+            module = importlib.import_module(f"flexsparse.triton.{name[:-3]}")
+            if hasattr(module, "launcher"):
+                original = module.launcher
+                module.launcher = lambda kernel, original=original: _Recorder(original, kernel)
+    for _, cfg, n, heads, kv_heads in SCENARIOS:
+        torch.manual_seed(0)
+        q = torch.randn(1, heads, n, 16, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, n, 16, requires_grad=True) for _ in range(2))
+        module = method_module(cfg["method"])
+        params = None
+        if hasattr(module, "init_params"):
+            params = {key: p.requires_grad_() for key, p in
+                      module.init_params(Config.from_dict(cfg), 16, heads, n).items()}
+        o = flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
+        o.square().sum().backward()
+    from flexsparse.triton import sla_ops
+    pooled_q, pooled_k = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16)
+    sla_ops.block_topk(pooled_q, pooled_k, 4, 2)  # the methods select on CPU without the kernels
+    sla_ops.center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
+    with open(out, "wb") as f:
+        pickle.dump(LAUNCHES, f)
+
+
+def _written(module: str, name: str, spec: dict) -> set[str]:
+    """The tensor arguments torch's TTIR analysis says ``module.name`` writes, for a sm_90 target."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    from triton.backends.compiler import GPUTarget
+    import triton
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    kwargs = {k: torch.empty_strided(v[1], v[2], dtype=getattr(torch, v[3].split(".")[1]))
+              if isinstance(v, tuple) and v[:1] == ("tensor",) else v for k, v in spec.items()}
+    config = triton.runtime.driver
+    previous = config._active  # no public getter that works without a GPU driver
+    config.set_active(Sm90())
+    try:
+        accesses = wrap.identify_accessed_tensors(getattr(importlib.import_module(module), name), kwargs, {})
+    finally:
+        config._active = previous
+    return {dep.name for dep in accesses.read_writes.writes}
+
+
+@ts.cpu_parent
+@pytest.mark.skipif(not hasattr(__import__("torch._higher_order_ops.triton_kernel_wrap",
+                                           fromlist=["x"]), "identify_accessed_tensors"),
+                    reason="this torch has no identify_accessed_tensors")
+def test_compile_sees_exactly_the_written_tensors(tmp_path):
+    out = tmp_path / "launches.pkl"
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ts.ROOT, os.path.dirname(__file__),
+                                                        os.environ.get("PYTHONPATH")])))
+    child = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
+    launches = pickle.loads(out.read_bytes())
+    seen, wrong = set(), []
+    for module, name, spec, groups in launches:
+        key = (module, name, tuple(sorted((k, v) for k, v in spec.items() if not isinstance(v, tuple))))
+        if key in seen:
+            continue
+        seen.add(key)
+        written = _written(module, name, spec)
+        extra = DATA_ADDRESSED.get((module, name), set())
+        if not extra <= written:
+            wrong.append(f"{module}.{name}: the analysis no longer writes {sorted(extra - written)}: update "
+                         "DATA_ADDRESSED")
+        written -= extra
+        for group, stored in groups:
+            if bool(written & set(group)) != stored:
+                wrong.append(f"{module}.{name}: {'/'.join(group)} {'is' if stored else 'is not'} stored into, "
+                             f"the analysis says it writes {sorted(written)}")
+    assert len({(m, n) for m, n, _, _ in launches}) >= 24  # every kernel the interpreter runs
+    assert not wrong, "\n".join(wrong)
+
+
+if __name__ == "__main__":
+    record(sys.argv[1])
