@@ -8,6 +8,8 @@ GPU (``pytest -m gpu``): bf16 at realistic sizes, eager and ``torch.compile(full
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -159,9 +161,12 @@ def test_csc_is_transpose(deterministic):
 
 
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
-def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d):
-    """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level."""
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,fuse_dq",
+                         [case + (False,) for case in CASES] + [case + (True,) for case in CASES[6:]])
+def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, fuse_dq, monkeypatch):
+    """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level; dQ in one kernel
+    (``fuse_dq``, where the fine level runs batched) or in two."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": {"fuse_dq": fuse_dq}}))
     q, k, v = _qkv(n, heads, kv_heads, d)
     levels = len(topk)
     selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import pickle
 import subprocess
@@ -26,13 +27,15 @@ import torch
 
 import triton_support as ts
 
-SCENARIOS = [
-    ("llsa", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1),  # fused forward, batched dQ
-    ("llsa ragged", {"method": "llsa", "block_size": 8, "topk": [4, 2]}, 100, 2, 1),
-    ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2),
-    ("topk", {"method": "topk", "block_size": 16, "topk": 2}, 96, 2, 1),
-    ("sla", {"method": "sla", "block_size": 16, "topk_ratio": 0.3}, 96, 2, 1),
-    ("sla2", {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.3}, 96, 2, 2),
+SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
+    ("llsa", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {}),  # fused forward, batched dQ
+    ("llsa fused dQ", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {"bwd": {"fuse_dq": True}}),
+    ("llsa ragged", {"method": "llsa", "block_size": 8, "topk": [4, 2]}, 100, 2, 1, {}),
+    ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2,
+     {}),
+    ("topk", {"method": "topk", "block_size": 16, "topk": 2}, 96, 2, 1, {}),
+    ("sla", {"method": "sla", "block_size": 16, "topk_ratio": 0.3}, 96, 2, 1, {}),
+    ("sla2", {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.3}, 96, 2, 2, {}),
 ]
 
 
@@ -128,7 +131,8 @@ def record(out: str) -> None:
             if hasattr(module, "launcher"):
                 original = module.launcher
                 module.launcher = lambda kernel, original=original: _Recorder(original, kernel)
-    for _, cfg, n, heads, kv_heads in SCENARIOS:
+    for _, cfg, n, heads, kv_heads, tiles in SCENARIOS:
+        os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps(tiles)
         torch.manual_seed(0)
         q = torch.randn(1, heads, n, 16, requires_grad=True)
         k, v = (torch.randn(1, kv_heads, n, 16, requires_grad=True) for _ in range(2))
@@ -197,7 +201,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
             if bool(written & set(group)) != stored:
                 wrong.append(f"{module}.{name}: {'/'.join(group)} {'is' if stored else 'is not'} stored into, "
                              f"the analysis says it writes {sorted(written)}")
-    assert len({(m, n) for m, n, _, _ in launches}) >= 24  # every kernel the interpreter runs
+    assert len({(m, n) for m, n, _, _ in launches}) >= 26  # every kernel the interpreter runs
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,8 +1,10 @@
 """LLSA backward.
 
-dQ, query-major, like the forward in two kernels: ``_coarse_dq_kernel`` (the forward's tiles and key lists
-over levels 1..L, also stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (adds the fine
-level; batched like the fine forward, ``_fine_dq_ragged_kernel`` for the other N and b).
+dQ, query-major, in two kernels: ``_coarse_dq_kernel`` (the forward's tiles and key lists over levels 1..L, also
+stores ``Delta = rowsum(O * dO) - dLSE``) then ``_fine_dq_kernel`` (adds the fine level; batched like the fine part
+of the fused forward, ``_fine_dq_ragged_kernel`` for the other N and b). Or, with the tile option ``fuse_dq`` (the
+default at head dims over 64) where the fine level runs batched, in one: ``_fused_dq_kernel``, the forward's fused
+tiles, dQ stored once.
 
 dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
 
@@ -346,16 +348,19 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
 
 def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
-    ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split)."""
+    ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split);
+    ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
+    in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels."""
     fq = pow2(block, 16)
     if device.type == "cpu":
-        base = dict(fuse_dq=True, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
+        base = dict(fuse_dq=False, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
                     WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
                     programs=4, dkv_programs=4)
-    else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128)
+    else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
+        # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles)
         wide = d > 64
-        base = dict(fuse_dq=True, fused_BM=64, fused_warps=4, fused_WN=16, BM=max(128, fq), BN=64, W=2, WN=16,
+        base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
                     QR=64 if wide else 128, TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4,
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=8 if wide else 4, top_stages=3,
