@@ -46,24 +46,13 @@ def _dq_step(s, lse2, do, delta, k, v, dq, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h, l_bh,
-                      H, GROUP, N, TOP_OFF, TOP_T,
-                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
-                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
-                      IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    hk = h // GROUP
-    kc = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    vc = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-    lst = LIST + bh.to(tl.int64) * l_bh + ((pid * TB) // BLOCK) * N_SPARSE
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    local = tl.arange(0, BM)
-    rows = pid * TB * BLOCK + local
-    row_ok = (local < TB * BLOCK) & (rows < N)
+def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, row_ok, q_n, N, TOP_OFF, TOP_T,
+              D: tl.constexpr, BD: tl.constexpr, N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
+              IEEE: tl.constexpr):
+    """The coarse levels' dQ (unscaled, ``(BM, BD)`` fp32) of query rows ``rows`` of head ``head``, over the
+    ancestor's key list ``lst`` and the top level; stores ``Delta`` of those rows. Returns ``(q, do, lse2, delta,
+    dq)`` for the fine level. Its only stores are ``Delta``'s, at addresses from ``bh`` and ``rows``."""
     dim = tl.arange(0, BD)
     q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
     do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
@@ -74,7 +63,8 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
     dq = tl.zeros([BM, BD], tl.float32)
     n_total = N_SPARSE + TOP_T
-    # the forward's chunk loading, written out: a shared helper ran 3-4 % slower (docs/triton_llsa.md)
+    # the forward's chunk loading, written out: a helper shared with the forward ran 3-4 % slower
+    # (docs/triton_llsa.md)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
         key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
         k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
@@ -84,7 +74,25 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
         else:
             s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
         dq = _dq_step(s, lse2, do, delta, k, v, dq, IEEE)
-    store_rows(DQ + head, dq * SCALE, rows, q_n, dim, row_ok, D)
+    return q, do, lse2, delta, dq
+
+
+@triton.jit
+def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h, l_bh,
+                      H, GROUP, N, TOP_OFF, TOP_T,
+                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      IEEE: tl.constexpr):
+    bh, b, h = program_heads(H)
+    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    local = tl.arange(0, BM)
+    rows = tl.program_id(0) * TB * BLOCK + local
+    row_ok = (local < TB * BLOCK) & (rows < N)
+    dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, row_ok, q_n, N, TOP_OFF, TOP_T, D,
+                   BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE)[4]
+    store_rows(DQ + head, dq * SCALE, rows, q_n, tl.arange(0, BD), row_ok, D)
 
 
 @triton.jit
@@ -100,33 +108,17 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
     BM: tl.constexpr = TB * BLOCK
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    row_ok = rows < N
-    dim = tl.arange(0, BD)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
-    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
-    delta = tl.sum(load_rows(O + head, rows, q_n, dim, row_ok, D).to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
-    dq = tl.zeros([BM, BD], tl.float32)
-    n_total = N_SPARSE + TOP_T
-    for c in tl.range(0, n_total, BN, num_stages=STAGES):
-        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
-        k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
-        v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
-        if EVEN:
-            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias
-        else:
-            s = mm(q, tl.trans(k), IEEE) * SCALE2 + bias[None, :]
-        dq = _dq_step(s, lse2, do, delta, k, v, dq, IEEE)
+    q, do, lse2, delta, dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, rows < N, q_n,
+                                       N, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE,
+                                       IEEE)
     real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
     q = tl.reshape(q, (TB, BLOCK, BD))
     do = tl.reshape(do, (TB, BLOCK, BD))
     lse2 = tl.reshape(lse2, (TB, BLOCK))
     delta = tl.reshape(delta, (TB, BLOCK))
     dq = tl.reshape(dq, (TB, BLOCK, BD))
+    dim = tl.arange(0, BD)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)

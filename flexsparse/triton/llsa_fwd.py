@@ -9,8 +9,8 @@ logit bias ``log2(count)``. Then the fine level, in one of two ways:
    softmax state to ``(TB, b, ...)`` and adds each block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as
    batched 3-d products (``(TB, b, keys)``; with one block per warp the row reductions stay in the warp and P in
    registers), then stores the output and the natural-log LSE. The partial state never leaves the registers
-   (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721 -> 0.696 ms
-   for both at B2 H8 N65536 D64, 1.586 -> 1.297 at D128, on an H100).
+   (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721 -> 0.689 ms
+   for both at B2 H8 N65536 D64, 1.586 -> 1.321 at D128, on an H100).
 2. Otherwise ``_coarse_fwd_kernel`` stores the normalised partial output and its LSE (log2 units), and
    ``_fine_fwd_ragged_kernel`` (any N and b, ``FQ`` rows per step, with masks) starts from that partial state
    (running max = partial LSE, running sum 1, accumulator = partial output).
