@@ -86,6 +86,17 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8]])
+def test_pool_keys_are_the_pyramid_and_its_rounding(n, block, topk, heads, kv_heads, d):
+    """``llsa_pool_keys``: the fp32 pyramid of ``llsa_pool`` and its rounding to x's dtype, bit for bit."""
+    x = torch.randn(2, kv_heads, n, d, dtype=torch.float16)
+    scores, low = ops.llsa_pool_keys(x, block, len(topk))
+    want = ops.llsa_pool(x, block, len(topk))
+    assert scores.dtype == torch.float32 and low.dtype == torch.float16
+    assert torch.equal(scores, want) and torch.equal(low, want.to(torch.float16))
+
+
+@cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
 def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=True)
@@ -253,6 +264,7 @@ def test_opcheck_cpu_fallback():
         k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
         sel = ops.llsa_select(ops.llsa_pool(q, block, 2), k_pyr, n, block, topk)
         torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
+        torch.library.opcheck(ops.llsa_pool_keys.op, (k, block, 2))
         torch.library.opcheck(ops.llsa_select.op, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
         for fuse in (False, True):
             args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
@@ -345,6 +357,7 @@ def test_gpu_opcheck():
     q_pyr = ops.llsa_pool(q, block, 2)
     sel = ops.llsa_select(q_pyr, k_pyr, n, block, topk)
     torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
+    torch.library.opcheck(ops.llsa_pool_keys.op, (k, block, 2))
     torch.library.opcheck(ops.llsa_select.op, (q_pyr, k_pyr, n, block, topk))
     for fuse in (False, True):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),

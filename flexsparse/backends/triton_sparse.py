@@ -25,10 +25,9 @@ def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tu
     the tensor cores read anyway)."""
     n, levels = q.shape[2], len(topk)
     with torch.no_grad():
-        k_pyr = ops.llsa_pool(k.detach(), block, levels)
+        k_scores, k_pyr = ops.llsa_pool_keys(k.detach(), block, levels)
         v_pyr = ops.llsa_pool(v.detach(), block, levels, True)
-        sel = ops.llsa_select(ops.llsa_pool(q.detach(), block, levels), k_pyr, n, block, list(topk))
-        k_pyr = k_pyr.to(q.dtype)
+        sel = ops.llsa_select(ops.llsa_pool(q.detach(), block, levels), k_scores, n, block, list(topk))
     return ops.llsa_attn(q, k, v, k_pyr, v_pyr, sel, block, list(topk), scale, True, deterministic)
 
 

@@ -7,8 +7,8 @@ Every body branches on the device: CUDA runs the kernels; CPU runs them through 
 interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to the ``torch``
 backend. fp64 always takes the fallback.
 
-Ops: ``llsa_pool`` (pooling pyramid), ``llsa_select`` (packed hierarchical selection),
-``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``. Pyramids are ``(B, H, T_1 + ... + T_L, D)``
+Ops: ``llsa_pool`` (pooling pyramid), ``llsa_pool_keys`` (its fp32 and low-precision copies in one pass),
+``llsa_select`` (packed hierarchical selection), ``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``. Pyramids are ``(B, H, T_1 + ... + T_L, D)``
 fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32 (``flexsparse.triton.layout``).
 """
 from __future__ import annotations
@@ -54,6 +54,17 @@ def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> T
     from .pool import pool_pyramid as pool_kernel
     return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels),
                        x.dtype if same_dtype else torch.float32)
+
+
+@triton_op("flexsparse::llsa_pool_keys")
+def llsa_pool_keys(x: Tensor, block: int, levels: int) -> tuple[Tensor, Tensor]:
+    """``llsa_pool(x, block, levels)`` (fp32: selection scores) and the same means rounded to x's dtype (what the
+    attention reads), written by one pass over x."""
+    if not use_kernels(x):
+        pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
+        return pyramid, pyramid.to(x.dtype, copy=True)  # a separate tensor even for fp32 x
+    from .pool import pool_pyramid as pool_kernel
+    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels), low=True)
 
 
 @triton_op("flexsparse::llsa_select")

@@ -16,13 +16,13 @@ from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
-def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
+def _pool_kernel(SRC, SUMS, MEANS, LOW, s_b, s_h, s_n, p_b, p_h,
                  H, N, src_tokens, src_off, dst_off, dst_tokens, span, up_off, up_tokens,
                  D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr,
-                 FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr):
+                 FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr, HAS_LOW: tl.constexpr):
     """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source tokens each; ``TT >= STEP`` a power
     of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above (the mean of those), whose
-    sums are stored with ``KEEP_SUMS``."""
+    sums are stored with ``KEEP_SUMS``. With ``HAS_LOW`` every mean is also stored rounded to ``LOW``'s dtype."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -48,7 +48,10 @@ def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
     out_mask = t_ok[:, None] & (dim[None, :] < D)
     if not UP:
         tl.store(SUMS + out, total, mask=out_mask)
-    tl.store(MEANS + out, (total / count[:, None]).to(MEANS.dtype.element_ty), mask=out_mask)
+    mean = total / count[:, None]
+    tl.store(MEANS + out, mean.to(MEANS.dtype.element_ty), mask=out_mask)
+    if HAS_LOW:
+        tl.store(LOW + out, mean.to(LOW.dtype.element_ty), mask=out_mask)
     if UP:
         up = tl.sum(total, axis=0)
         up_span = span * BLOCK
@@ -57,20 +60,26 @@ def _pool_kernel(SRC, SUMS, MEANS, s_b, s_h, s_n, p_b, p_h,
         up_ok = (pid < up_tokens) & (dim < D)
         if KEEP_SUMS:
             tl.store(SUMS + up_ptr, up, mask=up_ok)
-        tl.store(MEANS + up_ptr, (up / up_count).to(MEANS.dtype.element_ty), mask=up_ok)
+        up_mean = up / up_count
+        tl.store(MEANS + up_ptr, up_mean.to(MEANS.dtype.element_ty), mask=up_ok)
+        if HAS_LOW:
+            tl.store(LOW + up_ptr, up_mean.to(LOW.dtype.element_ty), mask=up_ok)
 
 
-def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.float32,
+                 low: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)``
-    in ``dtype`` (the sums stay fp32)."""
+    in ``dtype`` (the sums stay fp32). With ``low`` also the same means rounded to x's dtype, from the same pass:
+    ``(means, low_means)``."""
     bsz, heads, n, d = x.shape
     means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
+    low_means = torch.empty_like(means, dtype=x.dtype) if low else means
     block = levels.block
     bd, top = pow2(d), levels.levels
     up = top >= 2 and block * bd <= 8192  # the b level-1 tokens of one level-2 token in one tile
     sums = x.new_empty(bsz, heads, levels.pyramid_tokens if (top > 2 or not up) else 1, d, dtype=torch.float32)
     elems = 1024 if x.device.type == "cpu" else 4096  # tile elements (a load per child)
-    common = dict(D=d, BD=bd, BLOCK=block)
+    common = dict(D=d, BD=bd, BLOCK=block, HAS_LOW=low)
     level = 1
     while level <= top:
         dst_tokens, dst_off = levels.rows[level][0], levels.rows[level][1]
@@ -80,9 +89,9 @@ def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.flo
         warps = max(1, min(8, pow2(step) * bd // 1024))  # 8 elements (16 bytes of bf16) per thread and load
         up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if two else (0, 0)
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
-            x, sums, means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
+            x, sums, means, low_means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
             heads, n, src_tokens, src_off, dst_off, dst_tokens, block**level, up_off, up_tokens,
             TT=pow2(step), STEP=step, FROM_SUMS=level > 1, UP=two, KEEP_SUMS=two and top > 2, num_warps=warps,
             **common)
         level += 2 if two else 1
-    return means
+    return (means, low_means) if low else means
