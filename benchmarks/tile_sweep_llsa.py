@@ -18,10 +18,10 @@ from tabulate import tabulate
 import flexsparse
 from gpu_llsa import attention_fns, bench, make_inputs
 
-FWD_SWEEP = [{"stages": 3}, {"BM": 64, "warps": 4, "stages": 3}, {"BN": 128}, {"W": 2}, {"WN": 16}, {"WN": 64},
+FWD_SWEEP = [{"stages": 3}, {"fused_BM": 128, "fused_warps": 8}, {"BN": 128}, {"WN": 16}, {"WN": 64},
              {"w_stages": 3}]
 BWD_SWEEP = [{"stages": 3}, {"QR": 64}, {"dkv_warps": 8}, {"top_stages": 3}, {"programs": 2 * 132},
-             {"TK": 32}, {"W": 4}, {"WN": 32}]
+             {"TK": 32}, {"W": 4}, {"WN": 32}, {"fuse_dq": True}, {"fuse_dq": False}]
 
 
 def main() -> None:

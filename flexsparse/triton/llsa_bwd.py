@@ -32,7 +32,7 @@ from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, l
                      log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
 from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_launch, coarse_rows, fine_bases,
-                       fine_launch, fine_tokens, key_chunk, step_blocks)
+                       fine_launch, fine_tokens, fused_launch, step_blocks)
 from .tiles import overrides
 
 
@@ -99,15 +99,14 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
 def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h,
                      k_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
-                     N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BN: tl.constexpr,
-                     EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
-                     W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, IEEE: tl.constexpr):
+                     N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr,
+                     KEYS: tl.constexpr, W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, IEEE: tl.constexpr):
     """The whole dQ of a tile of ``TB`` query blocks (``llsa_fwd._fused_fwd_kernel``'s tiles): ``_coarse_dq_kernel``
     on ``TB * b`` rows, then, reshaped to ``(TB, b, ...)``, the fine level's batched steps; dQ is stored once."""
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
-    BM: tl.constexpr = TB * BLOCK
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     q, do, lse2, delta, dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, rows < N, q_n,
                                        N, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE,
@@ -380,16 +379,13 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
-        grid, coarse = coarse_launch(q, levels, tiles["fused_BM"], tiles["BN"])
-        del coarse["BM"]  # TB * b
-        keys = levels.topk[0] * levels.block
+        grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
             dlse if dlse is not None else lse, delta, dq, *q_strides, k.stride(0), k.stride(1), k.stride(2),
             *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size, STAGES=tiles["stages"],
-            WN=key_chunk(keys, tiles["fused_WN"]), KEYS=keys, W_STAGES=tiles["w_stages"],
-            HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **coarse,
-            **common)
+            W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"],
+            num_stages=tiles["stages"], **fused, **common)
     else:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
         launcher(_coarse_dq_kernel)[grid](

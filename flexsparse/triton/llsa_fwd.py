@@ -141,17 +141,16 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, 
 def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
                       l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
-                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
-                      STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr, W_STAGES: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
+                      W_STAGES: tl.constexpr, IEEE: tl.constexpr):
     """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the coarse pass
     as ``_coarse_fwd_kernel`` on ``TB * b`` rows, then the state reshaped to ``(TB, b, ...)``, one block per warp
     where ``TB`` is the warp count, adds each block's ``K_1 * b`` fine keys (batched 3-d products, chunks of
     ``WN``) and stores the output and the natural-log LSE."""
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
-    BM: tl.constexpr = TB * BLOCK
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
     dim = tl.arange(0, BD)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     q = load_rows(Q + head, rows, q_n, dim, rows < N, D)
@@ -295,6 +294,15 @@ def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int)
                       EVEN=even)
 
 
+def fused_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int, fine_cap: int):
+    """Grid and constants of the fused kernels (``_fused_fwd_kernel``, ``llsa_bwd._fused_dq_kernel``;
+    ``batched_blocks`` holds, so ``BM = TB * b``): ``coarse_launch``'s, and the fine level's ``KEYS = K_1 b`` keys
+    per query block in chunks of ``WN`` (``key_chunk`` of ``fine_cap``)."""
+    grid, coarse = coarse_launch(q, levels, rows_cap, keys_cap)
+    keys = levels.topk[0] * levels.block
+    return grid, dict(coarse, KEYS=keys, WN=key_chunk(keys, fine_cap))
+
+
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
     """O ``(B, H, N, D)`` in q's dtype and natural-log LSE ``(B, H, N)`` fp32.
 
@@ -312,14 +320,12 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
-        grid, coarse = coarse_launch(q, levels, tiles["fused_BM"], tiles["BN"])
-        del coarse["BM"]  # TB * b
-        keys = levels.topk[0] * levels.block
+        grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, k.stride(0),
             k.stride(1), k.stride(2), *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
-            STAGES=tiles["stages"], WN=key_chunk(keys, tiles["WN"]), KEYS=keys, W_STAGES=tiles["w_stages"],
-            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **coarse, **common)
+            STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], num_warps=tiles["fused_warps"],
+            num_stages=tiles["stages"], **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](
