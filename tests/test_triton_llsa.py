@@ -176,8 +176,10 @@ def test_csc_is_transpose(deterministic):
                          [case + (False,) for case in CASES] + [case + (True,) for case in CASES[6:]])
 def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, fuse_dq, monkeypatch):
     """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level; dQ in one kernel
-    (``fuse_dq``, where the fine level runs batched) or in two."""
-    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": {"fuse_dq": fuse_dq}}))
+    (``fuse_dq``, where the fine level runs batched) or in two; with ``fuse_dq`` the batched fine dK/dV also reads
+    its lists 2 ids at a time (several rounds per list)."""
+    tiles = {"fuse_dq": True, "dkv_slots": 2} if fuse_dq else {"fuse_dq": False}
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles}))
     q, k, v = _qkv(n, heads, kv_heads, d)
     levels = len(topk)
     selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
@@ -202,9 +204,10 @@ def test_half_inputs_with_fp32_pooled_levels(n, block, topk, heads, kv_heads, d)
 
 
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[3]])
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[3], CASES[8]])
 def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
-    """The whole method (pool, select, attend, gradients through the pooling) against the dense spec."""
+    """The whole method (pool, select, attend, gradients through the pooling) against the dense spec; CASES[8]
+    runs the fine level batched (the pooled gradients added by the batched dK/dV kernel)."""
     q, k, v = _qkv(n, heads, kv_heads, d, grid=True)
     cfg = {"method": "llsa", "block_size": block, "topk": list(topk)}
     results = {}
@@ -220,9 +223,10 @@ def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
-def test_deterministic_gradients_are_bitwise_reproducible():
-    q, k, v = _qkv(100, 2, 1, 16)
-    cfg = {"method": "llsa", "block_size": 8, "topk": [4, 2], "deterministic": True}
+@pytest.mark.parametrize("n,block", [(100, 8), (512, 16)])  # ragged and batched fine level
+def test_deterministic_gradients_are_bitwise_reproducible(n, block):
+    q, k, v = _qkv(n, 2, 1, 16)
+    cfg = {"method": "llsa", "block_size": block, "topk": [4, 2], "deterministic": True}
     grads = []
     for _ in range(2):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]

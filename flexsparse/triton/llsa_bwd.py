@@ -8,8 +8,12 @@ tiles, dQ stored once.
 
 dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
 
-* ``_sparse_dkv_kernel`` for level l < L: one program per level-(l+1) token p owns its ``b`` children
-  at level l and walks the CSC list of ``S_{l+1}`` (the level-(l+1) query tokens that selected p);
+* ``_fine_dkv_kernel`` for level 0 where the fine level runs batched (``llsa_fwd.batched_blocks``; tile option
+  ``batched_dkv``): one key block per warp walks its CSC list of ``S_1`` one query block per step (batched
+  ``b x b`` products), the list ids read ``dkv_slots`` at a time into registers, so the pipelined gathers of Q and
+  dO wait on no index load; it adds the pooled levels' gradients like the kernel below.
+* ``_sparse_dkv_kernel`` for level l < L (level 0 otherwise): one program per level-(l+1) token p owns its ``b``
+  children at level l and walks the CSC list of ``S_{l+1}`` (the level-(l+1) query tokens that selected p);
   each entry stands for ``b^{l+1}`` consecutive fine queries (``_dkv_t_step``: queries and the head dim
   are the wgmma M dims). Levels with few parents split every list over programs and sum the partials.
   For l = 0 it can also add the gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is
@@ -298,6 +302,74 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
 
 
 @triton.jit
+def _fine_dkv_step(q, do, lse2, delta, k, v, dk, dv, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """Batched key-major update, one key block per warp: keys ``k, v (W, b, BD)``, one query block each ``q, do
+    (W, b, BD)``, ``lse2, delta (W, b)`` (``lse2 = +inf``: a masked step, P = 0): ``dv += P^T dO``, ``dk += dS^T Q``
+    (unscaled), on ``S^T (W, b, b)``."""
+    p_t = tl.exp2(mm(k, tl.trans(q), IEEE) * SCALE2 - tl.expand_dims(lse2, 1))
+    ds_t = p_t * (mm(v, tl.trans(do), IEEE) - tl.expand_dims(delta, 1))
+    dv += mm(p_t.to(do.dtype), do, IEEE)
+    dk += mm(ds_t.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK, DV,
+                     q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h, H, HK, GROUP, N, LEVELS, S_TOTAL, C_TOTAL,
+                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
+                     SCALE: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr,
+                     FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
+    """dK, dV of the fine level where it runs batched (``llsa_fwd.batched_blocks``): ``W`` key blocks per program,
+    one per warp, each walking the CSC list of ``S_1`` (the query blocks that selected it) one query block per step
+    (``_fine_dkv_step``); a program takes as many steps as its longest list, the shorter ones masked. A partial last
+    program repeats the last block (not stored). With ``FUSE_POOL`` also adds the pooled levels' gradients."""
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk - b * HK
+    real, blk, tok = step_blocks(tl.program_id(0), 0, N // BLOCK, W, 1, BLOCK)
+    dim = tl.arange(0, BD)
+    kv = b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    k = load_slab(K + kv, tok, k_n, dim, D, BD)
+    v = load_slab(V + kv, tok, k_n, dim, D, BD)
+    csc = tl.load(META + CSC_OFF)
+    sel = tl.load(META + SEL_OFF)
+    local = tl.arange(0, BLOCK)
+    slots = tl.arange(0, SLOTS)
+    dk = tl.zeros([W, BLOCK, BD], tl.float32)
+    dv = tl.zeros([W, BLOCK, BD], tl.float32)
+    for g in range(GROUP):
+        bh = (b * H + hk * GROUP + g).to(tl.int64)
+        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
+        lo = tl.load(OFFSETS + bh * C_TOTAL + csc + blk)
+        count = tl.load(OFFSETS + bh * C_TOTAL + csc + blk + 1) - lo
+        entries = ROWS + bh * S_TOTAL + sel + lo
+        longest = tl.max(count, axis=0)
+        for first in range(0, longest, SLOTS):  # the list ids SLOTS at a time, in registers: no index load per step
+            ids = tl.load(entries[:, None] + (first + slots)[None, :], mask=(first + slots)[None, :] < count[:, None],
+                          other=0)
+            for step in tl.range(0, tl.minimum(longest - first, SLOTS), num_stages=STAGES):
+                pick = tl.sum(tl.where(slots[None, :] == step, ids, 0), axis=1)
+                rows = pick[:, None] * BLOCK + local[None, :]
+                q = load_slab(Q + head, rows, q_n, dim, D, BD)
+                do = load_slab(DO + head, rows, q_n, dim, D, BD)
+                live = (first + step < count)[:, None]
+                lse2 = tl.where(live, tl.load(LSE + bh * N + rows) * LOG2E, float("inf"))
+                dk, dv = _fine_dkv_step(q, do, lse2, tl.load(DELTA + bh * N + rows), k, v, dk, dv, SCALE2, IEEE)
+    dk = dk * SCALE
+    if FUSE_POOL:
+        c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        for level in range(1, LEVELS + 1):
+            span = tl.load(META + level * 6 + SPAN)
+            up = tok // span
+            inv = 1.0 / tl.minimum(N - up * span, span).to(tl.float32)
+            rows = tl.load(META + level * 6 + KV_OFF) + up
+            dk += load_slab(DKC + c_kv, rows, D, dim, D, BD) * inv[:, :, None]
+            dv += load_slab(DVC + c_kv, rows, D, dim, D, BD) * inv[:, :, None]
+    store_slab(DK + kv, dk, tok, k_n, dim, real[:, None], D, BD, True)
+    store_slab(DV + kv, dv, tok, k_n, dim, real[:, None], D, BD, True)
+
+
+@triton.jit
 def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q_n, c_b, c_h, p_s,
                     H, HK, GROUP, N, LEVELS, QUERIES,
                     D: tl.constexpr, BD: tl.constexpr, TK: tl.constexpr, SCALE2: tl.constexpr,
@@ -341,21 +413,26 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split);
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
-    in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels."""
+    in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
+    ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
+    at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched."""
     fq = pow2(block, 16)
     if device.type == "cpu":
         base = dict(fuse_dq=False, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
                     WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
-                    programs=4, dkv_programs=4)
+                    programs=4, dkv_programs=4, batched_dkv=True, dkv_W=2, dkv_slots=16, dkv_stages=1)
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
-        # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles)
+        # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
+        # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
+        # or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61)
         wide = d > 64
         base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
                     QR=64 if wide else 128, TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4,
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=8 if wide else 4, top_stages=3,
-                    programs=4 * 132, dkv_programs=16 * 132)
+                    programs=4 * 132, dkv_programs=16 * 132, batched_dkv=True, dkv_W=1,
+                    dkv_slots=32, dkv_stages=3)
     return {**base, **overrides("bwd")}
 
 
@@ -420,6 +497,13 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     dv = torch.empty_like(v)
     for level in range(top - 1, -1, -1):
         fine = level == 0
+        if fine and batched_blocks(levels) and tiles["batched_dkv"]:
+            launcher(_fine_dkv_kernel)[(cdiv(levels.tokens(1), tiles["dkv_W"]), bsz * kv_heads)](
+                q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, k.stride(0), k.stride(1),
+                k.stride(2), *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
+                BLOCK=levels.block, W=tiles["dkv_W"], SLOTS=tiles["dkv_slots"], STAGES=tiles["dkv_stages"],
+                FUSE_POOL=fuse_pool, num_warps=tiles["dkv_W"], num_stages=tiles["dkv_stages"], **common)
+            continue
         parents = levels.tokens(level + 1)
         # few parents with long lists (deep levels): split every list over programs, sum the partials after
         splits = 1 if fine else max(1, min(8, tiles["dkv_programs"] // (parents * bsz * kv_heads)))
