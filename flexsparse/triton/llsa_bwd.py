@@ -425,13 +425,15 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
         # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
         # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
-        # or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61)
+        # or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61). Top level and coarse dK/dV re-tuned on the
+        # H100 (whole backward, same shape): D128 5.42 -> 4.55 ms (top_warps 8 -> 4, TOP_QR 64 -> 32, QR 64 -> 128),
+        # D64 2.43 -> 2.35 (TOP_QR 64 -> 32, programs 4 -> 8 per SM; N262144 L3 11.56 -> 11.58, N16384 0.59 -> 0.60)
         wide = d > 64
         base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
-                    QR=64 if wide else 128, TK=64, TOP_QR=64, warps=8, stages=2, fine_warps=4,
-                    fine_stages=2 if wide else 3, dkv_warps=4, top_warps=8 if wide else 4, top_stages=3,
-                    programs=4 * 132, dkv_programs=16 * 132, batched_dkv=True, dkv_W=1,
+                    QR=128, TK=64, TOP_QR=32, warps=8, stages=2, fine_warps=4,
+                    fine_stages=2 if wide else 3, dkv_warps=4, top_warps=4, top_stages=3,
+                    programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, batched_dkv=True, dkv_W=1,
                     dkv_slots=32, dkv_stages=3)
     return {**base, **overrides("bwd")}
 
