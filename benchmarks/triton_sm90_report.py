@@ -71,8 +71,8 @@ def main():
     bt = llsa_bwd.backward_tiles(dev, d, block)
     q = f"*{dt}"
     jobs = [
-        ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32"),
-         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False),
+        ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32", LOW=q),
+         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False, HAS_LOW=True),
          max(1, 16 * pow2(d) // 1024), 1),
         ("select(children)", select._select_children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, W=select.CHILD_PARENTS, DC=16, SCAN=True),
@@ -99,10 +99,15 @@ def main():
     ]
     dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
                     ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32", PART_K="*fp32", PART_V="*fp32")
-    for fine in (True, False):
+    for fine in (True, False):  # the per-parent kernel: coarse levels, and level 0 of the ragged path
         jobs.append((f"sparse dkv ({'fine' if fine else 'coarse'})", llsa_bwd._sparse_dkv_kernel, dkv_ptrs,
                      dict(BLOCK=block, BK=16, SCALE=0.125, QR=bt["QR_FINE"] if fine else bt["QR"], FINE=fine,
-                          FUSE_POOL=fine, **common), bt["dkv_warps"], bt["stages"]))
+                          ENTRY_MAJOR=not fine, FUSE_POOL=fine, **common), bt["dkv_warps"], bt["stages"]))
+    jobs.append(("fine dkv (batched)", llsa_bwd._fine_dkv_kernel,
+                 dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", META="*i32",
+                      DKC="*fp32", DVC="*fp32", DK=q, DV=q),
+                 dict(BLOCK=block, SCALE=0.125, W=bt["dkv_W"], SLOTS=bt["dkv_slots"], STAGES=bt["dkv_stages"],
+                      FUSE_POOL=True, **common), bt["dkv_W"], bt["dkv_stages"]))
     jobs.append(("top dkv", llsa_bwd._top_dkv_kernel,
                  dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
                       PART_V="*fp32"),
