@@ -102,7 +102,8 @@ def main():
     for fine in (True, False):  # the per-parent kernel: coarse levels, and level 0 of the ragged path
         jobs.append((f"sparse dkv ({'fine' if fine else 'coarse'})", llsa_bwd._sparse_dkv_kernel, dkv_ptrs,
                      dict(BLOCK=block, BK=16, SCALE=0.125, QR=bt["QR_FINE"] if fine else bt["QR"], FINE=fine,
-                          ENTRY_MAJOR=not fine, FUSE_POOL=fine, **common), bt["dkv_warps"], bt["stages"]))
+                          ENTRY_MAJOR=not fine, FUSE_POOL=fine, **common), bt["dkv_warps"],
+                     bt["stages"] if fine else bt["dkv_coarse_stages"]))
     jobs.append(("fine dkv (batched)", llsa_bwd._fine_dkv_kernel,
                  dict(Q=q, K=q, V=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32", ROWS="*i32", META="*i32",
                       DKC="*fp32", DVC="*fp32", DK=q, DV=q),

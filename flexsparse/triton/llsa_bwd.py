@@ -432,6 +432,7 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split);
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
     in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
+    ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels;
     ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
     at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched."""
     fq = pow2(block, 16)
@@ -439,20 +440,23 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
         base = dict(fuse_dq=False, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
                     WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
-                    programs=4, dkv_programs=4, batched_dkv=True, dkv_W=2, dkv_slots=16, dkv_stages=1)
+                    programs=4, dkv_programs=4, dkv_coarse_stages=1, batched_dkv=True, dkv_W=2, dkv_slots=16,
+                    dkv_stages=1)
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
         # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
         # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
         # or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61). Top level and coarse dK/dV re-tuned on the
         # H100 (whole backward, same shape): D128 5.42 -> 4.55 ms (top_warps 8 -> 4, TOP_QR 64 -> 32, QR 64 -> 128),
-        # D64 2.43 -> 2.35 (TOP_QR 64 -> 32, programs 4 -> 8 per SM; N262144 L3 11.56 -> 11.58, N16384 0.59 -> 0.60)
+        # D64 2.43 -> 2.35 (TOP_QR 64 -> 32, programs 4 -> 8 per SM; N262144 L3 11.56 -> 11.58, N16384 0.59 -> 0.60).
+        # Coarse dK/dV at D64 on 64-row steps and 3 stages (its own key, dkv_coarse_stages): 2.36-2.39 -> 2.32 ms,
+        # N262144 L3 11.48-11.79 -> 11.26, N16384 0.597-0.602 -> 0.577 (3 stages at D128: 4.57 -> 4.81)
         wide = d > 64
         base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
-                    QR=128, TK=64, TOP_QR=32, warps=8, stages=2, fine_warps=4,
+                    QR=128 if wide else 64, TK=64, TOP_QR=32, warps=8, stages=2, fine_warps=4,
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=4, top_stages=3,
-                    programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, batched_dkv=True, dkv_W=1,
-                    dkv_slots=32, dkv_stages=3)
+                    programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, dkv_coarse_stages=2 if wide else 3,
+                    batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3)
     return {**base, **overrides("bwd")}
 
 
@@ -542,7 +546,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,
             BLOCK=levels.block, BK=pow2(levels.block, 16), QR=qr, FINE=fine,
             ENTRY_MAJOR=levels.block ** (level + 1) % qr == 0, FUSE_POOL=fine and fuse_pool,
-            num_warps=tiles["dkv_warps"], num_stages=tiles["stages"], **common)
+            num_warps=tiles["dkv_warps"], num_stages=tiles["stages" if fine else "dkv_coarse_stages"], **common)
         if splits > 1:
             dkc[:, :, first:first + count] = part_k.sum(0)
             dvc[:, :, first:first + count] = part_v.sum(0)
