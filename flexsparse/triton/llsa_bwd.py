@@ -227,6 +227,22 @@ def _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2: tl.constexpr, 
 
 
 @triton.jit
+def add_pooled_grads(dk, dv, pk, pv, tok, ok, META, N, LEVELS, dim, D: tl.constexpr):
+    """``dk, dv (..., BD)`` of fine key tokens ``tok (...)`` plus the gradients of the pooled levels 1..LEVELS read
+    at ``pk, pv`` (a KV head's pyramid rows, fp32, row stride D): ``dK^(l)[tok // b^l] / count``, the backward of the
+    pooling pyramid. Rows where ``ok`` is False read zeros."""
+    mask = tl.expand_dims(ok, -1) & (dim < D)
+    for level in range(1, LEVELS + 1):
+        span = tl.load(META + level * 6 + SPAN)
+        up = tok // span
+        inv = tl.expand_dims(1.0 / tl.maximum(tl.minimum(N - up * span, span), 1).to(tl.float32), -1)
+        rows = tl.expand_dims((tl.load(META + level * 6 + KV_OFF) + up).to(tl.int64), -1) * D + dim
+        dk += tl.load(pk + rows, mask=mask, other=0.0) * inv
+        dv += tl.load(pv + rows, mask=mask, other=0.0) * inv
+    return dk, dv
+
+
+@triton.jit
 def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, k, v, bias, dkt, dvt, D: tl.constexpr,
                 SCALE2: tl.constexpr, IEEE: tl.constexpr):
     """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head: loads their q, dO, LSE and Delta."""
@@ -245,10 +261,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
                        SCALE2: tl.constexpr, SCALE: tl.constexpr, QR: tl.constexpr, FINE: tl.constexpr,
                        ENTRY_MAJOR: tl.constexpr, FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
     parent = tl.program_id(0)
-    bhk = tl.program_id(1)
     split = tl.program_id(2)
-    b = bhk // HK
-    hk = bhk - b * HK
+    _, b, hk = program_heads(HK)
     tokens = tl.load(META + LEVEL * 6 + T)
     off = tl.load(META + LEVEL * 6 + KV_OFF)
     span = tl.load(META + LEVEL * 6 + SPAN)
@@ -301,15 +315,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     dk = tl.trans(dkt) * SCALE
     dv = tl.trans(dvt)
     if FUSE_POOL:
-        pooled_k = DKC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-        pooled_v = DVC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-        for level in range(1, LEVELS + 1):
-            lspan = tl.load(META + level * 6 + SPAN)
-            loff = tl.load(META + level * 6 + KV_OFF)
-            up = tok // lspan
-            inv = 1.0 / tl.maximum(tl.minimum(N - up * lspan, lspan), 1).to(tl.float32)
-            dk += load_rows(pooled_k, loff + up, D, dim, k_ok, D) * inv[:, None]
-            dv += load_rows(pooled_v, loff + up, D, dim, k_ok, D) * inv[:, None]
+        c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
+        dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, k_ok, META, N, LEVELS, dim, D)
     if FINE:
         store_rows(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk, tok, k_n, dim, k_ok, D)
         store_rows(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv, tok, k_n, dim, k_ok, D)
@@ -341,9 +348,7 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     one per warp, each walking the CSC list of ``S_1`` (the query blocks that selected it) one query block per step
     (``_fine_dkv_step``); a program takes as many steps as its longest list, the shorter ones masked. A partial last
     program repeats the last block (not stored). With ``FUSE_POOL`` also adds the pooled levels' gradients."""
-    bhk = tl.program_id(1)
-    b = bhk // HK
-    hk = bhk - b * HK
+    _, b, hk = program_heads(HK)
     real, blk, tok = step_blocks(tl.program_id(0), 0, N // BLOCK, W, 1, BLOCK)
     dim = tl.arange(0, BD)
     kv = b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
@@ -376,13 +381,7 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     dk = dk * SCALE
     if FUSE_POOL:
         c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
-        for level in range(1, LEVELS + 1):
-            span = tl.load(META + level * 6 + SPAN)
-            up = tok // span
-            inv = 1.0 / tl.minimum(N - up * span, span).to(tl.float32)
-            rows = tl.load(META + level * 6 + KV_OFF) + up
-            dk += load_slab(DKC + c_kv, rows, D, dim, D, BD) * inv[:, :, None]
-            dv += load_slab(DVC + c_kv, rows, D, dim, D, BD) * inv[:, :, None]
+        dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, tok < N, META, N, LEVELS, dim, D)
     store_slab(DK + kv, dk, tok, k_n, dim, real[:, None], D, BD, True)
     store_slab(DV + kv, dv, tok, k_n, dim, real[:, None], D, BD, True)
 

@@ -8,8 +8,9 @@ interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to 
 backend. fp64 always takes the fallback.
 
 Ops: ``llsa_pool`` (pooling pyramid), ``llsa_pool_keys`` (its fp32 and low-precision copies in one pass),
-``llsa_select`` (packed hierarchical selection), ``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``. Pyramids are ``(B, H, T_1 + ... + T_L, D)``
-fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32 (``flexsparse.triton.layout``).
+``llsa_select`` (packed hierarchical selection), ``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``.
+Pyramids are ``(B, H, T_1 + ... + T_L, D)`` fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32
+(``flexsparse.triton.layout``).
 """
 from __future__ import annotations
 
