@@ -144,6 +144,29 @@ def test_smoothed_keys_compile_fullgraph_with_backward():
     torch.testing.assert_close(k.grad, k2.grad)
 
 
+@pytest.mark.parametrize("router", ["hard", "soft"])
+def test_backward_makes_no_zero_block_sum_gradient(router, monkeypatch):
+    """The smoothing mean takes no gradient, so with the hard router (no gradient to the router either) the
+    backward runs no block-sum gradient pass, which would broadcast zeros over k and add them to its gradient;
+    the soft router's gradient to the pooled keys does run one."""
+    from flexsparse.masks import pooling
+    calls = []
+    backward = pooling._BlockSums.backward
+
+    def counted(ctx, grad):
+        calls.append(float(grad.abs().sum()))
+        return backward(ctx, grad)
+
+    monkeypatch.setattr(pooling._BlockSums, "backward", staticmethod(counted))
+    cfg = sla2_config(block_size=8, topk_ratio=0.25, router=router)
+    q, k, v = leaf_qkv(1, 2, 1, 48, 8)
+    flexsparse.attention(q, k, v, cfg, backend="torch", params=params_for(cfg, 8, 2, 48)).sum().backward()
+    if router == "hard":
+        assert calls == []
+    else:
+        assert calls and all(total > 0 for total in calls)
+
+
 @pytest.mark.parametrize("router_softmax", [True, False])
 def test_soft_router_mask(router_softmax):
     """M = SoftTop-k(softmax(proj_q(Qbar) proj_k(Kbar)^T / sqrt(D))), rows summing to the hard count."""
