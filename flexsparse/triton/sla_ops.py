@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..backends.torch_linear import apply_feature_map, feature_map_backward
 from ..masks import kv_head_index
-from ..masks.pooling import accumulation_dtype, block_sums
+from ..masks.pooling import accumulation_dtype
 from ..masks.topk import sorted_block_topk
 from .ops import contiguous, use_kernels
 from .registry import triton_op
@@ -252,13 +252,6 @@ def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
     return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
 
 
-def _column_sums(x: Tensor) -> Tensor:
-    """``x.sum(0)`` of a tall ``(M, D)`` matrix, summed in the accumulation dtype and rounded once to x's, in two
-    stages (``block_sums`` of 1024 rows, then their sum): PyTorch's one reduction over the long dim keeps few
-    outputs busy (0.137 ms at M = 2^20, D = 64 bf16 on an H100, a third of the memory bandwidth)."""
-    return block_sums(x, 1024).sum(0).to(x.dtype)
-
-
 def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
                    alpha: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
     """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha)`` (None where absent)."""
@@ -269,7 +262,7 @@ def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Opt
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
         flat = dout.flatten(0, 2)
         d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
-        d_bias = None if bias_dtype is None else _column_sums(flat).to(bias_dtype)
+        d_bias = None if bias_dtype is None else flat.sum(0).to(bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
         d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
         d_alpha = d_alpha.to(alpha.dtype)
