@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flexsparse.triton import (block_bwd, block_fwd, block_fwd_fp8, block_topk, csc, fp8_quant, linear_bwd,
-                               linear_fwd, llsa_bwd, llsa_fwd, pool, select)
+                               linear_fwd, llsa_bwd, llsa_entry_dkv, llsa_fwd, pool, select)
 from flexsparse.triton.layout import pow2
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -113,6 +113,15 @@ def main():
                  dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", META="*i32", PART_K="*fp32",
                       PART_V="*fp32"),
                  dict(TK=bt["TK"], SCALE=0.125, QR=bt["TOP_QR"], **common), bt["top_warps"], bt["top_stages"]))
+    jobs.append(("entry dkv", llsa_entry_dkv._entry_dkv_kernel,
+                 dict(Q=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", SEL="*i32", META="*i32", PART_K="*fp32",
+                      PART_V="*fp32"),
+                 dict(BLOCK=block, TK=bt["entry_TK"], QR=bt["entry_QR"], SCALE=0.125, **common), bt["entry_warps"],
+                 bt["entry_stages"]))
+    jobs.append(("entry sum", llsa_entry_dkv._entry_sum_kernel,
+                 dict(SEL="*i32", OFFSETS="*i32", ROWS="*i32", META="*i32", PART_K="*fp32", PART_V="*fp32",
+                      DKC="*fp32", DVC="*fp32"),
+                 dict(D=d, BD=pow2(d, 16), BLOCK=block, BK=16, KP2=8), 1, 1))
     block_q, block_k = (int(x) for x in args.blocks.split("x"))
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     bf, bb = block_fwd.forward_tiles(dev, d, torch_dtype), block_bwd.backward_tiles(dev, d, torch_dtype)

@@ -171,14 +171,20 @@ def test_csc_is_transpose(deterministic):
             assert torch.equal(got, csr_to_csc(s, keys).rows)
 
 
+ENTRY = {"fuse_dq": False, "entry_memory": 1e9}                    # every coarse level's dK/dV ancestor-major
+KEY_MAJOR = {"fuse_dq": False, "entry_memory": 0.0}                 # ... key-major
+FUSED = {"fuse_dq": True, "dkv_slots": 2, "entry_memory": 0.0}      # ... and dQ in one kernel, lists in rounds
+
+
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,fuse_dq",
-                         [case + (False,) for case in CASES] + [case + (True,) for case in CASES[6:]])
-def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, fuse_dq, monkeypatch):
-    """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level; dQ in one kernel
-    (``fuse_dq``, where the fine level runs batched) or in two; with ``fuse_dq`` the batched fine dK/dV also reads
-    its lists 2 ids at a time (several rounds per list)."""
-    tiles = {"fuse_dq": True, "dkv_slots": 2} if fuse_dq else {"fuse_dq": False}
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,tiles",
+                         [case + (ENTRY,) for case in CASES] + [case + (KEY_MAJOR,) for case in CASES[2:6]]
+                         + [case + (FUSED,) for case in CASES[6:]])
+def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, tiles, monkeypatch):
+    """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level. The coarse levels'
+    dK/dV ancestor-major (with rows split over programs: the CPU tiles' ``entry_rows``) or key-major; dQ in one
+    kernel (``fuse_dq``, where the fine level runs batched) or in two; with ``fuse_dq`` the batched fine dK/dV also
+    reads its lists 2 ids at a time (several rounds per list)."""
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles}))
     q, k, v = _qkv(n, heads, kv_heads, d)
     levels = len(topk)

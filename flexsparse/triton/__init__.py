@@ -2,7 +2,8 @@
 
 Kernels know tensors and integers, never configs. Modules: ``pool`` (pooling pyramid), ``select``
 (hierarchical top-K), ``csc`` (CSR -> CSC transpose of selections, LLSA levels and block tables),
-``llsa_fwd`` / ``llsa_bwd`` (LLSA attention), ``block_fwd`` / ``block_bwd`` (block-sparse attention over
+``llsa_fwd`` / ``llsa_bwd`` / ``llsa_entry_dkv`` (LLSA attention; the last: ancestor-major coarse dK/dV),
+``block_fwd`` / ``block_bwd`` (block-sparse attention over
 an index table), ``block_fwd_ws`` / ``block_bwd_ws`` (their warp-specialized Gluon versions for sm_90, which
 ``block_fwd`` / ``block_bwd`` pick where they are faster), ``fp8_quant`` / ``block_fwd_fp8`` (the FP8 e4m3 pre-pass and forward of the quantized
 block-sparse branch), ``common`` (shared jitted helpers), ``tiles`` (tile overrides), ``ops`` / ``block_ops``

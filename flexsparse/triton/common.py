@@ -44,6 +44,19 @@ def mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constexpr, IEEE: tl.constexpr):
+    """Key-major update for keys ``k, v (BK, BD)`` with logit bias ``bias (BK,)`` and queries
+    ``q, do (QR, BD)``: ``dv += P^T dO``, ``dk += dS^T Q`` (unscaled). Works on ``S^T (BK, QR)`` so
+    that every matrix product's first operand is a plain loaded tile or a computed one."""
+    s_t = mm(k, tl.trans(q), IEEE) * SCALE2 + bias[:, None]
+    p_t = tl.where(row_ok[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
+    ds_t = p_t * (mm(v, tl.trans(do), IEEE) - delta[None, :])
+    dv += mm(p_t.to(do.dtype), do, IEEE)
+    dk += mm(ds_t.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
 def softmax_step(x, scale, v, m, l, acc, IEEE: tl.constexpr):
     """Online-softmax update of ``(m, l, acc)`` with logits ``x * scale`` (log2 units; ``x (BM, BN)``, ``scale > 0`` a
     scalar) and values ``v (BN, BD)``; or batched: ``x (W, BM, BN)``, ``v (W, BN, BD)``. The row max is taken on

@@ -6,24 +6,29 @@ of the fused forward, ``_fine_dq_ragged_kernel`` for the other N and b). Or, wit
 default at head dims over 64) where the fine level runs batched, in one: ``_fused_dq_kernel``, the forward's fused
 tiles, dQ stored once.
 
-dK/dV, key-major, with no dense mask and no loop over all queries below the top level:
+dK/dV, with no dense mask and no loop over all queries below the top level:
 
 * ``_fine_dkv_kernel`` for level 0 where the fine level runs batched (``llsa_fwd.batched_blocks``; tile option
   ``batched_dkv``): one key block per warp walks its CSC list of ``S_1`` one query block per step (batched
   ``b x b`` products), the list ids read ``dkv_slots`` at a time into registers, so the pipelined gathers of Q and
   dO wait on no index load; it adds the pooled levels' gradients like the kernel below.
-* ``_sparse_dkv_kernel`` for level l < L (level 0 otherwise): one program per level-(l+1) token p owns its ``b``
-  children at level l and walks the CSC list of ``S_{l+1}`` (the level-(l+1) query tokens that selected p);
-  each entry stands for ``b^{l+1}`` consecutive fine queries (``_dkv_t_step``: queries and the head dim
-  are the wgmma M dims), walked entry by entry when the steps divide the entries (``ENTRY_MAJOR``: no index
-  load per step; H100, whole backward B2 H8 N262144 L3 D64 11.50-11.55 -> 11.35-11.37 ms, N16384 0.601 ->
-  0.592). Levels with few parents split every list over programs and sum the partials.
+* ``llsa_entry_dkv.entry_dkv`` for a coarse level l < L whose partial sums are small (``entry_memory``; with
+  ``b = 16``, ``K = 8``: levels 2 and up): ancestor-major, each query row read once per key chunk (H100, B2 H8
+  N262144 L3 D64 fwd+bwd 15.16-15.26 -> 13.19-13.24 ms with every coarse level on it, 13.54-14.42 from level 2).
+* ``_sparse_dkv_kernel`` for the other levels l < L (level 0 where the fine level is not batched): one program
+  per level-(l+1) token p owns its ``b`` children at level l and walks the CSC list of ``S_{l+1}`` (the
+  level-(l+1) query tokens that selected p); each entry stands for ``b^{l+1}`` consecutive fine queries
+  (``_dkv_t_step``: queries and the head dim are the wgmma M dims), walked entry by entry when the steps divide
+  the entries (``ENTRY_MAJOR``: no index load per step; H100, whole backward B2 H8 N262144 L3 D64 11.50-11.55 ->
+  11.35-11.37 ms, N16384 0.601 -> 0.592). Levels with few parents split every list over programs and sum the
+  partials.
   For l = 0 it can also add the gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is
   the backward of the pooling pyramid.
 * ``_top_dkv_kernel`` for level L: dense, split over query ranges for parallelism; the partial
   sums are added in a fixed order (deterministic).
 
-GQA: a dK/dV program loops over the query heads of its KV head, so no atomics are needed. Probabilities
+GQA: a key-major dK/dV program loops over the query heads of its KV head (the ancestor-major one sums them
+with the partials), so no atomics are needed. Probabilities
 are recomputed from the saved LSE; every level-l logit carries its ``ln(count)`` bias, so coarse
 gradients get their weights.
 """
@@ -34,9 +39,10 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, launcher, load_rows, load_slab, load_tile,
-                     log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_step, launcher, load_rows, load_slab,
+                     load_tile, log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
+from .llsa_entry_dkv import entry_dkv, entry_scratch
 from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_launch, coarse_rows, fine_bases,
                        fine_launch, fine_tokens, fused_launch, step_blocks)
 from .tiles import overrides
@@ -196,19 +202,6 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
             dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
         dq = load_rows(DQ + head, rows, q_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
         store_rows(DQ + head, dq, rows, q_n, dim, row_ok, D)
-
-
-@triton.jit
-def _dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constexpr, IEEE: tl.constexpr):
-    """Key-major update for keys ``k, v (BK, BD)`` with logit bias ``bias (BK,)`` and queries
-    ``q, do (QR, BD)``: ``dv += P^T dO``, ``dk += dS^T Q`` (unscaled). Works on ``S^T (BK, QR)`` so
-    that every matrix product's first operand is a plain loaded tile or a computed one."""
-    s_t = mm(k, tl.trans(q), IEEE) * SCALE2 + bias[:, None]
-    p_t = tl.where(row_ok[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
-    ds_t = p_t * (mm(v, tl.trans(do), IEEE) - delta[None, :])
-    dv += mm(p_t.to(do.dtype), do, IEEE)
-    dk += mm(ds_t.to(q.dtype), q, IEEE)
-    return dk, dv
 
 
 @triton.jit
@@ -420,7 +413,7 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
             do = load_rows(DO + head, n, q_n, dim, n_ok, D)
             lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-            dk, dv = _dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
+            dk, dv = dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
     part = split.to(tl.int64) * p_s + kv
     store_rows(PART_K + part, dk * SCALE, off + tok, D, dim, k_ok, D)
     store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
@@ -433,14 +426,18 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
     in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
     ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels;
     ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
-    at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched."""
+    at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched; ``entry_memory``: a coarse level's
+    dK/dV runs ancestor-major (``llsa_entry_dkv``: keys in chunks of ``entry_TK``, ``entry_QR`` rows per step, at
+    most ``entry_rows`` rows per program, ``entry_warps``, ``entry_stages``) where its partial sums take at most
+    that many times the bytes of k and v, else key-major (``_sparse_dkv_kernel``)."""
     fq = pow2(block, 16)
     if device.type == "cpu":
         base = dict(fuse_dq=False, fused_BM=32, fused_warps=2, fused_WN=32, BM=max(32, fq), BN=32, W=2, WN=32,
                     WSUB=2, w_stages=1, FN=64, SUB=2, QR_FINE=32, QR=32, TK=32,
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
                     programs=4, dkv_programs=4, dkv_coarse_stages=1, batched_dkv=True, dkv_W=2, dkv_slots=16,
-                    dkv_stages=1)
+                    dkv_stages=1, entry_memory=0.5, entry_TK=32, entry_QR=16, entry_rows=48, entry_warps=4,
+                    entry_stages=1)
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
         # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
         # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
@@ -455,7 +452,8 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
                     QR=128 if wide else 64, TK=64, TOP_QR=32, warps=8, stages=2, fine_warps=4,
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=4, top_stages=3,
                     programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, dkv_coarse_stages=2 if wide else 3,
-                    batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3)
+                    batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3, entry_memory=0.5, entry_TK=64, entry_QR=32,
+                    entry_rows=4096, entry_warps=4, entry_stages=3)
     return {**base, **overrides("bwd")}
 
 
@@ -518,6 +516,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    kv_bytes = 2 * kv_heads * n * k.element_size()  # of k and v, per batch entry and head-dim element
     for level in range(top - 1, -1, -1):
         fine = level == 0
         if fine and batched_blocks(levels) and tiles["batched_dkv"]:
@@ -526,6 +525,9 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
                 k.stride(2), *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
                 BLOCK=levels.block, W=tiles["dkv_W"], SLOTS=tiles["dkv_slots"], STAGES=tiles["dkv_stages"],
                 FUSE_POOL=fuse_pool, num_warps=tiles["dkv_W"], num_stages=tiles["dkv_stages"], **common)
+            continue
+        if not fine and entry_scratch(levels, level, heads, tiles) <= tiles["entry_memory"] * kv_bytes:
+            entry_dkv(q, kc, vc, do, lse, delta, sel, offsets, rows, dkc, dvc, levels, level, scale, tiles)
             continue
         parents = levels.tokens(level + 1)
         # few parents with long lists (deep levels): split every list over programs, sum the partials after
