@@ -9,11 +9,12 @@ For each method of ``flexsparse.bench.DEMO_CONFIGS`` and each N (B=2, H=8, D=64,
 * ``host_fwd_bwd_ms``: the same for forward + backward.
 
 ``--compiled`` adds ``compiled_ms``, ``compiled_host_ms`` and ``compiled_fwd_bwd_ms`` (``do_bench``), the calls
-of ``torch.compile(module, fullgraph=True)``. ``--profile`` adds cProfile's 30 functions with the largest own and
+of ``torch.compile(module, fullgraph=True, mode=--compile-mode)`` (``reduce-overhead``: CUDA graphs, no launch cost
+per kernel). ``--profile`` adds cProfile's 30 functions with the largest own and
 cumulative time over 20 eager forwards per row.
 
     python benchmarks/host_overhead.py OUT.json [--sizes 16384 65536] [--methods topk vsa llsa sla sla2]
-        [--compiled] [--profile]
+        [--compiled [--compile-mode reduce-overhead]] [--profile]
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def top_functions(fn, calls: int = 20, limit: int = 30) -> str:
     return text.getvalue()
 
 
-def measure(method: str, n: int, compiled: bool, profile: bool) -> dict:
+def measure(method: str, n: int, compiled: bool, profile: bool, compile_mode: str | None = None) -> dict:
     """One row: the timings above for ``method`` at length ``n``."""
     module = build(DEMO_CONFIGS[method], "triton", D, H, n, "cuda", torch.bfloat16)
     q, k, v = random_qkv(B, H, n, D, torch.bfloat16, "cuda", requires_grad=True)
@@ -80,7 +81,7 @@ def measure(method: str, n: int, compiled: bool, profile: bool) -> dict:
            "eager_fwd_bwd_ms": do_bench(forward_backward, return_mode="median"),
            "host_ms": enqueue_ms(forward), "host_fwd_bwd_ms": enqueue_ms(forward_backward)}
     if compiled:
-        compiled_module = torch.compile(module, fullgraph=True)
+        compiled_module = torch.compile(module, fullgraph=True, mode=compile_mode)
 
         def compiled_forward():
             with torch.no_grad():
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--methods", nargs="+", default=["topk", "vsa", "llsa", "sla", "sla2"])
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     # every method and grad mode is a variant of SparseAttention.forward: more than dynamo's default 8
@@ -112,10 +114,11 @@ def main() -> None:
     rows = []
     for n in args.sizes:
         for method in args.methods:
-            row = measure(method, n, args.compiled, args.profile)
+            row = measure(method, n, args.compiled, args.profile, args.compile_mode)
             print(json.dumps({key: value for key, value in row.items() if key != "profile"}), flush=True)
             rows.append(row)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "D": D}
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "H": H, "D": D,
+            "compile_mode": args.compile_mode}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
