@@ -24,13 +24,12 @@ dK/dV, with no dense mask and no loop over all queries below the top level:
   partials.
   For l = 0 it can also add the gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is
   the backward of the pooling pyramid.
-* ``_top_dkv_kernel`` for level L: dense, split over query ranges for parallelism; the partial
-  sums are added in a fixed order (deterministic).
+* ``_top_dkv_kernel`` for level L: dense, one program per key chunk, query head and query range; the partial
+  sums (ranges, and the query heads of a KV head) are added in a fixed order (deterministic).
 
-GQA: a key-major dK/dV program loops over the query heads of its KV head (the ancestor-major one sums them
-with the partials), so no atomics are needed. Probabilities
-are recomputed from the saved LSE; every level-l logit carries its ``ln(count)`` bias, so coarse
-gradients get their weights.
+GQA: a key-major dK/dV program loops over the query heads of its KV head (the ancestor-major and top-level ones
+sum them with their partials), so no atomics are needed. Probabilities are recomputed from the saved LSE; every
+level-l logit carries its ``ln(count)`` bias, so coarse gradients get their weights.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_step, launcher, load_rows, load_slab,
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_rows, launcher, load_rows, load_slab,
                      load_tile, log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
 from .llsa_entry_dkv import entry_dkv, entry_scratch
@@ -381,14 +380,15 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
 
 @triton.jit
 def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q_n, c_b, c_h, p_s,
-                    H, HK, GROUP, N, LEVELS, QUERIES,
+                    H, GROUP, N, LEVELS, QUERIES,
                     D: tl.constexpr, BD: tl.constexpr, TK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, QR: tl.constexpr, IEEE: tl.constexpr):
+    """dK, dV of the level-L tokens of chunk ``program_id(0)`` from the query rows of split ``program_id(2)`` of
+    query head ``program_id(1)``: partial ``split * GROUP + g`` (g: the head's place in its KV group)."""
     chunk = tl.program_id(0)
-    split = tl.program_id(1)
-    bhk = tl.program_id(2)
-    b = bhk // HK
-    hk = bhk - b * HK
+    split = tl.program_id(2)
+    bh, b, h = program_heads(H)
+    hk = h // GROUP
     tokens = tl.load(META + LEVELS * 6 + T)
     off = tl.load(META + LEVELS * 6 + KV_OFF)
     span = tl.load(META + LEVELS * 6 + SPAN)
@@ -402,19 +402,10 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
     dk = tl.zeros([TK, BD], tl.float32)
     dv = tl.zeros([TK, BD], tl.float32)
     lo = split * QUERIES
-    hi = tl.minimum(lo + QUERIES, N)
-    for g in range(GROUP):
-        bh = (b * H + hk * GROUP + g).to(tl.int64)
-        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
-        for n0 in range(lo, hi, QR):
-            n = n0 + tl.arange(0, QR)
-            n_ok = n < hi
-            q = load_rows(Q + head, n, q_n, dim, n_ok, D)
-            do = load_rows(DO + head, n, q_n, dim, n_ok, D)
-            lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-            dk, dv = dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
-    part = split.to(tl.int64) * p_s + kv
+    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    dk, dv = dkv_rows(Q + head, DO + head, LSE + bh.to(tl.int64) * N, DELTA + bh.to(tl.int64) * N, lo,
+                      tl.minimum(lo + QUERIES, N), q_n, dim, k, v, bias, dk, dv, D, QR, SCALE2, IEEE)
+    part = (split * GROUP + h - hk * GROUP).to(tl.int64) * p_s + kv
     store_rows(PART_K + part, dk * SCALE, off + tok, D, dim, k_ok, D)
     store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
 
@@ -499,16 +490,16 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     dvc = torch.empty_like(dkc)
     top = levels.levels
     chunks = cdiv(levels.tokens(top), tiles["TK"])
-    splits = max(1, min(cdiv(n, tiles["TOP_QR"]), cdiv(tiles["programs"], chunks * bsz * kv_heads)))
+    splits = max(1, min(cdiv(n, tiles["TOP_QR"]), cdiv(tiles["programs"], chunks * bsz * heads)))
     queries = cdiv(cdiv(n, splits), tiles["TOP_QR"]) * tiles["TOP_QR"]
     splits = cdiv(n, queries)
-    part_k = dkc if splits == 1 else dkc.new_empty(splits, *dkc.shape)
-    part_v = dvc if splits == 1 else dvc.new_empty(splits, *dvc.shape)
-    launcher(_top_dkv_kernel)[(chunks, splits, bsz * kv_heads)](
+    part_k = dkc if splits * group == 1 else dkc.new_empty(splits * group, *dkc.shape)
+    part_v = dvc if splits * group == 1 else dvc.new_empty(splits * group, *dvc.shape)
+    launcher(_top_dkv_kernel)[(chunks, bsz * heads, splits)](
         q, kc, vc, do, lse, delta, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), dkc.numel(), heads, kv_heads, group, n, top, queries,
+        kc.stride(0), kc.stride(1), dkc.numel(), heads, group, n, top, queries,
         TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["top_stages"], **common)
-    if splits > 1:
+    if splits * group > 1:
         first = levels.rows[top][layout.KV_OFF]
         span = slice(first, first + levels.tokens(top))
         dkc[:, :, span] = part_k[:, :, :, span].sum(0)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_step, launcher, load_rows, log2_count,
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_rows, launcher, load_rows, log2_count,
                      program_heads, store_rows)
 from .layout import Levels, cdiv, pow2
 
@@ -63,14 +63,8 @@ def _entry_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, SEL, META, PART_K, PART_V, q_b,
     lo = first + split * ROWS
     hi = tl.minimum(tl.minimum(lo + ROWS, first + span * BLOCK), N)
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    for n0 in range(lo, hi, QR):
-        n = n0 + tl.arange(0, QR)
-        n_ok = n < hi
-        q = load_rows(Q + head, n, q_n, dim, n_ok, D)
-        do = load_rows(DO + head, n, q_n, dim, n_ok, D)
-        lse2 = tl.load(LSE + bh * N + n, mask=n_ok, other=0.0) * LOG2E
-        delta = tl.load(DELTA + bh * N + n, mask=n_ok, other=0.0)
-        dk, dv = dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
+    dk, dv = dkv_rows(Q + head, DO + head, LSE + bh * N, DELTA + bh * N, lo, hi, q_n, dim, k, v, bias, dk, dv, D, QR,
+                      SCALE2, IEEE)
     row = ((bh * tl.num_programs(0) + r) * (tl.num_programs(2) // CHUNKS) + split) * (CHUNKS * TK)
     store_rows(PART_K + row * D, dk * SCALE, slot, D, dim, listed, D)
     store_rows(PART_V + row * D, dv, slot, D, dim, listed, D)
