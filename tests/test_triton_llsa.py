@@ -230,7 +230,9 @@ def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
 
 @cpu_only
 @pytest.mark.parametrize("n,block", [(100, 8), (512, 16)])  # ragged and batched fine level
-def test_deterministic_gradients_are_bitwise_reproducible(n, block):
+@pytest.mark.parametrize("tiles", [ENTRY, KEY_MAJOR], ids=["ancestor-major", "key-major"])
+def test_deterministic_gradients_are_bitwise_reproducible(n, block, tiles, monkeypatch):
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles}))
     q, k, v = _qkv(n, 2, 1, 16)
     cfg = {"method": "llsa", "block_size": block, "topk": [4, 2], "deterministic": True}
     grads = []
@@ -347,9 +349,10 @@ def test_gpu_method_compiled_and_eager(compiled):
 
 
 @gpu
-def test_gpu_deterministic():
+@pytest.mark.parametrize("topk", [8, [8, 8, 2]], ids=["L2", "L3"])      # L3: level 2 ancestor-major
+def test_gpu_deterministic(topk):
     q, k, v = _gpu_inputs(16384, 4, 2, 64)
-    cfg = {"method": "llsa", "block_size": 16, "topk": 8, "deterministic": True}
+    cfg = {"method": "llsa", "block_size": 16, "topk": topk, "deterministic": True}
     grads = []
     for _ in range(2):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -7,17 +7,17 @@ selected it, so every query row is read ``K_{l+1}`` times and the matrix product
 Here instead:
 
 1. ``_entry_dkv_kernel``: one program per (token r, chunk of ``TK`` of its ``K_{l+1} b`` keys, split of its rows,
-   query head) runs the top level's dense key-major step (``_dkv_step``) over r's rows: each row is read once
-   per chunk, the products are ``TK`` keys wide. It stores the chunk's partial dK (scaled) and dV, fp32, in slot
+   query head) runs the top level's dense key-major step (``common.dkv_rows``) over r's rows: each row is read
+   once per chunk, the products are ``TK`` keys wide. It stores the chunk's partial dK (scaled) and dV, fp32, in slot
    ``j b + c`` (child c of the j-th selected token) of r's row of a partial table ``(B H, T_{l+1}, splits, slots,
    D)``.
 2. ``_entry_sum_kernel``: one program per (level-(l+1) token p, batch x KV head) sums, for p's ``b`` children,
    the partials of every row that selected p (its CSC list of ``S_{l+1}``, in list order, over the query heads of
    the KV head and the splits) and stores them as the level's rows of dK^(l), dV^(l).
 
-Bytes: the rows are read ``TK``-chunks times instead of ``K_{l+1}`` times; the partials (fp32, twice the size of
-the level-l keys' share per row) are written and read once. Sums are in CSC list order, so deterministic with a
-deterministic CSC, as the key-major kernel.
+Bytes: each row is read once per key chunk (twice at K_{l+1} b = 128, TK = 64) instead of ``K_{l+1}`` times; the
+partials, ``2 H T_{l+1} K_{l+1} b D`` fp32 values per batch entry (``entry_scratch``), are written and read once.
+Sums are in CSC list order, so deterministic with a deterministic CSC, as the key-major kernel's.
 """
 from __future__ import annotations
 
