@@ -118,6 +118,7 @@ def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scal
     if fuse_pool:
         dk = dk + _unpool(dkc, levels).to(dk.dtype)
         dv = dv + _unpool(dvc, levels).to(dv.dtype)
+        return dq, dk, dv, kc.new_empty(0), vc.new_empty(0)
     return dq, dk, dv, dkc, dvc
 
 
@@ -125,7 +126,8 @@ def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scal
 def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor,
                   sel: Tensor, o: Tensor, lse: Tensor, block: int, topk: list[int], scale: float, fuse_pool: bool,
                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv, dkc, dvc)`` of ``llsa_attn`` (see there for ``fuse_pool``)."""
+    """Gradients ``(dq, dk, dv, dkc, dvc)`` of ``llsa_attn`` (see there for ``fuse_pool``; with it dk and dv hold the
+    pyramids' share and dkc, dvc are empty)."""
     levels = level_table(q.shape[2], block, topk)
     if not use_kernels(q):
         return _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
@@ -136,6 +138,8 @@ def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dlse = None if dlse is None else dlse.contiguous()
     dq, dk, dv, dkc, dvc = llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels, scale,
                                          fuse_pool)
+    if fuse_pool:       # no cast of the pyramids' gradients nobody reads (two passes, ~19 us at B2 H8 N65536 D64)
+        return dq, dk, dv, kc.new_empty(0), vc.new_empty(0)
     return dq, dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype)
 
 
