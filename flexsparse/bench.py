@@ -169,6 +169,11 @@ def supported_backends(method: str, device: torch.device, needs_grad: bool,
             if b != "reference" and backends.runs_on(b, device, needs_grad) and (wanted is None or b in wanted)]
 
 
+def _grads(attend, q, k, v, grad):
+    """Forward and backward of ``attend(q, k, v)`` with upstream gradient ``grad``: the gradients of q, k, v."""
+    return torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
+
+
 def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch.dtype, batch: int, heads: int,
         dim: int, backward: bool, check: bool, wanted_backends: list[str] | None = None) -> list[Row]:
     """Benchmark rows for every (method, backend, N)."""
@@ -181,9 +186,11 @@ def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch
         if check and (method, backend) not in errors:
             errors[(method, backend)] = max_error(config, backend, device, dtype)
         q, k, v = random_qkv(batch, heads, n, dim, dtype, device, backward)
+        grad = torch.randn_like(q)  # an upstream gradient, as in training (no .grad accumulation timed)
         if n not in sdpa:
-            fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)
-            both = time_ms(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward(), device) if backward else None
+            with torch.no_grad():
+                fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), device)
+            both = time_ms(lambda: _grads(F.scaled_dot_product_attention, q, k, v, grad), device) if backward else None
             sdpa[n] = (fwd, both)
         try:
             module = build(config, backend, dim, heads, n, device, dtype)
@@ -193,7 +200,10 @@ def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch
         try:
             with torch.no_grad():
                 forward = time_ms(lambda: module(q, k, v), device)
-            both = time_ms(lambda: module(q, k, v).sum().backward(), device) if backward else None
+            both = time_ms(lambda: _grads(module, q, k, v, grad), device) if backward else None
+        except ValueError as exc:  # the config does not fit this N (checked at the call)
+            tqdm.write(f"skip {method}/{backend} at N={n}: {exc}")
+            continue
         except (RuntimeError, torch.OutOfMemoryError) as exc:   # keep the rest of the table
             tqdm.write(f"failed {method}/{backend} at N={n}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
