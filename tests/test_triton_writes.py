@@ -31,6 +31,8 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
     ("llsa", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {}),  # fused forward, batched dQ
     ("llsa fused dQ", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {"bwd": {"fuse_dq": True}}),
     ("llsa ragged", {"method": "llsa", "block_size": 8, "topk": [4, 2]}, 100, 2, 1, {}),
+    ("llsa ancestor-major dK/dV", {"method": "llsa", "block_size": 4, "topk": [3, 2, 2]}, 300, 2, 1,
+     {"bwd": {"entry_memory": 1e9}}),
     ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2,
      {}),
     ("topk", {"method": "topk", "block_size": 16, "topk": 2}, 96, 2, 1, {}),
