@@ -327,9 +327,12 @@ def test_gpu_selection_matches_masks(n, block, topk):
 
 @gpu
 @pytest.mark.parametrize("compiled", [False, True])
-def test_gpu_method_compiled_and_eager(compiled):
+@pytest.mark.parametrize("topk", [{"topk": 8, "levels": 2}, {"topk": [8, 8, 2]}], ids=["L2", "L3"])
+def test_gpu_method_compiled_and_eager(compiled, topk):
+    """Eager and ``torch.compile(fullgraph=True)`` against the torch backend; at L3 level 2's dK/dV runs
+    ancestor-major."""
     q, k, v = _gpu_inputs(16384, 4, 2, 64)
-    cfg = flexsparse.Config.from_dict({"method": "llsa", "block_size": 16, "topk": 8, "levels": 2})  # outside the graph
+    cfg = flexsparse.Config.from_dict({"method": "llsa", "block_size": 16, **topk})  # outside the graph
 
     def step(q, k, v):
         o, lse = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True)
