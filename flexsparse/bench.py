@@ -194,14 +194,10 @@ def run(methods: list[str], sizes: list[int], device: torch.device, dtype: torch
             sdpa[n] = (fwd, both)
         try:
             module = build(config, backend, dim, heads, n, device, dtype)
-        except ValueError as exc:  # e.g. top-K larger than the number of blocks at this N
-            tqdm.write(f"skip {method}/{backend} at N={n}: {exc}")
-            continue
-        try:
             with torch.no_grad():
                 forward = time_ms(lambda: module(q, k, v), device)
             both = time_ms(lambda: _grads(module, q, k, v, grad), device) if backward else None
-        except ValueError as exc:  # the config does not fit this N (checked at the call)
+        except ValueError as exc:  # the config does not fit this N (e.g. top-K over the blocks), at build or call
             tqdm.write(f"skip {method}/{backend} at N={n}: {exc}")
             continue
         except (RuntimeError, torch.OutOfMemoryError) as exc:   # keep the rest of the table
