@@ -101,7 +101,7 @@ def test_softtopk_standardize_mask_and_torch_matches_reference():
 
 def test_calibration_reduces_the_hard_mse_and_the_router_learns():
     model, recorder = recorded_toy()
-    result = calibrate_sla2(recorder, [RATIO], steps=40, lr=5e-2, progress=False)
+    result = calibrate_sla2(recorder, [RATIO], steps=80, lr=5e-2, progress=False)
     (row,) = result.rows
     assert (row.layer, row.topk_ratio, row.kept, row.key_blocks) == ("attn", RATIO, 4, 32)
     assert row.soft_after < 0.6 * row.soft_before
@@ -113,7 +113,10 @@ def test_calibration_reduces_the_hard_mse_and_the_router_learns():
     # the router, not only alpha: the fitted alpha with the identity router is clearly worse
     identity_router = {**fitted, "proj_q": torch.eye(D), "proj_k": torch.eye(D)}
     assert row.hard_after < 0.85 * hard_mse(model["attn"], recorder, identity_router)
-    assert fitted["proj_q"][14, 15] > 0.3, "proj_q should map q's constant dim onto the spiky-block marker"
+    # the router's scores are q proj_q^T proj_k k^T: its bilinear form should pair q's constant dim 15 with the
+    # spiky-block marker k_14 (0 at the start; 3.2 to 11.7 over 145 fresh draws)
+    bilinear = fitted["proj_q"].T @ fitted["proj_k"]
+    assert bilinear[15, 14] > 1.5, "the router should map q's constant dim onto the spiky-block marker"
     assert torch.equal(model["attn"].params["proj_q"].detach(), torch.eye(D)), "calibration leaves the layer alone"
     table = result.table()
     assert "attn" in table and "MSE hard before" in table and "%" in table
