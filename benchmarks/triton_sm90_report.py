@@ -3,7 +3,7 @@ registers, spills, shared memory and the matrix instructions in the SASS (HGMMA 
 form; HMMA = the older mma.sync path).
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
-[--d 64] [--dtype bf16] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
+[--d 64] [--dtype bf16] [--only NAME_PART] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
 from the GPU machine's by a version.
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--sass", default="")
+    parser.add_argument("--only", default="", help="compile only the jobs whose name contains this text")
     parser.add_argument("--blocks", default="64x64", help="block_q x block_k of the block-sparse kernels "
                         "(tiles from FLEXSPARSE_TRITON_TILES as at run time)")
     args = parser.parse_args()
@@ -188,6 +189,8 @@ def main():
                  dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
                       EMULATE=False, **geo), ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
+        if args.only not in name:
+            continue
         try:
             report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)
         except Exception as exc:  # report and go on: this is a diagnostic tool
