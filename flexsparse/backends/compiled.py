@@ -1,9 +1,9 @@
 """A function compiled with static graphs for the first call variants of a process, dynamic-shape ones after.
 
 Static graphs (one per shape) are the fast ones: torch's default policy turns sizes symbolic from a function's
-second shape on, which made the flex backend up to 1.2x slower (README, "flex, session 11"). But every new
-shape of a static function is a recompile, and past dynamo's recompile limit (counted per code object) dynamo
-runs the function uncompiled. ``StaticThenDynamic`` compiles the function twice, as two code objects with
+second shape on, which made the flex backend up to 1.2x slower (docs/results_history.md, "flex, session 11").
+But every new shape of a static function is a recompile, and past dynamo's recompile limit (counted per code
+object) dynamo runs the function uncompiled. ``StaticThenDynamic`` compiles the function twice, as two code objects with
 their own caches: the first ``budget`` call variants (a key the caller computes from shapes, dtype, grad
 mode, ...) and every variant seen again run static graphs, later variants the dynamic-shape ones.
 """

@@ -132,9 +132,9 @@ def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ski
 # On CUDA the block-level form runs compiled: inductor fuses the feature maps, casts, normaliser and their
 # gradients (a dozen elementwise passes over (N, D) tensors in eager mode). Selections are tensors, so a new
 # selection never recompiles. Static graphs for the first 16 call variants (shape, dtype, grad flags, ...) of
-# the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, was slower (README,
-# "flex after a second shape"), and a static graph per variant without a bound ran out of dynamo's recompile
-# limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
+# the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, was slower
+# (docs/results_history.md, "flex after a second shape"), and a static graph per variant without a bound ran
+# out of dynamo's recompile limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
 KEEP_WEIGHTED_LINEAR = StaticThenDynamic(
     _keep_weighted_linear, name="flexsparse.backends.torch_linear.KEEP_WEIGHTED_LINEAR", budget=16, recompile_limit=64)
 
