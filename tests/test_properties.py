@@ -100,7 +100,10 @@ def test_sla_family_any_shape(case):
             lse.shape, generator=gen, dtype=lse.dtype)).sum()
         results.append((o, lse, torch.autograd.grad(loss, leaves, allow_unused=True)))  # a hard router: none
     (o_t, l_t, g_t), (o_r, l_r, g_r) = results
-    assert rel_err(o_t, o_r) < 1e-11 and rel_err(l_t, l_r) < 1e-11    # worst over 600 draws: 2e-14, 3e-13
+    # relu features can sum to ~0 under the masked branch's total-minus-kept form: a small denominator amplifies
+    # the rounding of the subtraction (test_sla.py bounds the same cancellation)
+    tol = 1e-8 if cfg["feature_map"] == "relu" else 1e-11
+    assert rel_err(o_t, o_r) < tol and rel_err(l_t, l_r) < tol
     for name, a, b in zip(("q", "k", "v", *params), g_t, g_r):
         assert (a is None) == (b is None), name
-        assert a is None or rel_err(a, b) < 1e-10, name
+        assert a is None or rel_err(a, b) < 10 * tol, name
