@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_rows, launcher, load_rows, load_slab,
-                     load_tile, log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
+from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, backward_rows, dkv_rows, launcher, load_rows,
+                     load_slab, load_tile, log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
 from .llsa_entry_dkv import entry_dkv, entry_scratch
 from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_launch, coarse_rows, fine_bases,
@@ -237,11 +237,8 @@ def add_pooled_grads(dk, dv, pk, pv, tok, ok, META, N, LEVELS, dim, D: tl.conste
 @triton.jit
 def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, k, v, bias, dkt, dvt, D: tl.constexpr,
                 SCALE2: tl.constexpr, IEEE: tl.constexpr):
-    """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head: loads their q, dO, LSE and Delta."""
-    q = load_rows(q_base, n, q_n, dim, n_ok, D)
-    do = load_rows(do_base, n, q_n, dim, n_ok, D)
-    lse2 = tl.load(lse_base + n, mask=n_ok, other=0.0) * LOG2E
-    delta = tl.load(delta_base + n, mask=n_ok, other=0.0)
+    """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head (``common.backward_rows``' arguments)."""
+    q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, D)
     return _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2, IEEE)
 
 

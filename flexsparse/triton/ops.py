@@ -118,7 +118,6 @@ def _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels: Levels, scal
     if fuse_pool:
         dk = dk + _unpool(dkc, levels).to(dk.dtype)
         dv = dv + _unpool(dvc, levels).to(dv.dtype)
-        return dq, dk, dv, kc.new_empty(0), vc.new_empty(0)
     return dq, dk, dv, dkc, dvc
 
 
@@ -130,14 +129,15 @@ def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     pyramids' share and dkc, dvc are empty)."""
     levels = level_table(q.shape[2], block, topk)
     if not use_kernels(q):
-        return _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
-    from .csc import selection_csc
-    from .llsa_bwd import llsa_backward
-    do, q, k, v, kc, vc, sel, o, lse = contiguous(do, q, k, v, kc, vc, sel, o, lse)
-    offsets, rows = selection_csc(sel, levels, deterministic)
-    dlse = None if dlse is None else dlse.contiguous()
-    dq, dk, dv, dkc, dvc = llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels, scale,
-                                         fuse_pool)
+        dq, dk, dv, dkc, dvc = _torch_backward(do, dlse, q, k, v, kc, vc, sel, o, lse, levels, scale, fuse_pool)
+    else:
+        from .csc import selection_csc
+        from .llsa_bwd import llsa_backward
+        do, q, k, v, kc, vc, sel, o, lse = contiguous(do, q, k, v, kc, vc, sel, o, lse)
+        offsets, rows = selection_csc(sel, levels, deterministic)
+        dlse = None if dlse is None else dlse.contiguous()
+        dq, dk, dv, dkc, dvc = llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels, scale,
+                                             fuse_pool)
     if fuse_pool:       # no cast of the pyramids' gradients nobody reads (two passes, ~19 us at B2 H8 N65536 D64)
         return dq, dk, dv, kc.new_empty(0), vc.new_empty(0)
     return dq, dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype)
