@@ -147,12 +147,13 @@ def entry_dkv(q, kc, vc, do, lse, delta, sel, offsets, rows, dkc, dvc, levels: L
     part_k = q.new_empty(bsz * heads, entries, splits, chunks * tk, d, dtype=acc)
     part_v = torch.empty_like(part_k)
     common = dict(D=d, BD=pow2(d, 16), BLOCK=block)
+    meta = levels.meta(q)
     launcher(_entry_dkv_kernel)[(entries, bsz * heads, chunks * splits)](
-        q, kc, vc, do, lse, delta, sel, levels.meta(q), part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
+        q, kc, vc, do, lse, delta, sel, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), heads, heads // kv_heads, n, level, levels.selection_size, split_rows, chunks,
         TK=tk, QR=tiles["entry_QR"], SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
         IEEE=q.dtype == torch.float32, num_warps=tiles["entry_warps"], num_stages=tiles["entry_stages"], **common)
     launcher(_entry_sum_kernel)[(entries, bsz * kv_heads)](
-        sel, offsets, rows, levels.meta(q), part_k, part_v, dkc, dvc, dkc.stride(0), dkc.stride(1), heads, kv_heads,
+        sel, offsets, rows, meta, part_k, part_v, dkc, dvc, dkc.stride(0), dkc.stride(1), heads, kv_heads,
         heads // kv_heads, level, levels.selection_size, levels.csc_size, entries, splits, chunks * tk,
         BK=pow2(block, 16), KP2=pow2(topk, 2), num_warps=1, **common)
