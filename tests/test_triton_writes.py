@@ -9,10 +9,12 @@ every kernel the methods launch, on CPU.
 
 A child process with ``TRITON_INTERPRET=1`` runs the methods forward and backward and records each launch: its
 arguments (tensors as shapes) and which tensors' bytes it changed. This process then asks torch's analysis (TTIR
-for an sm_90 target, no GPU needed) which tensors each kernel writes, and compares.
+for an sm_90 target, no GPU needed) which tensors each kernel writes, and compares. It also builds each kernel's
+TTIR the way torch 2.11 (the GPU image's) does, with the runtime scalars as constants: that must not fail either.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -153,9 +155,9 @@ def record(out: str) -> None:
         pickle.dump(LAUNCHES, f)
 
 
-def _written(module: str, name: str, spec: dict) -> set[str]:
-    """The tensor arguments torch's TTIR analysis says ``module.name`` writes, for a sm_90 target."""
-    from torch._higher_order_ops import triton_kernel_wrap as wrap
+@contextlib.contextmanager
+def _sm90_target():
+    """Make Triton's active driver report an sm_90 target (TTIR needs one; no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     import triton
 
@@ -163,16 +165,50 @@ def _written(module: str, name: str, spec: dict) -> set[str]:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
 
-    kwargs = {k: torch.empty_strided(v[1], v[2], dtype=getattr(torch, v[3].split(".")[1]))
-              if isinstance(v, tuple) and v[:1] == ("tensor",) else v for k, v in spec.items()}
     config = triton.runtime.driver
     previous = config._active  # no public getter that works without a GPU driver
     config.set_active(Sm90())
     try:
-        accesses = wrap.identify_accessed_tensors(getattr(importlib.import_module(module), name), kwargs, {})
+        yield
     finally:
         config._active = previous
+
+
+def _kernel_and_args(module: str, name: str, spec: dict):
+    """The kernel ``module.name`` and its recorded arguments, tensors as empty ones of the recorded layout."""
+    kwargs = {k: torch.empty_strided(v[1], v[2], dtype=getattr(torch, v[3].split(".")[1]))
+              if isinstance(v, tuple) and v[:1] == ("tensor",) else v for k, v in spec.items()}
+    return getattr(importlib.import_module(module), name), kwargs
+
+
+def _written(module: str, name: str, spec: dict) -> set[str]:
+    """The tensor arguments torch's TTIR analysis says ``module.name`` writes, for a sm_90 target."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    kernel, kwargs = _kernel_and_args(module, name, spec)
+    with _sm90_target():
+        accesses = wrap.identify_accessed_tensors(kernel, kwargs, {})
     return {dep.name for dep in accesses.read_writes.writes}
+
+
+def _ttir_error_with_scalars_constant(module: str, name: str, spec: dict) -> str | None:
+    """Why ``module.name``'s TTIR fails when its runtime scalars are constants, as torch <= 2.11's analysis
+    makes them (pytorch#170049, fixed in 2.12); None if it builds. A kernel that calls a method of a scalar
+    argument (``n.to(tl.int64)``) fails there, torch falls back to "every tensor argument is written", and
+    compiled graphs copy, and may alias wrongly, what the kernel never wrote."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    kernel, kwargs = _kernel_and_args(module, name, spec)
+    scalars = [p for p in kernel.params if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
+    with _sm90_target():
+        try:
+            for param in scalars:
+                param.__dict__["is_constexpr"] = True  # shadows the cached property
+            wrap.generate_ttir(kernel, kwargs, {})
+        except Exception as error:  # noqa: BLE001 (the analysis catches every exception too)
+            return f"{type(error).__name__}: {str(error)[-300:]}"
+        finally:
+            for param in scalars:
+                param.__dict__.pop("is_constexpr", None)
+    return None
 
 
 @ts.cpu_parent
@@ -194,6 +230,9 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
             continue
         seen.add(key)
         written = _written(module, name, spec)
+        error = _ttir_error_with_scalars_constant(module, name, spec)
+        if error:
+            wrong.append(f"{module}.{name}: no TTIR with its scalars as constants (torch <= 2.11): {error}")
         extra = DATA_ADDRESSED.get((module, name), set())
         if not extra <= written:
             wrong.append(f"{module}.{name}: the analysis no longer writes {sorted(extra - written)}: update "

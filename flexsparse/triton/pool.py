@@ -32,7 +32,7 @@ def _pool_kernel(SRC, SUMS, MEANS, LOW, s_b, s_h, s_n, p_b, p_h,
     dim = tl.arange(0, BD)
     pyr = b.to(tl.int64) * p_b + h.to(tl.int64) * p_h
     if FROM_SUMS:
-        base = SUMS + pyr + src_off.to(tl.int64) * D
+        base = SUMS + pyr + tl.cast(src_off, tl.int64) * D  # not src_off.to: a constant in torch 2.11's analysis
         stride = D
     else:
         base = SRC + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
