@@ -18,7 +18,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 def launcher(kernel):
     """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); as it is when interpreted or launched
-    directly from an op body run eagerly (``registry``)."""
+    directly from an op body run eagerly (``registry``). A pointer a launch leaves unused is one of its inputs,
+    never an alias of a tensor it writes: were torch's write analysis to fail, it would take every pointer as
+    written, and the copies of two aliased "outputs" would overwrite each other."""
     from triton.runtime.jit import JITFunction
     if isinstance(kernel, JITFunction) and not launching_directly():
         return torch.library.wrap_triton(kernel)

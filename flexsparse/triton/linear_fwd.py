@@ -268,9 +268,11 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     tile, n_split = split(block_q, tiles["TQ"])
     code = 0 if mix is None else 1 if mix.weight is not None else 2
     o_l = torch.empty_like(q) if code and mix.store_linear else None
-    extra = (o, o, o, o, o, 0) if mix is None else (
-        mix.o_s, o if o_l is None else o_l, mix.weight if code == 1 else o, mix.bias if code == 1 else o,
-        mix.alpha if code == 2 else o, tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
+    unused = q  # the pointer of the slots the kernel leaves unused: an input (common.launcher)
+    extra = (unused,) * 5 + (0,) if mix is None else (
+        mix.o_s, unused if o_l is None else o_l, mix.weight if code == 1 else unused,
+        mix.bias if code == 1 else unused, mix.alpha if code == 2 else unused,
+        tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
     launcher(_forward_kernel)[(tq, bsz * heads)](
         q, hs, zs, ht, zt, skipped, o, rows_h, rows_z, *extra, float(eps), nq, tq, hs.shape[2], width, heads,
         heads // k.shape[1],

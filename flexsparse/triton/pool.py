@@ -73,7 +73,7 @@ def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.flo
     ``(means, low_means)``."""
     bsz, heads, n, d = x.shape
     means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
-    low_means = torch.empty_like(means, dtype=x.dtype) if low else means
+    low_means = torch.empty_like(means, dtype=x.dtype) if low else x  # x: LOW unused (common.launcher)
     block = levels.block
     bd, top = pow2(d), levels.levels
     up = top >= 2 and block * bd <= 8192  # the b level-1 tokens of one level-2 token in one tile
