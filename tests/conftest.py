@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -23,6 +24,29 @@ def _fresh_seed():
     print(f"torch seed = {seed}")
     torch.manual_seed(seed)
     yield seed
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def _write_analysis_succeeds():
+    """Fail a test during which torch's analysis of a Triton kernel's writes failed: torch then takes every tensor
+    argument as written (a warning only), compiled graphs copy them, and aliased ones came back wrong once
+    (``test_triton_writes`` checks the kernels on CPU; this catches the GPU image's torch at work)."""
+    logger, records = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap"), _Records()
+    logger.addHandler(records)
+    yield
+    logger.removeHandler(records)
+    failed = [m for m in records.messages if m.startswith("Encountered an exception in identify")]
+    if failed:
+        pytest.fail(f"torch's write analysis of a Triton kernel failed {len(failed)} times: {failed[0]}")
 
 
 @pytest.fixture(scope="module")
