@@ -350,6 +350,34 @@ def test_gpu_compiled_training_no_recompiles(cfg):
 
 
 @gpu
+@pytest.mark.parametrize("cfg", [c for c in ts.GPU_METHODS if c["method"] != "sla2"]
+                         + [{"method": "llsa", "block_size": 16, "topk": 8}],
+                         ids=lambda c: c["method"])
+def test_gpu_compiled_over_sequence_lengths(cfg):
+    """A model that sees several resolutions: ``torch.compile(fullgraph=True)`` at three lengths (a ragged one;
+    dynamo makes the length symbolic from the second), forward and backward against the same module run eagerly,
+    and no failed write analysis on the way (``conftest``). Not SLA2: its per-query-block alphas fix the length."""
+    module = flexsparse.SparseAttention(cfg, head_dim=64, num_heads=4, backend="triton").cuda()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(module, fullgraph=True)
+    for n in (4096, 6144, 5000):
+        q, k, v = make_qkv(1, 4, 2, n, n, 64, torch.bfloat16, "cuda")
+        grads = []
+        for fn in (compiled, module):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            out.float().square().sum().backward()
+            grads.append([out] + [x.grad for x in leaves])
+        for a, b in zip(*grads):
+            assert ts.rel_err(a, b) < 2e-2, n
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@gpu
 def test_gpu_deterministic():
     (q, k, v), selection = _gpu_case(16384, 4, 2, 64, 64, 64, 13)
     first, second = (grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.125, deterministic=True)
