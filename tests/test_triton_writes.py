@@ -192,7 +192,7 @@ def _written(module: str, name: str, spec: dict) -> set[str]:
 
 def _ttir_error_with_scalars_constant(module: str, name: str, spec: dict) -> str | None:
     """Why ``module.name``'s TTIR fails when its runtime scalars are constants, as torch <= 2.11's analysis
-    makes them (pytorch#170049, fixed in 2.12); None if it builds. A kernel that calls a method of a scalar
+    makes them (pytorch#170049; not 2.13); None if it builds. A kernel that calls a method of a scalar
     argument (``n.to(tl.int64)``) fails there, torch falls back to "every tensor argument is written", and
     compiled graphs copy, and may alias wrongly, what the kernel never wrote."""
     from torch._higher_order_ops import triton_kernel_wrap as wrap
