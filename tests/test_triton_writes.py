@@ -14,6 +14,7 @@ TTIR the way torch 2.11 (the GPU image's) does, with the runtime scalars as cons
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import inspect
@@ -22,6 +23,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -211,6 +213,16 @@ def _ttir_error_with_scalars_constant(module: str, name: str, spec: dict) -> str
     return None
 
 
+def _scalar_methods(module: str, name: str, spec: dict) -> list[str]:
+    """``arg.attr`` in the source of ``module.name`` (every branch, not only the recorded launch's) where ``arg``
+    is a runtime scalar of the recorded launch: what the TTIR of its scalars as constants fails on."""
+    kernel, kwargs = _kernel_and_args(module, name, spec)
+    scalars = {p.name for p in kernel.params if not p.is_constexpr and isinstance(kwargs.get(p.name), int)}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+    return sorted({f"{node.value.id}.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and isinstance(node.value, ast.Name) and node.value.id in scalars})
+
+
 @ts.cpu_parent
 @pytest.mark.skipif(not hasattr(__import__("torch._higher_order_ops.triton_kernel_wrap",
                                            fromlist=["x"]), "identify_accessed_tensors"),
@@ -233,6 +245,9 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         error = _ttir_error_with_scalars_constant(module, name, spec)
         if error:
             wrong.append(f"{module}.{name}: no TTIR with its scalars as constants (torch <= 2.11): {error}")
+        if _scalar_methods(module, name, spec):
+            wrong.append(f"{module}.{name}: {_scalar_methods(module, name, spec)} on runtime scalars: a constant in "
+                         "torch <= 2.11's write analysis has no such attribute (use tl.cast)")
         extra = DATA_ADDRESSED.get((module, name), set())
         if not extra <= written:
             wrong.append(f"{module}.{name}: the analysis no longer writes {sorted(extra - written)}: update "
