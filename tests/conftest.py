@@ -19,8 +19,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed():
-    """Each test draws fresh random inputs; the seed shows in the captured output of a failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Each test draws fresh random inputs; the seed shows in the captured output of a failure, and
+    ``FLEXSPARSE_TEST_SEED=<seed>`` replays it."""
+    seed = int(os.environ.get("FLEXSPARSE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"torch seed = {seed}")
     torch.manual_seed(seed)
     yield seed

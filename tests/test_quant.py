@@ -195,7 +195,10 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backend):
-    """Values of the quantized forward, gradients of the unquantized branch, bit for bit; also in bf16."""
+    """Values of the quantized forward (bit for bit), gradients of the unquantized branch; also in bf16. The
+    gradients are equal bit for bit on this CI machine, but a 16-core host (torch 2.11, session 22) gave the
+    same float32 computation different last bits in two runs; so "equal" is a relative L2 error below 1e-5
+    (fp32) / 1e-3 (bf16), where the gradient that sees the quantized values (SLA2's alpha) differs by > 1e-2."""
     dtypes = (torch.float64,) if backend == "reference" else (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         qkv, params, cfg = _method_inputs(name, dtype)
@@ -208,7 +211,7 @@ def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backe
         differing = []
         for i, (g, want) in enumerate(zip(grads, plain_grads)):
             assert (g is None) == (want is None)
-            if g is not None and not torch.equal(g, want):
+            if g is not None and rel_err(g.double(), want.double()) > (1e-5 if dtype == torch.float32 else 1e-3):
                 differing.append(([*"qkv"] + list(params))[i])
         # SLA2's alpha multiplies the sparse output, so its gradient sees the quantized values; every
         # other gradient is the unquantized branch's
@@ -313,11 +316,11 @@ def test_fullgraph_compile_of_the_fake_quant_path():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     got = compiled(*qkv, *params.values())
     want = step(*qkv, *params.values())
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want)  # float32 defaults: bit for bit here, last bits on a 16-core host
     g1 = torch.autograd.grad(got.sum(), qkv)
     g2 = torch.autograd.grad(want.sum(), qkv)
     for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.slow

@@ -54,11 +54,13 @@ def key_mean(k: torch.Tensor, block: int = 64, sums: torch.Tensor | None = None)
 
 def _center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """``x - mean`` in mean's dtype, rounded once to x's, one pass: the Triton op on CUDA in eager mode; compiled,
-    the PyTorch expression, which inductor fuses into one pass itself. (Not ``torch.sub(..., out=empty)`` when
-    compiled: in a traced backward on CUDA, torch 2.11, that returned zeros, so SLA2's compiled key gradient was
-    0 with ``smooth_k="all"``; ``tests/test_triton_blocks.py::test_gpu_compiled_training_no_recompiles``.)"""
+    the PyTorch expression, which inductor fuses into one pass itself. Two torch 2.11 bugs shape the compiled form
+    (an autograd.Function's forward returns it, SLA2's key smoothing, and both zeroed k's gradient there):
+    ``torch.sub(..., out=empty)`` gave zeros in a traced backward on CUDA, and a no-op ``.to(x.dtype)`` (fp32 x)
+    made dynamo drop the gradient (``tests/test_sla2.py::test_smoothed_keys_compile_fullgraph_with_backward``)."""
     if torch.compiler.is_compiling():
-        return (x - mean).to(x.dtype)
+        diff = x - mean
+        return diff if diff.dtype == x.dtype else diff.to(x.dtype)
     if HAS_TRITON and x.is_cuda:
         from ..triton.sla_ops import center_tokens
         return center_tokens(x, mean)
