@@ -245,9 +245,10 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         error = _ttir_error_with_scalars_constant(module, name, spec)
         if error:
             wrong.append(f"{module}.{name}: no TTIR with its scalars as constants (torch <= 2.11): {error}")
-        if _scalar_methods(module, name, spec):
-            wrong.append(f"{module}.{name}: {_scalar_methods(module, name, spec)} on runtime scalars: a constant in "
-                         "torch <= 2.11's write analysis has no such attribute (use tl.cast)")
+        scalar_methods = _scalar_methods(module, name, spec)
+        if scalar_methods:
+            wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
+                         "write analysis has no such attribute (use tl.cast)")
         extra = DATA_ADDRESSED.get((module, name), set())
         if not extra <= written:
             wrong.append(f"{module}.{name}: the analysis no longer writes {sorted(extra - written)}: update "
