@@ -183,23 +183,26 @@ def _kernel_and_args(module: str, name: str, spec: dict):
     return getattr(importlib.import_module(module), name), kwargs
 
 
-def _written(module: str, name: str, spec: dict) -> set[str]:
-    """The tensor arguments torch's TTIR analysis says ``module.name`` writes, for a sm_90 target."""
+def _runtime_scalars(kernel, kwargs: dict) -> list:
+    """The kernel's parameters that take a runtime scalar in this launch (neither constexpr nor a tensor)."""
+    return [p for p in kernel.params if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
+
+
+def _written(kernel, kwargs: dict) -> set[str]:
+    """The tensor arguments torch's TTIR analysis says the kernel writes, for a sm_90 target."""
     from torch._higher_order_ops import triton_kernel_wrap as wrap
-    kernel, kwargs = _kernel_and_args(module, name, spec)
     with _sm90_target():
         accesses = wrap.identify_accessed_tensors(kernel, kwargs, {})
     return {dep.name for dep in accesses.read_writes.writes}
 
 
-def _ttir_error_with_scalars_constant(module: str, name: str, spec: dict) -> str | None:
-    """Why ``module.name``'s TTIR fails when its runtime scalars are constants, as torch <= 2.11's analysis
+def _ttir_error_with_scalars_constant(kernel, kwargs: dict) -> str | None:
+    """Why the kernel's TTIR fails when its runtime scalars are constants, as torch <= 2.11's analysis
     makes them (pytorch#170049; not 2.13); None if it builds. A kernel that calls a method of a scalar
     argument (``n.to(tl.int64)``) fails there, torch falls back to "every tensor argument is written", and
     compiled graphs copy, and may alias wrongly, what the kernel never wrote."""
     from torch._higher_order_ops import triton_kernel_wrap as wrap
-    kernel, kwargs = _kernel_and_args(module, name, spec)
-    scalars = [p for p in kernel.params if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
+    scalars = _runtime_scalars(kernel, kwargs)
     with _sm90_target():
         try:
             for param in scalars:
@@ -213,11 +216,10 @@ def _ttir_error_with_scalars_constant(module: str, name: str, spec: dict) -> str
     return None
 
 
-def _scalar_methods(module: str, name: str, spec: dict) -> list[str]:
-    """``arg.attr`` in the source of ``module.name`` (every branch, not only the recorded launch's) where ``arg``
-    is a runtime scalar of the recorded launch: what the TTIR of its scalars as constants fails on."""
-    kernel, kwargs = _kernel_and_args(module, name, spec)
-    scalars = {p.name for p in kernel.params if not p.is_constexpr and isinstance(kwargs.get(p.name), int)}
+def _scalar_methods(kernel, kwargs: dict) -> list[str]:
+    """``arg.attr`` in the kernel's source (every branch, not only this launch's) where ``arg`` is a runtime
+    scalar of the launch: what the TTIR of its scalars as constants fails on."""
+    scalars = {p.name for p in _runtime_scalars(kernel, kwargs)}
     tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
     return sorted({f"{node.value.id}.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                    and isinstance(node.value, ast.Name) and node.value.id in scalars})
@@ -241,11 +243,12 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         if key in seen:
             continue
         seen.add(key)
-        written = _written(module, name, spec)
-        error = _ttir_error_with_scalars_constant(module, name, spec)
+        kernel, kwargs = _kernel_and_args(module, name, spec)
+        written = _written(kernel, kwargs)
+        error = _ttir_error_with_scalars_constant(kernel, kwargs)
         if error:
             wrong.append(f"{module}.{name}: no TTIR with its scalars as constants (torch <= 2.11): {error}")
-        scalar_methods = _scalar_methods(module, name, spec)
+        scalar_methods = _scalar_methods(kernel, kwargs)
         if scalar_methods:
             wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
                          "write analysis has no such attribute (use tl.cast)")
