@@ -14,7 +14,8 @@ o_s, weight, bias, alpha); SLA2's one-pass kernels ``lerp_mix_bwd`` (the lerp's 
 GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
 against the PyTorch path (fp64); the default strategy against the torch backend, eager and
 ``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_output`` in bf16 against the
-unfused combine, eager and compiled; ``lerp_mix_bwd`` and ``center_tokens`` in bf16 (bitwise against PyTorch).
+unfused combine, eager and compiled; ``lerp_mix_bwd`` and ``center_tokens`` in bf16 (bitwise against PyTorch); on
+sm_90 the Gluon forward that mixes the branch in its epilogue (``sparse_linear_ws``) against the two ops.
 """
 from __future__ import annotations
 
@@ -353,7 +354,7 @@ def _both_run(fn, q, k, v, selection, params, fmap):
     extra = {name: t.detach().clone().requires_grad_() for name, t in params.items()}
     out, lse = fn(*leaves, selection, fmap, **extra)
     gen = torch.Generator().manual_seed(0)
-    weight, lse_weight = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    weight, lse_weight = (torch.randn(x.shape, generator=gen).to(x.device) for x in (out, lse))
     ((out.float() * weight).sum() + (lse * lse_weight).sum()).backward()
     return {"out": out, "lse": lse, **{n: x.grad for n, x in zip("qkv", leaves)},
             **{n: t.grad for n, t in extra.items()}}
@@ -591,3 +592,43 @@ def test_gpu_mixed_output_bf16(kind, compiled):
     want = _mix_run(_unfused, q, k, v, selection, o_s, params, "softmax")
     for name in want:
         assert ts.rel_err(got[name], want[name]) < 1e-2, name
+
+
+@gpu
+@pytest.mark.parametrize("h,hk,n,d,bq,negligible,fmap,kind", [
+    (4, 2, 4096, 64, 64, 0.0, "softmax", "proj"), (2, 2, 4000, 128, 64, 0.1, "elu", "alpha_shared"),
+    (4, 1, 7777, 128, 128, 0.0, "relu", "alpha_per_head"), (8, 8, 16384, 64, 64, 0.0, "softmax", "alpha_per_head"),
+    (2, 2, 32760, 128, 64, 0.0, "softmax", "proj")])
+def test_gpu_linear_branch_in_sparse_epilogue(h, hk, n, d, bq, negligible, fmap, kind, monkeypatch):
+    """sm_90, bf16: ``sparse_linear_output`` mixes the linear branch in the Gluon sparse forward's epilogue
+    (``sparse_linear_ws``; GQA, ragged N, 128-row query blocks, D 64 / 128, both mixes, three feature maps) and
+    equals the sparse op followed by the output kernel's mix: output, LSE (bitwise: the same loop), the gradients
+    of q, k, v and the mixing parameters; without gradients it stores neither O_s nor O_l and gives the same
+    output; the fused kernel ran both times; opcheck of its op."""
+    from flexsparse.triton import sparse_linear_ws
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm_90")
+    stores = []
+    fused = sparse_linear_ws.ws_sparse_linear_forward
+    monkeypatch.setattr(sparse_linear_ws, "ws_sparse_linear_forward", lambda *a: stores.append(a[-1]) or fused(*a))
+    q, k, v = _inputs(1, h, hk, n, n, d, torch.bfloat16, "cuda")
+    selection = _selection(q, k, bq, 64, 0.05, negligible)
+    params = _mix_params(kind, h, selection.num_q_blocks, d, "cuda")
+    got = _both_run(_one_op, q, k, v, selection, params, fmap)
+    want = _both_run(_two_ops, q, k, v, selection, params, fmap)
+    assert stores == [True] and torch.equal(got["lse"], want["lse"])
+    for name in want:
+        assert want[name].abs().max() > 0, name
+        assert ts.rel_err(got[name], want[name]) < 5e-3, name
+    with torch.no_grad():
+        out, lse = _one_op(q, k, v, selection, fmap, **params)
+    assert stores == [True, False] and torch.equal(out, got["out"]) and torch.equal(lse, got["lse"])
+    if n < 5000:
+        skipped = skipped_blocks(selection)
+        tq = selection.num_q_blocks
+        states = (torch.randn(1, h, tq, d, d, device="cuda").bfloat16(), torch.rand(1, h, tq, d, device="cuda"))
+        mix = ((params["weight"].T.bfloat16().contiguous(), params["bias"].bfloat16(), None) if kind == "proj"
+               else (None, None, params["alpha"].bfloat16()))
+        assert skipped.shape[-1] > 0
+        torch.library.opcheck(sparse_linear_ws.sparse_linear_ws, (q, k, v, selection.indices.contiguous(), *states,
+                                                                  *mix, bq, 64, 0.3, fmap, 1e-5, True))

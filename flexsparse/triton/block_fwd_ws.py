@@ -96,10 +96,11 @@ def _softmax(s, m_i, l_i, SCALE2: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, q_row, q_first, NQ, NK,
-              n_steps, BLOCK_K: gl.constexpr, SCALE2: gl.constexpr, num_warps: gl.constexpr):
+def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, NK, n_steps, BLOCK_K: gl.constexpr,
+           SCALE2: gl.constexpr, num_warps: gl.constexpr):
     """The online softmax over the ring's tiles: ``Q K_j^T`` and ``P_{j-1} V_{j-1}`` issued back to back, the
-    softmax of tile j while ``P_{j-1} V_{j-1}`` runs; stores the rows of O and LSE below ``NQ``.
+    softmax of tile j while ``P_{j-1} V_{j-1}`` runs. Returns ``(acc, m, l)``: the unnormalised O (``mma_layout``
+    of D columns) and the rows' max and sum (log2 units), every slot released.
     (Issuing ``Q K_{j+1}^T`` before the softmax of tile j as well, FlashAttention-3's full schedule with
     separate K and V rings, measured slower: D=128 2.06 vs 1.81 ms, ``benchmarks/gluon_blocks.py``.)"""
     BM: gl.constexpr = q_smem.type.shape[0]
@@ -137,14 +138,39 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_p
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index(last), count=1)
+    return acc, m_i, l_i
 
-    local = gl.arange(0, BM, layout=row_o)
-    out = (acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)).to(dtype)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    ptrs = o_ptr + gl.expand_dims((q_row + local).to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, out, mask=gl.expand_dims(q_first + local < NQ, 1))
-    local_s = gl.arange(0, BM, layout=row_s)
-    gl.store(lse_ptr + q_row + local_s, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=q_first + local_s < NQ)
+
+@gluon.jit
+def store_rows(ptr, x, q_row, q_first, NQ):
+    """The rows of the ``(BM, D)`` tile ``x`` (first row ``q_row`` of the flattened ``(B * H * N, D)`` tensor at
+    ``ptr``) whose token ``q_first + row`` lies below ``NQ``."""
+    BM: gl.constexpr = x.type.shape[0]
+    D: gl.constexpr = x.type.shape[1]
+    layout: gl.constexpr = x.type.layout
+    local = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = ptr + gl.expand_dims((q_row + local).to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(q_first + local < NQ, 1))
+
+
+@gluon.jit
+def store_lse(lse_ptr, m_i, l_i, q_row, q_first, NQ):
+    """The natural-log LSE of the rows below ``NQ`` from the softmax's max and sum (log2 units)."""
+    BM: gl.constexpr = m_i.type.shape[0]
+    local = gl.arange(0, BM, layout=m_i.type.layout)
+    gl.store(lse_ptr + q_row + local, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=q_first + local < NQ)
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, q_row, q_first, NQ, NK,
+              n_steps, BLOCK_K: gl.constexpr, SCALE2: gl.constexpr, num_warps: gl.constexpr):
+    """``attend``, then the rows of O and LSE below ``NQ``."""
+    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, NK, n_steps, BLOCK_K, SCALE2,
+                           num_warps)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    store_rows(o_ptr, (acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)).to(q_smem.dtype), q_row, q_first, NQ)
+    store_lse(lse_ptr, m_i, l_i, q_row, q_first, NQ)
 
 
 @gluon.jit

@@ -1,15 +1,15 @@
-"""The Gluon kernel modules (``block_fwd_ws``, ``block_bwd_ws``), or ``None`` each where this triton's Gluon
-(``triton.experimental.gluon``, an experimental API) does not provide what they use: the Triton kernels then
-serve every call, and a warning says so once."""
+"""The Gluon kernel modules (``block_fwd_ws``, ``block_bwd_ws``, ``sparse_linear_ws``), or ``None`` each where this
+triton's Gluon (``triton.experimental.gluon``, an experimental API) does not provide what they use: the Triton
+kernels then serve every call, and a warning says so once."""
 from __future__ import annotations
 
 import warnings
 
 try:
-    from . import block_bwd_ws, block_fwd_ws
+    from . import block_bwd_ws, block_fwd_ws, sparse_linear_ws
 except (ImportError, AttributeError) as exc:  # an older or newer triton whose Gluon API differs
     warnings.warn(f"flexsparse: the Gluon kernels are unavailable with this triton ({exc!r}); the Triton "
                   "kernels run instead (slower on sm_90)", RuntimeWarning, stacklevel=2)
-    block_bwd_ws = block_fwd_ws = None
+    block_bwd_ws = block_fwd_ws = sparse_linear_ws = None
 
-__all__ = ["block_bwd_ws", "block_fwd_ws"]
+__all__ = ["block_bwd_ws", "block_fwd_ws", "sparse_linear_ws"]

@@ -242,6 +242,23 @@ class Mix(NamedTuple):
     store_linear: bool = True
 
 
+def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
+    """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``linear_dense``)."""
+    from .linear_dense import keep_map, query_sums
+    return query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
+
+
+def dense_query_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_k: int,
+                       feature_map: str, tiles: dict | None = None):
+    """The query-block states ``H (B, H, Tq, D, D)`` in ``state_dtype`` and ``Z (B, H, Tq, D)`` fp32 when the sums
+    run on the dense strategy (``dense``), else ``None`` (the gather strategy sums them in the output kernel).
+    Arguments as ``linear_forward``'s."""
+    tiles = tiles or linear_tiles(q.device, q.shape[-1], q.dtype)
+    if not dense(skipped, cdiv(k.shape[2], block_k), tiles):
+        return None
+    return _dense_sums(skipped, *key_states(k, v, block_k, feature_map, tiles, q.dtype))
+
+
 def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_q: int,
                    block_k: int, feature_map: str, eps: float, tiles: dict | None = None, mix: Mix | None = None):
     """``o (B, H, Nq, D)`` in q's dtype and the query-block states ``H (B, H, Tq, D, D)`` in ``state_dtype`` and
@@ -262,9 +279,8 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
         rows_h = q.new_empty(bsz, heads, tq, d, d, dtype=hs.dtype)
         rows_z = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
     else:
-        from .linear_dense import keep_map, query_sums
         ht, zt = hs, zs
-        rows_h, rows_z = query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
+        rows_h, rows_z = _dense_sums(skipped, hs, zs)
     tile, n_split = split(block_q, tiles["TQ"])
     code = 0 if mix is None else 1 if mix.weight is not None else 2
     o_l = torch.empty_like(q) if code and mix.store_linear else None

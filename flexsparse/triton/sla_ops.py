@@ -34,7 +34,7 @@ from ..masks import kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..masks.topk import sorted_block_topk
 from .ops import contiguous, use_kernels
-from .registry import triton_op
+from .registry import launching_directly, triton_op
 
 MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state per program in registers)
 
@@ -290,10 +290,40 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     two ops whose gradients autograd sums). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two
     ops (kernels only: ``linear_kernels(q)``)."""
     from .block_ops import block_attn
+    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
+                                      feature_map, eps, store_linear)
+    if mixed is not None:
+        return mixed
     o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
                                                       feature_map, eps, store_linear)
     return out, lse, o_s, o_l, rows_h, rows_z
+
+
+def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, feature_map,
+                              eps, store_linear):
+    """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
+    epilogue (``sparse_linear_ws``; O_s is not stored without ``store_linear``), or ``None`` where it does not
+    run: not sm_90 / bf16 / the Gluon forward's shapes, the gather strategy (it sums the states in the output
+    kernel), or tile overrides of the sparse forward."""
+    from .block_fwd import WS_HEAD_DIMS
+    from .gluon import sparse_linear_ws
+    from .linear_fwd import dense_query_states
+    from .tiles import overrides
+    if (sparse_linear_ws is None or q.shape[-1] not in WS_HEAD_DIMS or overrides("block_fwd")
+            or not use_kernels(q) or not sparse_linear_ws.supported(q, k, v, indices, block_q, block_k)):
+        return None
+    q, k, v, skipped = contiguous(q, k, v, skipped)
+    states = dense_query_states(q, k, v, skipped, block_k, feature_map)
+    if states is None:
+        return None
+    weight_t = None if weight is None else weight.to(q.dtype).t().contiguous()
+    bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else bias.to(q.dtype).contiguous())
+    alpha = None if alpha is None else alpha.to(q.dtype).contiguous()
+    run = sparse_linear_ws.ws_sparse_linear_forward if launching_directly() else sparse_linear_ws.sparse_linear_ws
+    out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha, block_q, block_k, scale, feature_map,
+                             eps, store_linear)
+    return out, lse, o_s, o_l, *states
 
 
 def _sparse_mix_setup(ctx, inputs, output):
