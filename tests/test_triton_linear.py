@@ -239,6 +239,23 @@ def test_opcheck_kernels(strategy):
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows_h, rows_z, 16, 16, "elu",
                 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args, test_utils=utils)
+    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()), test_utils=utils)
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES[:2])
+def test_backward_from_saved_output_equals_recomputed(b, h, hk, n, d, bq, bk, width, fmap, strategy):
+    """``masked_linear_bwd`` given the forward's O_l (the query-gradient kernel reads it: one product fewer) equals
+    the kernel that recomputes it, fp32 (interpreter): dq, dk, dv."""
+    q, k, v = _inputs(b, h, hk, n, n, d)
+    skipped = ts.random_selection(b, h, n, n, bq, bk, width).indices
+    out, rows_h, rows_z = sla_ops.masked_linear(q, k, v, skipped, bq, bk, fmap, 1e-5)
+    do = torch.randn_like(out)
+    recomputed = sla_ops.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5)
+    saved = sla_ops.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5, o_l=out)
+    for name, a, w in zip("qkv", saved, recomputed):
+        assert w.abs().max() > 0, name
+        assert ts.rel_err(a, w) < 1e-6, name
 
 
 @cpu_parent
@@ -549,6 +566,7 @@ def test_gpu_opcheck(strategy):
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows_h, rows_z,
                 64, 32, "softmax", 1e-5)
     torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
+    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()))
 
 
 @gpu

@@ -3,7 +3,8 @@
 With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
 
 * ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``:
-  ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
+  ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O: the forward's output in q's dtype when given, ``SAVED``;
+  else recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
   through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``linear_fwd.state_dtype``). Q is also
   loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the first operand of every dot is never a
   transposed tile).
@@ -29,9 +30,9 @@ from .registry import launching_directly
 
 
 @triton.jit
-def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
+def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr):
+                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr, SAVED: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     dim = tl.arange(0, BD)
@@ -53,7 +54,10 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.cons
         x_t = tl.load(Q + base + rows.to(tl.int64)[None, :] * D + dim[:, None], mask=mask_t, other=0.0)
         phi_t = feature(x_t.to(tl.float32), mask_t, 0, FMAP)                        # (BD, TILE)
         den = EPS + tl.sum(phi * state_z[None, :], axis=1)
-        out = dot(phi, state_h, BF16) / den[:, None]
+        if SAVED:                                  # the forward's O, in q's dtype: one product fewer
+            out = tl.load(OL + ptr, mask=mask, other=0.0).to(tl.float32)
+        else:
+            out = dot(phi, state_h, BF16) / den[:, None]
         g = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
         dy_num = g / den[:, None]
         dy_den = -tl.sum(g * out, axis=1) / den
@@ -127,11 +131,13 @@ def register_cap(tiles: dict, kernel: str) -> dict:
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
                     rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
-                    eps: float, tiles: dict | None = None, add: tuple | None = None):
+                    eps: float, tiles: dict | None = None, add: tuple | None = None, o_l: torch.Tensor | None = None):
     """``(dq, dk, dv)`` of ``linear_fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
     ``rows_h (B, H, Tq, D, D)``, ``rows_z (B, H, Tq, D)``. Shapes and dtypes as ``linear_forward``; all
     contiguous. ``add``: ``(dq, dk, dv)`` of another branch (shapes and dtypes of q, k, v, contiguous), added in
-    fp32 before the one rounding of the stores (one pass over each instead of a separate sum)."""
+    fp32 before the one rounding of the stores (one pass over each instead of a separate sum). ``o_l``: the
+    forward's O_l ``(B, H, Nq, D)`` in q's dtype, contiguous; the query-gradient kernel reads it instead of
+    recomputing ``phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` (one matrix product fewer per tile)."""
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, tk = skipped.shape[2], cdiv(nk, block_k)
@@ -143,9 +149,9 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
     tile, n_split = split(block_q, tiles["TQ"])
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
-        q, do, rows_h, rows_z, dq if add is None else add[0], dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd,
-        BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
-        num_warps=tiles["warps"], **register_cap(tiles, "dq"))
+        q, do, rows_h, rows_z, q if o_l is None else o_l, dq if add is None else add[0], dq, d_hq, d_zq, float(eps),
+        nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
+        SAVED=o_l is not None, num_warps=tiles["warps"], **register_cap(tiles, "dq"))
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
     if not gather:
         from .linear_dense import keep_map, key_sums

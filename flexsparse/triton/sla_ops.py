@@ -131,11 +131,12 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
 @triton_op("flexsparse::masked_linear_bwd")
 def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
                       block_q: int, block_k: int, feature_map: str, eps: float, dq_add: Optional[Tensor] = None,
-                      dk_add: Optional[Tensor] = None,
-                      dv_add: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                      dk_add: Optional[Tensor] = None, dv_add: Optional[Tensor] = None,
+                      o_l: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
     ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
-    all three or none; the kernels add them before their one rounding).
+    all three or none; the kernels add them before their one rounding). ``o_l``: the forward's output O_l (q's
+    dtype), which the kernels read instead of recomputing it (the PyTorch path recomputes it).
 
     With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
@@ -145,7 +146,8 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     if linear_kernels(q):
         from .linear_bwd import linear_backward
         return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
-                               eps, add=None if adds is None else contiguous(*adds))
+                               eps, add=None if adds is None else contiguous(*adds),
+                               o_l=None if o_l is None else o_l.contiguous())
     grads = _masked_linear_bwd_torch(do, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps)
     return grads if adds is None else tuple(g + a for g, a in zip(grads, adds))
 
@@ -176,15 +178,15 @@ def _masked_linear_bwd_torch(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skippe
 
 def _setup(ctx, inputs, output):
     q, k, v, skipped, block_q, block_k, feature_map, eps = inputs
-    ctx.save_for_backward(q, k, v, skipped, output[1], output[2])
+    ctx.save_for_backward(q, k, v, skipped, output[1], output[2], output[0])
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)  # no zero-filled gradients of the (B, H, Tq, D, D) and (B, H, Tq, D) states
     ctx.args = (block_q, block_k, feature_map, eps)
 
 
 def _backward(ctx, do, _rows_h, _rows_z):
-    q, k, v, skipped, rows_h, rows_z = ctx.saved_tensors
-    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, *ctx.args)
+    q, k, v, skipped, rows_h, rows_z, o_l = ctx.saved_tensors
+    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -272,7 +274,7 @@ def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Opt
 def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
     q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
     d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, ctx.args[0], ctx.bias_dtype)
-    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
     return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
 
 
@@ -345,7 +347,7 @@ def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
     d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, block_q, ctx.bias_dtype)
     dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
-                                   dv)
+                                   dv, o_l)
     return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 7
 
 
