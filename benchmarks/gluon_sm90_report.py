@@ -1,0 +1,80 @@
+"""Compile the Gluon forward kernels (``block_fwd_ws``, ``sparse_linear_ws``) for sm_90 without a GPU and report
+registers, spills, shared memory and the matrix instructions, as ``triton_sm90_report.py`` does for the Triton
+kernels.
+
+Gluon kernels compile only through their launcher, so a stand-in driver names an sm_90 target and
+``warmup`` compiles without launching (CPU tensors stand in for the arguments). Needs a triton whose Gluon API the
+package uses (3.6 as on the GPU machine: ``pip install triton==3.6.0`` in a side venv).
+
+    python benchmarks/gluon_sm90_report.py [--d 64 128] [--sass NAME]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from triton_sm90_report import report
+
+
+class _Sm90Driver:
+    """Just enough of a driver for ``JITFunction.warmup`` to compile for sm_90 on a machine without a GPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _descriptors(d: int, bm: int, rows: int):
+    """TMA descriptors of q, k, v (``rows`` tokens) and of ``H_i``'s rows and ``W^T``, as the launchers build them."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flexsparse.triton.sparse_linear_ws import square_layout
+    x = torch.zeros(rows, d, dtype=torch.bfloat16)
+    tile = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
+    q = TensorDescriptor.from_tensor(x, [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d], gl.bfloat16))
+    kv = TensorDescriptor.from_tensor(x, [64, d], tile)
+    hw = TensorDescriptor.from_tensor(torch.zeros(4 * d, d, dtype=torch.bfloat16), [d, d],
+                                      square_layout(d, gl.bfloat16))
+    return q, kv, hw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--sass", default="")
+    args = parser.parse_args()
+    driver.set_active(_Sm90Driver())
+    from flexsparse.triton import block_fwd_ws, sparse_linear_ws
+    ints = torch.zeros(64, dtype=torch.int32)
+    flt = torch.zeros(64)
+    low = torch.zeros(64, dtype=torch.bfloat16)
+    for d in args.d:
+        tiles = block_fwd_ws.default_tiles(d)
+        q, kv, hw = _descriptors(d, tiles["bm"], 256)
+        launch = dict(BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE2=0.18, STAGES=tiles["stages"],
+                      num_warps=tiles["bm"] // 16, maxnreg=tiles["maxnreg"], grid=(1, 1))
+        name = f"ws fwd D={d}"
+        kernel = block_fwd_ws._ws_fwd_kernel.warmup(q, kv, kv, low, flt, ints, 2, 1, 256, 256, 4, 2, **launch)
+        report(name, kernel, args.sass == name)
+        for mix, store in ((1, False), (1, True), (2, False), (2, True)):
+            name = f"ws mix D={d} MIX={mix} STORE={int(store)}"
+            kernel = sparse_linear_ws._ws_mix_kernel.warmup(
+                q, kv, kv, hw, hw, low, flt, low, low, flt, low, low, ints, 2, 1, 256, 256, 4, 2, 0, EPS=1e-5,
+                FMAP=0, MIX=mix, STORE=store, **launch)
+            report(name, kernel, args.sass == name)
+
+
+if __name__ == "__main__":
+    main()
