@@ -174,26 +174,36 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_p
 
 
 @gluon.jit
-def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, idx_ptr, H, GROUP, NQ, NK, TQ, TOPK,
-                   BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr, SCALE2: gl.constexpr,
-                   STAGES: gl.constexpr, num_warps: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[0]
-    D: gl.constexpr = q_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
+def program_tile(H, GROUP, NQ, NK, BLOCK_Q: gl.constexpr, Q_SPLIT: gl.constexpr, BM: gl.constexpr):
+    """This program's query tile: ``(bh, h, qblk, q_first, q_row, kv_row)`` (batch x head, head, query block,
+    first row of the tile within its head and in the flattened q, first row of its KV head in k and v)."""
     pid = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh - b * H
     qblk = pid // Q_SPLIT
-    q_first = qblk * BLOCK_Q + (pid - qblk * Q_SPLIT) * BM  # first query row of the tile within its head
-    q_row = bh * NQ + q_first
-    kv_row = (b * (H // GROUP) + h // GROUP) * NK
-    idx = idx_ptr + (bh.to(gl.int64) * TQ + qblk) * TOPK
+    q_first = qblk * BLOCK_Q + (pid - qblk * Q_SPLIT) * BM
+    return bh, h, qblk, q_first, bh * NQ + q_first, (b * (H // GROUP) + h // GROUP) * NK
 
-    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], v_desc.layout)
+
+@gluon.jit
+def allocate_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Shared memory of the Q tile and of the K / V ring, and its barriers (``_barriers``)."""
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [q_desc.block_type.shape[0], D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_K, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_K, D], v_desc.layout)
     q_bar, ready, empty = _barriers(STAGES)
+    return q_smem, k_bufs, v_bufs, q_bar, ready, empty
+
+
+@gluon.jit
+def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, idx_ptr, H, GROUP, NQ, NK, TQ, TOPK,
+                   BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr, SCALE2: gl.constexpr,
+                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+    bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, q_desc.block_type.shape[0])
+    idx = idx_ptr + (bh.to(gl.int64) * TQ + qblk) * TOPK
+    q_smem, k_bufs, v_bufs, q_bar, ready, empty = allocate_ring(q_desc, k_desc, v_desc, STAGES, BLOCK_K)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, q_row, q_first, NQ, NK,

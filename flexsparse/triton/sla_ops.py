@@ -289,8 +289,10 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_ops.block_attn``: ``o_s``, LSE over
     the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
     branch's gradients first and the linear kernels add theirs to them (one pass fewer over dq, dk and dv than
-    two ops whose gradients autograd sums). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two
-    ops (kernels only: ``linear_kernels(q)``)."""
+    two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse forward and
+    the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``).
+    Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
+    ``linear_kernels(q)``)."""
     from .block_ops import block_attn
     mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
                                       feature_map, eps, store_linear)

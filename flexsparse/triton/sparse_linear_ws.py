@@ -121,24 +121,12 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
                    BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr,
                    FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr, STAGES: gl.constexpr,
                    num_warps: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    qblk = pid // Q_SPLIT
-    q_first = qblk * BLOCK_Q + (pid - qblk * Q_SPLIT) * BM  # first query row of the tile within its head
-    q_row = bh * NQ + q_first
-    kv_row = (b * (H // GROUP) + h // GROUP) * NK
+    bh, h, qblk, q_first, q_row, kv_row = block_fwd_ws.program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT,
+                                                                    q_desc.block_type.shape[0])
     state = bh.to(gl.int64) * TQ + qblk                      # the query block's row of H_i, Z_i
     idx = idx_ptr + state * TOPK
-
-    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], v_desc.layout)
-    q_bar, ready, empty = block_fwd_ws._barriers(STAGES)
+    q_smem, k_bufs, v_bufs, q_bar, ready, empty = block_fwd_ws.allocate_ring(q_desc, k_desc, v_desc, STAGES, BLOCK_K)
 
     gl.warp_specialize([
         (_mix_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr,
