@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .block_fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout
+from .block_fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout, program_tile
 from .layout import cdiv
 
 
@@ -204,14 +204,7 @@ def _ws_dq_kernel(q_desc, do_desc, k_desc, v_desc, o_ptr, lse_ptr, dlse_ptr, del
     BN: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    qblk = pid // Q_SPLIT
-    q_first = qblk * BLOCK_Q + (pid - qblk * Q_SPLIT) * BM
-    q_row = bh * NQ + q_first
-    kv_row = (b * (H // GROUP) + h // GROUP) * NK
+    bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
     idx = idx_ptr + (bh.to(gl.int64) * TQ + qblk) * TOPK
 
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
