@@ -410,17 +410,12 @@ def test_gpu_opcheck():
     torch.library.opcheck(block_ops.block_attn.op, args)
 
 
-def _skip_unless_sm90():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for sm_90")
-
-
 def _ws_backward_case(n, heads, kv_heads, d, block_q, topk, deterministic):
     """Inputs of the Gluon backward tests (skipped off sm_90): contiguous q, k, v, a random dO, the index table
     (64-token key blocks), the forward's O and LSE and the table's CSC."""
     from flexsparse.triton import block_fwd
     from flexsparse.triton.csc import block_csc
-    _skip_unless_sm90()
+    ts.skip_unless_sm90()
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk)
     q, k, v = (x.contiguous() for x in (q, k, v))
     do = torch.randn_like(q)
@@ -439,7 +434,7 @@ def test_gpu_warp_specialized_forward_matches_triton_kernel(n, heads, kv_heads, 
     """The Gluon forward (``block_fwd_ws``; ragged tails, GQA, 64-, 128- and 256-row query blocks) against the
     Triton kernel on the same selection; they sum in the same order."""
     from flexsparse.triton import block_fwd, block_fwd_ws
-    _skip_unless_sm90()
+    ts.skip_unless_sm90()
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk, dtype)
     q, k, v = (x.contiguous() for x in (q, k, v))
     indices = selection.indices.contiguous()

@@ -624,8 +624,7 @@ def test_gpu_linear_branch_in_sparse_epilogue(h, hk, n, d, bq, negligible, fmap,
     of q, k, v and the mixing parameters; without gradients it stores neither O_s nor O_l and gives the same
     output; the fused kernel ran both times; opcheck of its op."""
     from flexsparse.triton import sparse_linear_ws
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for sm_90")
+    ts.skip_unless_sm90()
     stores = []
     fused = sparse_linear_ws.ws_sparse_linear_forward
     monkeypatch.setattr(sparse_linear_ws, "ws_sparse_linear_forward", lambda *a: stores.append(a[-1]) or fused(*a))

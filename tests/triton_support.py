@@ -36,6 +36,12 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
 
 
+def skip_unless_sm90() -> None:
+    """Skip a GPU test of the Gluon kernels on GPUs other than sm_90 (Hopper)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm_90")
+
+
 def run_interpreter_suite(path: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the non-GPU tests of ``path`` in a child pytest with the interpreter on."""
     env = dict(os.environ, TRITON_INTERPRET="1",

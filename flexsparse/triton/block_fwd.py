@@ -141,16 +141,23 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     return {**base, **overrides("block_fwd")}
 
 
+def gluon_runs(q, k, v, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:
+    """Whether ``block_forward`` runs the warp-specialized Gluon kernel for this call: sm_90, default tiles (no
+    ``tiles``, no ``FLEXSPARSE_TRITON_TILES`` override of ``block_fwd``), head dims in ``WS_HEAD_DIMS`` and what
+    ``block_fwd_ws.supported`` takes."""
+    return (block_fwd_ws is not None and tiles is None and q.shape[3] in WS_HEAD_DIMS and not overrides("block_fwd")
+            and block_fwd_ws.supported(q, k, v, indices, block_q, block_k))
+
+
 def block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
     """O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with the same strides, q's dtype; indices:
-    ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous. On sm_90 with default tiles the
-    calls ``block_fwd_ws.supported`` takes (head dims in ``WS_HEAD_DIMS``) run the Gluon kernel instead.
+    ``(B, H, Tq, K)`` int32 key-block ids (contiguous). Last dims contiguous. Where ``gluon_runs`` the Gluon
+    kernel runs instead.
     """
     bsz, heads, nq, d = q.shape
-    if (block_fwd_ws is not None and tiles is None and d in WS_HEAD_DIMS and not overrides("block_fwd")
-            and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)):
+    if gluon_runs(q, k, v, indices, block_q, block_k, tiles):
         if launching_directly():
             return block_fwd_ws.ws_block_forward(q, k, v, indices, block_q, block_k, scale)
         return block_fwd_ws.block_attn_ws(q, k, v, indices, block_q, block_k, scale)

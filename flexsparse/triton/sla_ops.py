@@ -308,14 +308,13 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
                               eps, store_linear):
     """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
     epilogue (``sparse_linear_ws``; O_s is not stored without ``store_linear``), or ``None`` where it does not
-    run: not sm_90 / bf16 / the Gluon forward's shapes, the gather strategy (it sums the states in the output
-    kernel), or tile overrides of the sparse forward."""
-    from .block_fwd import WS_HEAD_DIMS
+    run: where the sparse forward would not run its Gluon kernel (``block_fwd.gluon_runs``), for inputs other
+    than bf16 (the dense strategy's states are in q's dtype only then) and on the gather strategy (it sums the
+    states in the output kernel)."""
+    from .block_fwd import gluon_runs
     from .gluon import sparse_linear_ws
     from .linear_fwd import dense_query_states
-    from .tiles import overrides
-    if (sparse_linear_ws is None or q.shape[-1] not in WS_HEAD_DIMS or overrides("block_fwd")
-            or not use_kernels(q) or not sparse_linear_ws.supported(q, k, v, indices, block_q, block_k)):
+    if q.dtype != torch.bfloat16 or not gluon_runs(q, k, v, indices, block_q, block_k):
         return None
     q, k, v, skipped = contiguous(q, k, v, skipped)
     states = dense_query_states(q, k, v, skipped, block_k, feature_map)

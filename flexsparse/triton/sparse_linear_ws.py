@@ -137,14 +137,6 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
     ], [1], [24])
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, block_q: int,
-              block_k: int) -> bool:
-    """Whether ``ws_sparse_linear_forward`` takes this call: the bf16 calls ``block_fwd_ws.supported`` takes (bf16:
-    the dense strategy's states are in q's dtype then; the ``(D, D)`` states fit the ring's first slots at both
-    head dims)."""
-    return q.dtype == torch.bfloat16 and block_fwd_ws.supported(q, k, v, indices, block_q, block_k)
-
-
 def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q: int, block_k: int,
                              scale: float, feature_map: str, eps: float, store: bool):
     """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_fwd_ws.ws_block_forward``) mixed with
@@ -152,7 +144,8 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` and ``bias (D,)``
     contiguous in q's dtype, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)`` contiguous
     in q's dtype; weight_t and bias None). o_s and o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them),
-    else empty. See ``supported``."""
+    else empty. Takes the bf16 calls ``block_fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's first
+    slots at both head dims)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
