@@ -9,6 +9,9 @@ Parts (``--parts``, comma-separated; each is optional so a run fits in a few min
 ``sparse``   the sparse branch alone (``block_sparse_attention`` on a fixed top-K selection, K = 51) at
              that shape: triton vs flex, TFLOP/s, and the triton kernels from the profiler.
 ``shape2``   the public SLA benchmark shape B=2 H=16 N=32760 D=128 (95 %): sla and the sparse branch, dense SDPA.
+``paper_blocks``  128-row query blocks and 64-token key blocks, the block sizes of the public SLA benchmark
+             (BLKQ 128, BLKK 64) and SLA2's defaults (b_q 128, b_kv 64): sla2 95 % / 97 % and sla 95 % at the
+             first shape, sla 95 % and the sparse branch at the public shape.
 ``scaling``  triton sparse-branch backward (fwd+bwd minus fwd) at N = 16K, 32K, 64K, 128K with a fixed K
              (``--scaling-k``), plus the dQ / dK/dV / CSC kernel times: linear in N at fixed K.
 ``sweep``    tile sweep of the triton sparse branch at the first shape (``FLEXSPARSE_TRITON_TILES``).
@@ -143,6 +146,24 @@ def sparse_rows(shape: str, backends: list[str], q, k, v, grad, topk: int, block
     return rows
 
 
+def paper_block_rows(backends: list[str], profile: bool) -> list[dict]:
+    """``paper_blocks``: the methods on 128x64 blocks at both shapes (sparsities as in ``methods`` / ``shape2``)."""
+    blocks = {"block_q": 128, "block_k": BLOCK}
+    q, k, v, grad = make_qkv(2, 8, 65536, 64)
+    cases = {"sla2 128x64": {"method": "sla2", **blocks, "topk_ratio": 0.05},
+             "sla2 97% 128x64": {"method": "sla2", **blocks, "topk_ratio": 0.03},
+             "sla 128x64": {"method": "sla", **blocks, "topk_ratio": 0.05}}
+    rows = method_rows("B2 H8 N65536 D64", cases, backends, q, k, v, grad, profile)
+    del q, k, v, grad
+    q, k, v, grad = make_qkv(2, 16, 32760, 128)
+    shape = "B2 H16 N32760 D128"
+    rows += method_rows(shape, {"sla 128x64": {"method": "sla", **blocks, "topk_ratio": 0.05}}, backends, q, k, v,
+                        grad, profile)
+    rows += sparse_rows(shape, backends, q, k, v, grad, int(0.05 * math.ceil(32760 / BLOCK)), block_q=128,
+                        case="sparse 128x64 K=25")
+    return rows
+
+
 def sweep_rows(q, k, v, grad, topk: int, size: str) -> list[dict]:
     """Forward and backward tile configurations of the triton sparse branch, one at a time."""
     product = itertools.product
@@ -231,6 +252,9 @@ def main() -> None:
         rows += sparse_rows(shape, backends, q, k, v, grad, int(0.05 * math.ceil(32760 / BLOCK)))
         rows += dense_rows(shape, q, k, v, grad)
         del q, k, v, grad
+
+    if "paper_blocks" in parts:
+        rows += paper_block_rows(backends, args.profile)
 
     if "scaling" in parts:
         for n in (int(x) for x in args.scaling_n.split(",")):

@@ -121,11 +121,12 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK_ADD, DV_ADD, D
         tl.store(DK + ptr, dk.to(DK.dtype.element_ty), mask=mask)
 
 
-def register_cap(tiles: dict, kernel: str) -> dict:
-    """``{"maxnreg": cap}`` for ``kernel`` (``"dq"``, ``"dkv"``) when ``tiles`` caps its registers and the kernel
-    launches directly (eager; ``torch.compile``'s ``wrap_triton`` takes no ``maxnreg``, so traced launches run
-    uncapped: same results, measured 0.06-0.14 ms slower, docs/triton_sla_pieces.md); else ``{}``."""
-    cap = tiles.get(f"{kernel}_maxnreg")
+def register_cap(tiles: dict, kernel: str, n_split: int) -> dict:
+    """``{"maxnreg": cap}`` for ``kernel`` (``"dq"``, ``"dkv"``) when ``tiles`` caps its registers (the cap
+    ``{kernel}_maxnreg_split`` applies to programs of several tiles, ``n_split > 1``, e.g. 128-row query blocks)
+    and the kernel launches directly (eager; ``torch.compile``'s ``wrap_triton`` takes no ``maxnreg``, so traced
+    launches run uncapped: same results, measured 0.06-0.14 ms slower, docs/triton_sla_pieces.md); else ``{}``."""
+    cap = tiles.get(f"{kernel}_maxnreg" if n_split == 1 else f"{kernel}_maxnreg_split")
     return {"maxnreg": cap} if cap and launching_directly() else {}
 
 
@@ -151,7 +152,7 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launcher(_query_grad_kernel)[(tq, bsz * heads)](
         q, do, rows_h, rows_z, q if o_l is None else o_l, dq if add is None else add[0], dq, d_hq, d_zq, float(eps),
         nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
-        SAVED=o_l is not None, num_warps=tiles["warps"], **register_cap(tiles, "dq"))
+        SAVED=o_l is not None, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split))
     group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
     if not gather:
         from .linear_dense import keep_map, key_sums
@@ -167,5 +168,5 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, *((dk, dv) if add is None else add[1:]), dk, dv, nk, tq, tk,
         lists.shape[-1], kv_heads, group, D=d, BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap,
         BF16=bf16, GATHER=gather, STAGES=tiles["stages"], ADD=add is not None, num_warps=tiles["warps"],
-        **register_cap(tiles, "dkv"))
+        **register_cap(tiles, "dkv", n_split))
     return dq, dk, dv

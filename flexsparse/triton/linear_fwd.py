@@ -186,17 +186,22 @@ def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     bf16 keeps 64-row query tiles at D = 128 (its dQ products then run on wgmma: forward 2.06 -> 1.92 ms,
     backward 3.62 -> 3.35 at the public SLA shape, H200). The bf16 ratios and caps were measured on an H200
     (session 16, docs/triton_sla_pieces.md), except the D = 128 query-gradient cap: with the saved O_l (session 23,
-    H100) 128 registers (2 programs per SM, some spills) run it in 1.22 ms against 1.38 uncapped."""
+    H100) 128 registers (2 programs per SM, some spills) run it in 1.22 ms against 1.38 uncapped. Programs over
+    several query tiles (``dq_maxnreg_split``: 128-row query blocks, whose ``D x D`` gradient stays live across
+    the tiles; session 24, H200): D = 64 keeps 168 (0.50 ms against 0.56 uncapped, 240 registers), D = 128 runs
+    uncapped (255 registers: 1.55 ms against 2.49 under the cap of 128); the key-gradient cap for key blocks
+    above 64 tokens is the one-tile cap (not measured)."""
     if device.type == "cpu":
         base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER, dense_ratio_bwd=DENSE_NEVER)
     elif dtype != torch.bfloat16:
         rows = 32 if d <= 64 else 16
         base = dict(TQ=rows, TK=rows, warps=8, stages=2, dense_ratio=DENSE_NEVER, dense_ratio_bwd=DENSE_NEVER)
     elif d <= 64:
-        base = dict(TQ=64, TK=64, warps=4, stages=3, dense_ratio=0.02, dense_ratio_bwd=0.005, dq_maxnreg=168)
+        base = dict(TQ=64, TK=64, warps=4, stages=3, dense_ratio=0.02, dense_ratio_bwd=0.005, dq_maxnreg=168,
+                    dq_maxnreg_split=168)
     else:
         base = dict(TQ=64, TK=64, warps=8, stages=3, dense_ratio=0.005, dense_ratio_bwd=0.005, dq_maxnreg=128,
-                    dkv_maxnreg=128)
+                    dkv_maxnreg=128, dkv_maxnreg_split=128)
     return {**base, **overrides("linear")}
 
 
