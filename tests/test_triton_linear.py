@@ -613,6 +613,26 @@ def test_gpu_mixed_output_bf16(kind, compiled):
 
 
 @gpu
+def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
+    """q, k, v in a transposed (B, N, H, D) layout, as models hand them over: the op makes them contiguous before
+    it checks the Gluon kernels' conditions, so the fused epilogue runs and gives the contiguous inputs' output."""
+    from flexsparse.triton import sparse_linear_ws
+    ts.skip_unless_sm90()
+    calls = []
+    fused = sparse_linear_ws.ws_sparse_linear_forward
+    monkeypatch.setattr(sparse_linear_ws, "ws_sparse_linear_forward", lambda *a: calls.append(1) or fused(*a))
+    q, k, v = _inputs(2, 4, 4, 4096, 4096, 64, torch.bfloat16, "cuda")
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    selection = _selection(q, k, 64, 64, 0.05, 0.0)
+    params = _mix_params("alpha_per_head", 4, selection.num_q_blocks, 64, "cuda")
+    with torch.no_grad():
+        want = _one_op(q, k, v, selection, "softmax", **params)
+        got = _one_op(*strided, selection, "softmax", **params)
+    assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@gpu
 @pytest.mark.parametrize("h,hk,n,d,bq,negligible,fmap,kind", [
     (4, 2, 4096, 64, 64, 0.0, "softmax", "proj"), (2, 2, 4000, 128, 64, 0.1, "elu", "alpha_shared"),
     (4, 1, 7777, 128, 128, 0.0, "relu", "alpha_per_head"), (8, 8, 16384, 64, 64, 0.0, "softmax", "alpha_per_head"),

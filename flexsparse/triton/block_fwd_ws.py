@@ -233,6 +233,19 @@ def default_tiles(d: int) -> dict:
     return dict(stages=4, maxnreg=80, bm=64) if d <= 64 else dict(stages=3, maxnreg=128, bm=64)
 
 
+def descriptors(q, k, v, block_k: int, bm: int):
+    """TMA descriptors of q (``(bm, D)`` tiles), k and v (``(block_k, D)`` tiles) over the flattened
+    ``(B * H * N, D)`` tensors, and the Gluon dtype of q."""
+    d = q.shape[-1]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d],
+                                                                                                      gl_dtype))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_k, d], gl_dtype)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_k, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_k, d], kv_layout)
+    return q_desc, k_desc, v_desc, gl_dtype
+
+
 def ws_block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float, stages: int | None = None,
                      maxnreg: int | None = None, bm: int | None = None):
     """O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32, as ``block_fwd.block_forward``
@@ -242,12 +255,7 @@ def ws_block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float,
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = default_tiles(d)
     stages, maxnreg, bm = stages or tiles["stages"], maxnreg or tiles["maxnreg"], bm or tiles["bm"]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d],
-                                                                                                      gl_dtype))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_k, d], gl_dtype)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_k, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_k, d], kv_layout)
+    q_desc, k_desc, v_desc, _ = descriptors(q, k, v, block_k, bm)
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
     _ws_fwd_kernel[(tq * (block_q // bm), bsz * heads)](

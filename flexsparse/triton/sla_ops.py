@@ -294,6 +294,7 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
     ``linear_kernels(q)``)."""
     from .block_ops import block_attn
+    q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
     mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
                                       feature_map, eps, store_linear)
     if mixed is not None:
@@ -310,13 +311,12 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     epilogue (``sparse_linear_ws``; O_s is not stored without ``store_linear``), or ``None`` where it does not
     run: where the sparse forward would not run its Gluon kernel (``block_fwd.gluon_runs``), for inputs other
     than bf16 (the dense strategy's states are in q's dtype only then) and on the gather strategy (it sums the
-    states in the output kernel)."""
+    states in the output kernel). q, k, v, indices and skipped: contiguous."""
     from .block_fwd import gluon_runs
     from .gluon import sparse_linear_ws
     from .linear_fwd import dense_query_states
     if q.dtype != torch.bfloat16 or not gluon_runs(q, k, v, indices, block_q, block_k):
         return None
-    q, k, v, skipped = contiguous(q, k, v, skipped)
     states = dense_query_states(q, k, v, skipped, block_k, feature_map)
     if states is None:
         return None

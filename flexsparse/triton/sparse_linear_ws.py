@@ -149,12 +149,7 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [tiles["bm"], d],
-                                          gl.NVMMASharedLayout.get_default_for([tiles["bm"], d], gl_dtype))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_k, d], gl_dtype)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_k, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_k, d], kv_layout)
+    q_desc, k_desc, v_desc, gl_dtype = block_fwd_ws.descriptors(q, k, v, block_k, tiles["bm"])
     square = square_layout(d, gl_dtype)
     h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
     mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
