@@ -7,7 +7,10 @@ With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
   else recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
   through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``linear_fwd.state_dtype``). Q is also
   loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the first operand of every dot is never a
-  transposed tile).
+  transposed tile). With the dense strategy a query block of several tiles (e.g. 128 rows) gets one program per
+  tile, each storing its tile's partial ``d[H_i | Z_i]``, and the ``keep^T`` matmul sums the partials (its keep
+  rows repeated per tile): a program over all tiles keeps the ``D x D`` gradient live across them (255
+  registers at D = 128).
 * ``_key_grad_kernel``: one program per (key block j, batch x KV head). With ``GATHER``: ``d[h_j | z_j]`` = the
   KV head's total of ``d[H_i | Z_i]`` (all its query heads, fp32 ``torch.sum``) minus those of the query blocks
   that skipped j (the key-major lists of ``csc.block_csc(..., deterministic=True)``, walked for every query
@@ -32,8 +35,11 @@ from .registry import launching_directly
 @triton.jit
 def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr, SAVED: tl.constexpr):
-    i = tl.program_id(0)
+                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr, SAVED: tl.constexpr,
+                       PARTS: tl.constexpr):
+    part = tl.program_id(0)                        # PARTS programs per query block, SPLIT // PARTS tiles each
+    i = part // PARTS
+    TILES: tl.constexpr = SPLIT // PARTS
     bh = tl.program_id(1).to(tl.int64)
     dim = tl.arange(0, BD)
     dim_ok = dim < D
@@ -44,8 +50,9 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.
     d_h = tl.zeros([BD, BD], tl.float32)
     d_z = tl.zeros([BD], tl.float32)
     base = bh * NQ * D
-    for c in range(SPLIT):
-        rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
+    first = (part % PARTS) * TILES
+    for t in range(TILES):                         # constexpr bounds (a runtime range measured slower)
+        rows, ok = block_tokens(i, first + t, BLOCK_Q, TILE, NQ)
         mask = ok[:, None] & dim_ok[None, :]
         mask_t = dim_ok[:, None] & ok[None, :]
         ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
@@ -68,7 +75,7 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.
         tl.store(DQ + ptr, dq.to(DQ.dtype.element_ty), mask=mask)
         d_h += dot(phi_t, dy_num, BF16)
         d_z += tl.sum(phi_t * dy_den[None, :], axis=1)
-    out_row = bh * TQ + i
+    out_row = bh * TQ * PARTS + part
     tl.store(DHQ + out_row * D * D + dim[:, None] * D + dim[None, :], d_h.to(DHQ.dtype.element_ty), mask=hmask)
     tl.store(DZQ + out_row * D + dim, d_z.to(DZQ.dtype.element_ty), mask=dim_ok)
 
@@ -145,18 +152,20 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     tiles = tiles or linear_tiles(q.device, d, q.dtype)
     bf16, fmap, bd = q.dtype == torch.bfloat16, feature_code(feature_map), pow2(d, 16)
     dt = state_dtype(q.dtype)
-    dq = torch.empty_like(q)
-    d_hq = q.new_empty(bsz, heads, tq, d, d, dtype=dt)
-    d_zq = q.new_empty(bsz, heads, tq, d, dtype=dt)
+    group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
     tile, n_split = split(block_q, tiles["TQ"])
-    launcher(_query_grad_kernel)[(tq, bsz * heads)](
+    parts = 1 if gather else n_split                       # query-gradient programs per query block
+    dq = torch.empty_like(q)
+    d_hq = q.new_empty(bsz, heads, tq * parts, d, d, dtype=dt)
+    d_zq = q.new_empty(bsz, heads, tq * parts, d, dtype=dt)
+    launcher(_query_grad_kernel)[(tq * parts, bsz * heads)](
         q, do, rows_h, rows_z, q if o_l is None else o_l, dq if add is None else add[0], dq, d_hq, d_zq, float(eps),
         nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
-        SAVED=o_l is not None, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split))
-    group, gather = heads // kv_heads, not dense(skipped, tk, tiles, backward=True)
-    if not gather:
+        SAVED=o_l is not None, PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
+    if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
         from .linear_dense import keep_map, key_sums
-        d_ht, d_zt = key_sums(keep_map(skipped, tk, dt), d_hq, d_zq, kv_heads)
+        keep = keep_map(skipped, tk, dt)
+        d_ht, d_zt = key_sums(keep.repeat_interleave(parts, dim=2) if parts > 1 else keep, d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq

@@ -187,10 +187,11 @@ def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     backward 3.62 -> 3.35 at the public SLA shape, H200). The bf16 ratios and caps were measured on an H200
     (session 16, docs/triton_sla_pieces.md), except the D = 128 query-gradient cap: with the saved O_l (session 23,
     H100) 128 registers (2 programs per SM, some spills) run it in 1.22 ms against 1.38 uncapped. Programs over
-    several query tiles (``dq_maxnreg_split``: 128-row query blocks, whose ``D x D`` gradient stays live across
-    the tiles; session 24, H200): D = 64 keeps 168 (0.50 ms against 0.56 uncapped, 240 registers), D = 128 runs
-    uncapped (255 registers: 1.55 ms against 2.49 under the cap of 128); the key-gradient cap for key blocks
-    above 64 tokens is the one-tile cap (not measured)."""
+    several query tiles (``dq_maxnreg_split``: 128-row query blocks under the gather strategy, whose ``D x D``
+    gradient stays live across the tiles; the dense strategy runs one program per tile, session 25; session 24,
+    H200): D = 64 keeps 168 (0.50 ms against 0.56 uncapped, 240 registers), D = 128 runs uncapped (255
+    registers: 1.55 ms against 2.49 under the cap of 128); the key-gradient cap for key blocks above 64 tokens is
+    the one-tile cap (not measured)."""
     if device.type == "cpu":
         base = dict(TQ=16, TK=16, warps=4, stages=1, dense_ratio=DENSE_NEVER, dense_ratio_bwd=DENSE_NEVER)
     elif dtype != torch.bfloat16:
