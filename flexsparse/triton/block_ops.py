@@ -51,12 +51,15 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
         from .fallback import block_sparse_attention_backward
         return block_sparse_attention_backward(do, dlse, q, k, v, _selection(indices, block_q, block_k, q, k), scale,
                                                o, lse)
-    from .block_bwd import block_backward
+    from .block_bwd import backward_tiles, block_backward, dkv_blocks
     from .csc import block_csc
     do, q, k, v, indices, o, lse = contiguous(do, q, k, v, indices, o, lse)
-    offsets, rows = block_csc(indices, num_blocks(k.shape[2], block_k), deterministic)
+    tile = backward_tiles(q.device, q.shape[3], q.dtype)["DKV_BM"]
+    per_tile, dkv_block_q = dkv_blocks(indices, block_q, q.shape[2], tile)   # dK/dV walks query tiles
+    offsets, rows = block_csc(per_tile, num_blocks(k.shape[2], block_k), deterministic)
     dlse = None if dlse is None else dlse.contiguous()
-    return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale)
+    return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale,
+                          dkv_block_q=dkv_block_q)
 
 
 @triton_op("flexsparse::block_attn_fp8")
