@@ -171,8 +171,9 @@ def dkv_blocks(indices: torch.Tensor, block_q: int, nq: int, tile: int) -> tuple
     session 25; the Gluon D=64 kernel 3.50 against 3.48)."""
     if block_q <= tile or block_q % tile:
         return indices, block_q
-    per_block = block_q // tile
-    return indices.repeat_interleave(per_block, dim=2)[:, :, :cdiv(nq, tile)].contiguous(), tile
+    bsz, heads, tq, topk = indices.shape
+    per_tile = indices.unsqueeze(3).expand(bsz, heads, tq, block_q // tile, topk).flatten(2, 3)
+    return per_tile[:, :, :cdiv(nq, tile)].contiguous(), tile
 
 
 def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: int, block_k: int, scale: float,

@@ -165,7 +165,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
         from .linear_dense import keep_map, key_sums
         keep = keep_map(skipped, tk, dt)
-        d_ht, d_zt = key_sums(keep.repeat_interleave(parts, dim=2) if parts > 1 else keep, d_hq, d_zq, kv_heads)
+        keep = keep.unsqueeze(3).expand(bsz, heads, tq, parts, tk).flatten(2, 3)      # a view when parts == 1
+        d_ht, d_zt = key_sums(keep, d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq
