@@ -214,6 +214,19 @@ def test_dkv_program_order_is_head_major_longest_first():
 
 
 @cpu_parent
+def test_dkv_blocks_repeat_each_row_per_query_tile():
+    """The dK/dV kernel's index table: each block of several tiles becomes one row per tile, ragged tail cut."""
+    from flexsparse.triton.block_bwd import dkv_blocks
+    indices = torch.randint(0, 9, (2, 3, 3, 4), dtype=torch.int32)
+    per_tile, block = dkv_blocks(indices, 32, 70, 16)              # 3 blocks of 32 rows, 70 tokens: 5 tiles of 16
+    assert block == 16 and per_tile.shape == (2, 3, 5, 4) and per_tile.is_contiguous()
+    assert torch.equal(per_tile, indices[:, :, [0, 0, 1, 1, 2]])
+    for block_q, tile in ((16, 16), (16, 64), (48, 32)):           # one tile per block, or blocks of partial tiles
+        same, block = dkv_blocks(indices, block_q, 70, tile)
+        assert same is indices and block == block_q
+
+
+@cpu_parent
 def test_cpu_fallback_without_interpreter():
     """Without the interpreter the op bodies run the torch backend and its written-out backward."""
     q, k, v = make_qkv(1, 4, 2, 70, 61, 16)
