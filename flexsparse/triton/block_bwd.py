@@ -24,7 +24,7 @@ import triton.language as tl
 from .block_fwd import chunk_rows, geometry, list_rows, list_steps
 from .common import LOG2E, launcher, load_tile, mm, store_tile
 from .gluon import block_bwd_ws, block_fwd_ws
-from .layout import cdiv, pow2
+from .layout import cdiv, pow2, repeat_rows
 from .registry import launching_directly
 from .tiles import overrides
 
@@ -171,9 +171,7 @@ def dkv_blocks(indices: torch.Tensor, block_q: int, nq: int, tile: int) -> tuple
     session 25; the Gluon D=64 kernel 3.50 against 3.48)."""
     if block_q <= tile or block_q % tile:
         return indices, block_q
-    bsz, heads, tq, topk = indices.shape
-    per_tile = indices.unsqueeze(3).expand(bsz, heads, tq, block_q // tile, topk).flatten(2, 3)
-    return per_tile[:, :, :cdiv(nq, tile)].contiguous(), tile
+    return repeat_rows(indices, block_q // tile)[:, :, :cdiv(nq, tile)].contiguous(), tile
 
 
 def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: int, block_k: int, scale: float,

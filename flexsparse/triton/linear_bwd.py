@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .common import launcher
 from .csc import block_csc
-from .layout import cdiv, pow2
+from .layout import cdiv, pow2, repeat_rows
 from .linear_fwd import (block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split,
                          state_dtype)
 from .registry import launching_directly
@@ -164,9 +164,7 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         SAVED=o_l is not None, PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
         from .linear_dense import keep_map, key_sums
-        keep = keep_map(skipped, tk, dt)
-        keep = keep.unsqueeze(3).expand(bsz, heads, tq, parts, tk).flatten(2, 3)      # a view when parts == 1
-        d_ht, d_zt = key_sums(keep, d_hq, d_zq, kv_heads)
+        d_ht, d_zt = key_sums(repeat_rows(keep_map(skipped, tk, dt), parts), d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq
