@@ -80,7 +80,15 @@ def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
-    return sums / token_counts(n, block, device=sums.device).to(sums.dtype).unsqueeze(-1)
+    return sums / _divisors(n, block, sums)
+
+
+def _divisors(n: int, span: int, sums: torch.Tensor) -> torch.Tensor | int:
+    """What the sums of spans of ``span`` of ``n`` tokens are divided by: ``span`` itself when it divides ``n``
+    (one operation, the same values), else ``token_counts`` as a column in sums' dtype."""
+    if n % span == 0:
+        return span
+    return token_counts(n, span, device=sums.device).to(sums.dtype).unsqueeze(-1)
 
 
 def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]:
@@ -95,8 +103,7 @@ def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]
     sums = x
     for level in range(1, levels + 1):
         sums = block_sums(sums, block)
-        counts = token_counts(n, block**level, device=x.device).to(sums.dtype)
-        out.append(sums / counts.unsqueeze(-1))
+        out.append(sums / _divisors(n, block**level, sums))
     return out
 
 

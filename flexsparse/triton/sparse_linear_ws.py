@@ -133,7 +133,7 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
                          z_ptr + state * D, bias_ptr, alpha_ptr + h * alpha_h + qblk, idx, q_row, q_first, NQ, NK,
                          TOPK, BLOCK_K, SCALE2, EPS, FMAP, MIX, STORE, num_warps)),
         (_mix_producer, (q_desc, k_desc, v_desc, h_desc, w_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx,
-                         q_row, kv_row, (bh * TQ + qblk) * D, TOPK, BLOCK_K, MIX)),
+                         q_row, kv_row, (bh * TQ + qblk) * D, TOPK, BLOCK_K, MIX)),  # int32: a TMA row
     ], [1], [24])
 
 
