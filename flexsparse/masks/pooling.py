@@ -84,8 +84,8 @@ def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
 
 
 def _divisors(n: int, span: int, sums: torch.Tensor) -> torch.Tensor | int:
-    """What the sums of spans of ``span`` of ``n`` tokens are divided by: ``span`` itself when it divides ``n``
-    (one operation, the same values), else ``token_counts`` as a column in sums' dtype."""
+    """The divisor of the sums over spans of ``span`` of ``n`` tokens: ``span`` itself when it divides ``n`` (one
+    operation, the same values), else the real tokens per span (``token_counts``) as a column in sums' dtype."""
     if n % span == 0:
         return span
     return token_counts(n, span, device=sums.device).to(sums.dtype).unsqueeze(-1)
