@@ -17,6 +17,14 @@ from ..triton import block_ops, ops
 from ..triton.layout import pack
 
 
+def contiguous_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as contiguous ``(B, H, N, D)`` (the rows the kernels read), each strided view (e.g. q, k, v of one
+    fused projection) copied once, by ``ops.contiguous_rows`` (compiled graphs copy with ``.contiguous()``, which
+    inductor may fuse into the op that produced the view). Differentiable."""
+    return [x if x.is_contiguous() else x.contiguous() if torch.compiler.is_compiling() else ops.contiguous_rows(x)
+            for x in tensors]
+
+
 def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tuple[int, ...], scale: float,
          deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA with ``L = len(topk)`` levels: ``o (B, H, N, D)`` in q's dtype, LSE ``(B, H, N)`` fp32.

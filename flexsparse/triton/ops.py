@@ -7,7 +7,8 @@ Every body branches on the device: CUDA runs the kernels; CPU runs them through 
 interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to the ``torch``
 backend. fp64 always takes the fallback.
 
-Ops: ``llsa_pool`` (pooling pyramid), ``llsa_pool_keys`` (its fp32 and low-precision copies in one pass),
+Ops: ``contiguous_rows`` (a contiguous copy of a ``(B, H, N, D)`` view with strided token rows; differentiable),
+``llsa_pool`` (pooling pyramid), ``llsa_pool_keys`` (its fp32 and low-precision copies in one pass),
 ``llsa_select`` (packed hierarchical selection), ``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``.
 Pyramids are ``(B, H, T_1 + ... + T_L, D)`` fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32
 (``flexsparse.triton.layout``).
@@ -42,6 +43,19 @@ def use_kernels(x: Tensor) -> bool:
 def contiguous(*tensors: Tensor) -> list[Tensor]:
     """The tensors made contiguous (the kernels take strides of the leading dims only)."""
     return [t.contiguous() for t in tensors]
+
+
+@triton_op("flexsparse::contiguous_rows")
+def contiguous_rows(x: Tensor) -> Tensor:
+    """A new contiguous tensor with the values of ``x (B, H, N, D)``: kernel ``rows`` where x's last dim is contiguous
+    (the speed of a contiguous clone), else PyTorch's copy. The gradient passes through unchanged."""
+    if not use_kernels(x) or x.stride(-1) != 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    from .rows import copy_rows
+    return copy_rows(x)
+
+
+contiguous_rows.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
 
 
 @triton_op("flexsparse::llsa_pool")

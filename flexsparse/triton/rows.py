@@ -1,0 +1,38 @@
+"""Contiguous copies of ``(B, H, N, D)`` tensors whose token rows are strided, such as the q, k, v views of one
+fused ``(B, N, 3, H, D)`` projection. The kernels read whole contiguous rows of a head; this copy moves each
+``D``-element row once and runs at the speed of a contiguous clone, where PyTorch's strided ``.contiguous()``
+took twice as long (H100, B2 H8 N65536 D64 bf16: 0.10 vs 0.19 ms per tensor).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import launcher
+from .layout import cdiv, pow2
+
+
+@triton.jit
+def _rows_kernel(X, OUT, x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    rows = pid * TILE + tl.arange(0, TILE)
+    dim = tl.arange(0, BD)
+    ok = (rows < N)[:, None] & (dim < D)[None, :]
+    src = X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
+    dst = OUT + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
+    tl.store(dst, tl.load(src, mask=ok), mask=ok)
+
+
+def copy_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, N, D)`` (last dim contiguous, any other strides) as a new contiguous tensor of the same values."""
+    bsz, heads, n, d = x.shape
+    out = torch.empty(bsz, heads, n, d, device=x.device, dtype=x.dtype)
+    bd = pow2(d)
+    tile = max(1, 8192 // bd)
+    launcher(_rows_kernel)[(cdiv(n, tile), bsz * heads)](x, out, x.stride(0), x.stride(1), x.stride(2), heads, n, D=d,
+                                                        BD=bd, TILE=tile, num_warps=4)
+    return out
