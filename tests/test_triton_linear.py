@@ -449,7 +449,7 @@ LERP_CASES = [(2, 3, 37, 8, 16, 3), (1, 2, 300, 64, 128, 1), (1, 1, 20, 12, 64, 
 def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     """SLA2's combine backward in one kernel pass (interpreter) equals the PyTorch path: d o_s and d O_l exactly
     (fp32 products rounded once: d O_l within half a unit in the last place of (1 - alpha) dout), d alpha to fp32
-    rounding; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that are not
+    rounding of its sum; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that are not
     powers of two."""
     args = _lerp_inputs(b, h, n, d, bq, rows, dtype)
     got = sla_ops.lerp_mix_bwd(*args, bq)
@@ -458,10 +458,16 @@ def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _assert_rounded_once(got[1], args[0], args[3], bq)
     assert got[2].shape == (rows, num_blocks(n, bq)) and got[2].dtype == torch.float32
-    want64 = (args[0].double() * (args[1] - args[2]).double()).flatten(-2)
-    want64 = torch.nn.functional.pad(want64, (0, num_blocks(n, bq) * bq * d - n * d)).unflatten(-1, (-1, bq * d))
-    want64 = want64.sum((0, -1)) if rows > 1 else want64.sum((0, 1, -1)).unsqueeze(0)
-    assert ts.rel_err(got[2], want64) < (1e-5 if dtype == torch.float32 else 2e-3)
+    terms = (args[0].double() * (args[1] - args[2]).double()).flatten(-2)
+    terms = torch.nn.functional.pad(terms, (0, num_blocks(n, bq) * bq * d - n * d)).unflatten(-1, (-1, bq * d))
+
+    def per_alpha(x):
+        return x.sum((0, -1)) if rows > 1 else x.sum((0, 1, -1)).unsqueeze(0)
+
+    # an fp32 sum's error scales with the sum of |terms|, not with the sum itself, which can cancel (a seed gave
+    # |sum| = 0.084 and a 1.2e-5 relative error against a 1e-5 bound)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert ((got[2].double() - per_alpha(terms)).abs() <= tol * per_alpha(terms.abs())).all()
     torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
 
 
