@@ -153,6 +153,8 @@ def record(out: str) -> None:
     pooled_q, pooled_k = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16)
     sla_ops.block_topk(pooled_q, pooled_k, 4, 2)  # the methods select on CPU without the kernels
     sla_ops.center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
+    from flexsparse.triton import ops
+    ops.contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
     with open(out, "wb") as f:
         pickle.dump(LAUNCHES, f)
 

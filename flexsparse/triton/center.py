@@ -7,24 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launcher
+from .common import launcher, token_tile
 from .layout import cdiv, pow2
 
 
 @triton.jit
 def _center_kernel(X, MEAN, OUT, x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    rows = pid * TILE + tl.arange(0, TILE)
-    dim = tl.arange(0, BD)
-    ok = (rows < N)[:, None] & (dim < D)[None, :]
-    src = X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
+    bh, _, dim, ok, src, dst = token_tile(x_b, x_h, x_n, H, N, D, BD, TILE)
     mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
-    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    dst = OUT + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
-    tl.store(dst, (x - mean[None, :]).to(OUT.dtype.element_ty), mask=ok)
+    x = tl.load(X + src, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + dst, (x - mean[None, :]).to(OUT.dtype.element_ty), mask=ok)
 
 
 def center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

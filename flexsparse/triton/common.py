@@ -37,6 +37,21 @@ def program_heads(H):
 
 
 @triton.jit
+def token_tile(x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr):
+    """Program ``(pid, b * H + h)``'s tile of ``TILE`` token rows of a ``(B, H, N, D)`` tensor with strides
+    ``(x_b, x_h, x_n, 1)``: ``(bh, rows, dim, ok, src, dst)``, the int64 element offsets of the ``(TILE, BD)`` tile
+    in that tensor (``src``) and in a contiguous one of the same shape (``dst``), ``ok`` its mask (rows below N,
+    dims below D)."""
+    bh, b, h = program_heads(H)
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    dim = tl.arange(0, BD)
+    ok = (rows < N)[:, None] & (dim < D)[None, :]
+    src = b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
+    dst = bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
+    return bh, rows, dim, ok, src, dst
+
+
+@triton.jit
 def mm(a, b, IEEE: tl.constexpr):
     """``a @ b`` with fp32 accumulation; exact fp32 products when ``IEEE`` (no TF32)."""
     if IEEE:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..masks.pooling import num_blocks
 from ..quant.formats import E4M3, channel_scales
-from .common import launcher
+from .common import launcher, token_tile
 from .layout import cdiv, pow2
 
 
@@ -76,15 +76,8 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.
 @triton.jit
 def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                     EMULATE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    rows = pid * TILE + tl.arange(0, TILE)
-    dim = tl.arange(0, BD)
-    ok = (rows < N)[:, None] & (dim < D)[None, :]
-    src = V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + rows.to(tl.int64)[:, None] * v_n + dim[None, :]
-    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    bh, rows, dim, ok, src, _ = token_tile(v_b, v_h, v_n, H, N, D, BD, TILE)
+    x = tl.load(V + src, mask=ok, other=0.0).to(tl.float32)
     scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
     dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]

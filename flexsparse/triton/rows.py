@@ -9,22 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launcher
+from .common import launcher, token_tile
 from .layout import cdiv, pow2
 
 
 @triton.jit
 def _rows_kernel(X, OUT, x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    rows = pid * TILE + tl.arange(0, TILE)
-    dim = tl.arange(0, BD)
-    ok = (rows < N)[:, None] & (dim < D)[None, :]
-    src = X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
-    dst = OUT + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
-    tl.store(dst, tl.load(src, mask=ok), mask=ok)
+    _, _, _, ok, src, dst = token_tile(x_b, x_h, x_n, H, N, D, BD, TILE)
+    tl.store(OUT + dst, tl.load(X + src, mask=ok), mask=ok)
 
 
 def copy_rows(x: torch.Tensor) -> torch.Tensor:
