@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launcher, token_tile
-from .layout import cdiv, pow2
+from .common import launcher, token_tile, token_tiles
 
 
 @triton.jit
@@ -21,11 +20,8 @@ def _center_kernel(X, MEAN, OUT, x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.co
 
 def center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """``x - mean``: x ``(B, H, N, D)`` (last dim contiguous), mean ``(B, H, 1, D)`` fp32; contiguous, x's dtype."""
-    bsz, heads, n, d = x.shape
-    out = torch.empty(bsz, heads, n, d, device=x.device, dtype=x.dtype)
-    bd = pow2(d, 16)
-    tile = max(16, 8192 // bd)
-    launcher(_center_kernel)[(cdiv(n, tile), bsz * heads)](
-        x, mean.float().contiguous(), out, x.stride(0), x.stride(1), x.stride(2), heads, n, D=d, BD=bd, TILE=tile,
-        num_warps=8)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    grid, tiles = token_tiles(x)
+    launcher(_center_kernel)[grid](x, mean.float().contiguous(), out, x.stride(0), x.stride(1), x.stride(2), x.shape[1],
+                                   x.shape[2], D=x.shape[3], **tiles, num_warps=8)
     return out

@@ -51,6 +51,15 @@ def token_tile(x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr, TILE: tl.
     return bh, rows, dim, ok, src, dst
 
 
+def token_tiles(x: torch.Tensor) -> tuple[tuple[int, int], dict]:
+    """Grid and ``(BD, TILE)`` of a kernel of ``token_tile`` programs over ``x (B, H, N, D)``: 8192 elements (at
+    least 16 rows) per program."""
+    bsz, heads, n, d = x.shape
+    bd = layout.pow2(d, 16)
+    tile = max(16, 8192 // bd)
+    return (layout.cdiv(n, tile), bsz * heads), dict(BD=bd, TILE=tile)
+
+
 @triton.jit
 def mm(a, b, IEEE: tl.constexpr):
     """``a @ b`` with fp32 accumulation; exact fp32 products when ``IEEE`` (no TF32)."""

@@ -58,11 +58,8 @@ def _copied(t: Tensor) -> Tensor:
 @triton_op("flexsparse::contiguous_rows")
 def contiguous_rows(x: Tensor) -> Tensor:
     """A new contiguous tensor with the values of ``x (B, H, N, D)``: kernel ``rows`` where x's last dim is contiguous
-    (the speed of a contiguous clone), else PyTorch's copy. The gradient passes through unchanged."""
-    if not use_kernels(x) or x.stride(-1) != 1:
-        return x.clone(memory_format=torch.contiguous_format)
-    from .rows import copy_rows
-    return copy_rows(x)
+    (the speed of a contiguous clone), else PyTorch's copy (``contiguous``). The gradient passes through unchanged."""
+    return x.clone() if x.is_contiguous() else _copied(x)
 
 
 contiguous_rows.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)

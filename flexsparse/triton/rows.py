@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launcher, token_tile
-from .layout import cdiv, pow2
+from .common import launcher, token_tile, token_tiles
 
 
 @triton.jit
@@ -21,10 +20,8 @@ def _rows_kernel(X, OUT, x_b, x_h, x_n, H, N, D: tl.constexpr, BD: tl.constexpr,
 
 def copy_rows(x: torch.Tensor) -> torch.Tensor:
     """``x (B, H, N, D)`` (last dim contiguous, any other strides) as a new contiguous tensor of the same values."""
-    bsz, heads, n, d = x.shape
-    out = torch.empty(bsz, heads, n, d, device=x.device, dtype=x.dtype)
-    bd = pow2(d)
-    tile = max(1, 8192 // bd)
-    launcher(_rows_kernel)[(cdiv(n, tile), bsz * heads)](x, out, x.stride(0), x.stride(1), x.stride(2), heads, n, D=d,
-                                                        BD=bd, TILE=tile, num_warps=4)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    grid, tiles = token_tiles(x)
+    launcher(_rows_kernel)[grid](x, out, x.stride(0), x.stride(1), x.stride(2), x.shape[1], x.shape[2], D=x.shape[3],
+                                 **tiles, num_warps=8)
     return out
