@@ -30,12 +30,17 @@ def _fused_views(n: int, heads: int = 2, dim: int = 16, dtype=torch.float32, dev
     return qkv, qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
+def _triton_module(config: dict, n: int, heads: int, dim: int, dtype, device: str) -> flexsparse.SparseAttention:
+    """The method on ``backend="triton"``, its parameters fp32 for bf16 inputs, else in the inputs' dtype."""
+    module = flexsparse.SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend="triton")
+    return module.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+
+
 def _as_views_and_contiguous(config: dict, n: int, dtype, device: str, heads: int = 2, dim: int = 16):
     """``(out, d_qkv)`` on the views and ``(out, stacked grads)`` on contiguous copies, one module, one gradient."""
     qkv, views = _fused_views(n, heads, dim, dtype, device)
     grad = torch.randn(1, heads, n, dim, dtype=dtype, device=device)
-    module = flexsparse.SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend="triton")
-    module = module.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    module = _triton_module(config, n, heads, dim, dtype, device)
     out = module(*views)
     (d_qkv,) = torch.autograd.grad(out, qkv, grad)
     leaves = [x.detach().contiguous().requires_grad_() for x in views]
@@ -78,8 +83,7 @@ def _upstream_gradient_as_view_and_contiguous(config: dict, n: int, dtype, devic
     """Gradients of q, k, v for an upstream gradient through ``out.transpose(1, 2).reshape(1, n, H * D)`` (a strided
     ``(B, H, N, D)`` view) and for the same values contiguous."""
     leaves = [torch.randn(1, heads, n, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
-    module = flexsparse.SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend="triton")
-    module = module.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    module = _triton_module(config, n, heads, dim, dtype, device)
     grad = torch.randn(1, n, heads * dim, dtype=dtype, device=device).view(1, n, heads, dim).transpose(1, 2)
     assert not grad.is_contiguous()
     return (torch.autograd.grad(module(*leaves), leaves, grad),
