@@ -1,7 +1,8 @@
 """q, k, v as strided views of one fused projection ``(B, N, 3, H, D)``, a DiT's usual layout.
 
 The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexsparse.attention`` copies such views
-once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. Before, every op made
+once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs; LLSA's forward without
+gradients (inference) reads them in place and writes its output in q's memory order. Before, every op made
 its own copy: LLSA's forward copied each of q, k, v twice and its backward once more (2.15 instead of 1.00 ms at
 B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The ops copy a strided upstream
 gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel.
@@ -73,6 +74,48 @@ def test_triton_backend_gets_contiguous_rows_once(config, backend, copied, monke
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
+def test_without_gradients_llsa_gets_the_views(config, monkeypatch):
+    """Inference: LLSA's triton forward reads the views in place (``STRIDED_FORWARD``); the others get copies."""
+    module = method_module(config["method"])
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append([x.is_contiguous() for x in (q, k, v)])
+        return forward(q, k, v, *args, **kwargs)
+
+    forward = module.forward
+    monkeypatch.setattr(module, "forward", spy)
+    _, (q, k, v) = _fused_views(200, dtype=torch.float64)
+    with torch.no_grad():
+        flexsparse.SparseAttention(config, head_dim=16, num_heads=2, seq_len=200, backend="triton").double()(q, k, v)
+    assert seen == [[config["method"] != "llsa"] * 3]
+
+
+def _inference_on_views(n: int, dtype, device: str, heads: int = 2, dim: int = 16, block: int = 16):
+    """No-grad LLSA on the views and on contiguous copies of them: ``(out, want)``."""
+    _, views = _fused_views(n, heads, dim, dtype, device)
+    cfg = {"method": "llsa", "block_size": block, "topk": 2, "deterministic": True}
+    with torch.no_grad():
+        return (flexsparse.attention(*views, cfg, backend="triton"),
+                flexsparse.attention(*[x.contiguous() for x in views], cfg, backend="triton"))
+
+
+@ts.cpu_only
+@pytest.mark.parametrize("n, block", [(200, 16), (256, 16), (100, 8)])  # ragged, batched fine level, ragged kernels
+def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
+    """The kernels (interpreter) read the views without any copy of q, k or v; the output equals the contiguous
+    inputs' and is laid out like q, ``(B, N, H, D)`` in memory, so the model's ``transpose(1, 2)`` is free."""
+    from flexsparse.triton import ops
+
+    def no_copy(t):
+        raise AssertionError(f"copied a {tuple(t.shape)} view")
+
+    monkeypatch.setattr(ops, "_copied", no_copy)
+    out, want = _inference_on_views(n, torch.float32, "cpu", block=block)
+    assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 def test_strided_views_compute_as_contiguous_inputs(config):
     """fp32: the torch fallback in this process, the Triton kernels in the interpreter's child process."""
     (out, d_qkv), (want, want_grad) = _as_views_and_contiguous(config, 200, torch.float32, "cpu")
@@ -140,6 +183,18 @@ def test_gpu_strided_views_equal_contiguous_inputs(config):
     cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
     (out, d_qkv), (want, want_grad) = _as_views_and_contiguous(cfg, 16384, torch.bfloat16, "cuda", heads=4, dim=64)
     assert torch.equal(out, want) and torch.equal(d_qkv, want_grad)
+
+
+@ts.gpu
+def test_gpu_llsa_inference_on_views_reads_them_in_place(monkeypatch):
+    from flexsparse.triton import ops
+
+    def no_copy(t):
+        raise AssertionError(f"copied a {tuple(t.shape)} view")
+
+    monkeypatch.setattr(ops, "_copied", no_copy)
+    out, want = _inference_on_views(16384, torch.bfloat16, "cuda", heads=4, dim=64)
+    assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 
 
 @ts.gpu

@@ -119,7 +119,7 @@ def coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB: tl.constexpr
 
 
 @triton.jit
-def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, l_bh,
+def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, o_b, o_h, o_n, c_b, c_h, l_bh,
                        H, GROUP, N, TOP_OFF, TOP_T,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                        N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -133,13 +133,13 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, c_b, c_h, 
     q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
     m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
                                STAGES, IEEE)
-    store_rows(O + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, acc / l[:, None], rows, q_n, dim, row_ok, D)
+    store_rows(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, None], rows, o_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
 
 
 @triton.jit
-def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h,
-                      l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
+def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
+                      c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
@@ -166,7 +166,8 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
         tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
         m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, k_n, dim, D, BD), m, l, acc, IEEE)
-    store_slab(O + head, acc / l[:, :, None], rows, q_n, dim, real[:, None], D, BD, True)
+    store_slab(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, :, None], rows, o_n, dim, real[:, None],
+               D, BD, True)
     tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
 
 
@@ -306,8 +307,10 @@ def fused_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int, 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
     """O ``(B, H, N, D)`` in q's dtype and natural-log LSE ``(B, H, N)`` fp32.
 
-    q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)`` (same strides); kc, vc: pooled levels 1..L
-    ``(B, Hk, T_1 + ... + T_L, D)`` contiguous; sel: packed selection ``(B, H, S)`` int32. O shares q's strides.
+    q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)`` (same strides); each with its last dim contiguous, other strides
+    free (e.g. views of one fused projection); kc, vc: pooled levels 1..L ``(B, Hk, T_1 + ... + T_L, D)``
+    contiguous; sel: packed selection ``(B, H, S)`` int32. O is ``empty_like(q)``: q's memory order (a
+    ``(B, N, H, D)`` layout for such views, so ``o.transpose(1, 2).reshape(B, N, H * D)`` needs no copy).
     """
     bsz, heads, n, d = q.shape
     tiles = tiles or forward_tiles(q.device, d)
@@ -318,21 +321,23 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
     q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
+    o_strides = (o.stride(0), o.stride(1), o.stride(2))
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, k.stride(0),
-            k.stride(1), k.stride(2), *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
+            k.stride(1), k.stride(2), *o_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
             STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], num_warps=tiles["fused_warps"],
             num_stages=tiles["stages"], **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](
-        q, kc, vc, key_list, levels.log2_counts(q), o, lse, *q_strides, *c_strides, list_stride, heads, group, n,
+        q, kc, vc, key_list, levels.log2_counts(q), o, lse, *q_strides, *o_strides, *c_strides, list_stride, heads,
+        group, n,
         STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
     _, programs, fine, options = fine_launch(levels, tiles)
     launcher(_fine_fwd_ragged_kernel)[(programs, bsz * heads)](
-        q, k, v, sel, meta, o, lse, *q_strides, k.stride(0), k.stride(1), k.stride(2), *q_strides, heads, group, n,
+        q, k, v, sel, meta, o, lse, *q_strides, k.stride(0), k.stride(1), k.stride(2), *o_strides, heads, group, n,
         levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
     return o, lse

@@ -47,6 +47,12 @@ def contiguous(*tensors: Tensor) -> list[Tensor]:
     return [t if t.is_contiguous() else _copied(t) for t in tensors]
 
 
+def row_views(*tensors: Tensor) -> list[Tensor]:
+    """The tensors as they are where their last dim is contiguous (kernels that take the other strides read such
+    views in place, e.g. q, k, v of one fused projection), else contiguous copies (``contiguous``)."""
+    return [t if t.stride(-1) == 1 else _copied(t) for t in tensors]
+
+
 def _copied(t: Tensor) -> Tensor:
     """A contiguous copy of the non-contiguous ``t`` (``contiguous``)."""
     if t.dim() == 4 and t.stride(-1) == 1 and use_kernels(t):
@@ -74,7 +80,7 @@ def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> T
         pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
         return pyramid.to(x.dtype) if same_dtype else pyramid
     from .pool import pool_pyramid as pool_kernel
-    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels),
+    return pool_kernel(*row_views(x), level_table(x.shape[2], block, [1] * levels),
                        x.dtype if same_dtype else torch.float32)
 
 
@@ -86,7 +92,7 @@ def llsa_pool_keys(x: Tensor, block: int, levels: int) -> tuple[Tensor, Tensor]:
         pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
         return pyramid, pyramid.to(x.dtype, copy=True)  # a separate tensor even for fp32 x
     from .pool import pool_pyramid as pool_kernel
-    return pool_kernel(x.contiguous(), level_table(x.shape[2], block, [1] * levels), low=True)
+    return pool_kernel(*row_views(x), level_table(x.shape[2], block, [1] * levels), low=True)
 
 
 @triton_op("flexsparse::llsa_select")
@@ -118,7 +124,10 @@ def llsa_attn(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, sel: Tens
     if not use_kernels(q):
         return _torch_attention(q, k, v, kc, vc, sel, levels, scale)
     from .llsa_fwd import llsa_forward
-    return llsa_forward(*contiguous(q, k, v, kc, vc, sel), levels, scale)
+    q, k, v = row_views(q, k, v)
+    if k.stride() != v.stride():  # the kernels index k and v with one set of strides
+        k, v = contiguous(k, v)
+    return llsa_forward(q, k, v, *contiguous(kc, vc, sel), levels, scale)
 
 
 def _unpool(grad_pyr: Tensor, levels: Levels) -> Tensor:
