@@ -198,6 +198,20 @@ def test_gpu_llsa_inference_on_views_reads_them_in_place(monkeypatch):
 
 
 @ts.gpu
+def test_gpu_compiled_llsa_inference_on_views_equals_eager():
+    """Traced, the ops get the views too (no ``.contiguous()`` at the API); the fake output has q's memory order."""
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2}
+    qkv, _ = _fused_views(4096, heads=4, dim=64, dtype=torch.bfloat16, device="cuda")
+
+    def run(x):
+        return flexsparse.attention(*x.permute(2, 0, 3, 1, 4).unbind(0), cfg, backend="triton")
+
+    with torch.no_grad():
+        got, want = torch.compile(run, fullgraph=True)(qkv), run(qkv)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+@ts.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 def test_gpu_strided_upstream_gradient_as_contiguous(config):
     cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
