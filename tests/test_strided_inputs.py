@@ -86,17 +86,22 @@ def _inference_on_views(n: int, dtype, device: str, heads: int = 2, dim: int = 1
                 flexsparse.attention(*[x.contiguous() for x in views], cfg, backend="triton"))
 
 
-@ts.cpu_only
-@pytest.mark.parametrize("n, block", [(200, 16), (256, 16), (100, 8)])  # ragged, batched fine level, ragged kernels
-def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
-    """The kernels (interpreter) read the views without any copy of q, k or v; the output equals the contiguous
-    inputs' and is laid out like q, ``(B, N, H, D)`` in memory, so the model's ``transpose(1, 2)`` is free."""
+def _forbid_copies(monkeypatch):
+    """Any copy of a tensor by the triton ops fails the test."""
     from flexsparse.triton import ops
 
     def no_copy(t):
         raise AssertionError(f"copied a {tuple(t.shape)} view")
 
     monkeypatch.setattr(ops, "_copied", no_copy)
+
+
+@ts.cpu_only
+@pytest.mark.parametrize("n, block", [(200, 16), (256, 16), (100, 8)])  # ragged, batched fine level, ragged kernels
+def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
+    """The kernels (interpreter) read the views without any copy of q, k or v; the output equals the contiguous
+    inputs' and is laid out like q, ``(B, N, H, D)`` in memory, so the model's ``transpose(1, 2)`` is free."""
+    _forbid_copies(monkeypatch)
     out, want = _inference_on_views(n, torch.float32, "cpu", block=block)
     assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 
@@ -173,12 +178,7 @@ def test_gpu_strided_views_equal_contiguous_inputs(config):
 
 @ts.gpu
 def test_gpu_llsa_inference_on_views_reads_them_in_place(monkeypatch):
-    from flexsparse.triton import ops
-
-    def no_copy(t):
-        raise AssertionError(f"copied a {tuple(t.shape)} view")
-
-    monkeypatch.setattr(ops, "_copied", no_copy)
+    _forbid_copies(monkeypatch)
     out, want = _inference_on_views(16384, torch.bfloat16, "cuda", heads=4, dim=64)
     assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 

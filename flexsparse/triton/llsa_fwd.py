@@ -327,15 +327,14 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, k.stride(0),
-            k.stride(1), k.stride(2), *o_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
-            STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], num_warps=tiles["fused_warps"],
-            num_stages=tiles["stages"], **fused, **common)
+            k.stride(1), k.stride(2), *o_strides, *c_strides, list_stride, heads, group, n,
+            S_TOTAL=levels.selection_size, STAGES=tiles["stages"], W_STAGES=tiles["w_stages"],
+            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](
         q, kc, vc, key_list, levels.log2_counts(q), o, lse, *q_strides, *o_strides, *c_strides, list_stride, heads,
-        group, n,
-        STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+        group, n, STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
     _, programs, fine, options = fine_launch(levels, tiles)
     launcher(_fine_fwd_ragged_kernel)[(programs, bsz * heads)](
         q, k, v, sel, meta, o, lse, *q_strides, k.stride(0), k.stride(1), k.stride(2), *o_strides, heads, group, n,
