@@ -106,6 +106,24 @@ def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
     assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 
 
+@ts.cpu_only
+@pytest.mark.parametrize("layout", ["gqa_fused", "v_contiguous"])
+def test_llsa_inference_on_other_views(layout):
+    """GQA views of one ``(B, N, H + 2 Hk, D)`` projection (k, v with 2 of 4 heads), and k, v with different strides
+    (a view and a contiguous tensor: the kernels index both with one set of strides, so both are copied)."""
+    n, heads, kv_heads, dim = 200, 4, 2, 16
+    proj = torch.randn(1, n, heads + 2 * kv_heads, dim).transpose(1, 2)
+    q, k, v = proj.split([heads, kv_heads, kv_heads], dim=1)
+    if layout == "v_contiguous":
+        v = v.contiguous()
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2}
+    with torch.no_grad():
+        out = flexsparse.attention(q, k, v, cfg, backend="triton")
+        want = flexsparse.attention(q.contiguous(), k.contiguous(), v.contiguous(), cfg, backend="triton")
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 def test_strided_views_compute_as_contiguous_inputs(config):
     """fp32: the torch fallback in this process, the Triton kernels in the interpreter's child process."""
