@@ -7,9 +7,9 @@ its own copy: LLSA's forward copied each of q, k, v twice and its backward once 
 B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The ops copy a strided upstream
 gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel.
 
-CPU: the contract (contiguous rows reach the method on ``triton``, views pass through on ``torch``) and equal
-results; the copy kernel through the interpreter in a child pytest (``test_interpreter_suite``), which also runs
-the methods' kernels on the views. GPU (``pytest -m gpu``): the copy in bf16 and the methods bit for bit.
+CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's without gradients; views pass
+through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
+(``test_interpreter_suite``), which also runs the methods' kernels on the views. GPU (``pytest -m gpu``): the copy in bf16 and the methods bit for bit.
 """
 from __future__ import annotations
 
@@ -77,13 +77,12 @@ def test_triton_backend_gets_contiguous_rows_once(config, backend, grad, monkeyp
     assert seen == [[copied] * 3]
 
 
-def _inference_on_views(n: int, dtype, device: str, heads: int = 2, dim: int = 16, block: int = 16):
-    """No-grad LLSA on the views and on contiguous copies of them: ``(out, want)``."""
-    _, views = _fused_views(n, heads, dim, dtype, device)
+def _inference_on(q, k, v, block: int = 16):
+    """No-grad LLSA on q, k, v as given and on contiguous copies of them: ``(out, want)``."""
     cfg = {"method": "llsa", "block_size": block, "topk": 2, "deterministic": True}
     with torch.no_grad():
-        return (flexsparse.attention(*views, cfg, backend="triton"),
-                flexsparse.attention(*[x.contiguous() for x in views], cfg, backend="triton"))
+        return (flexsparse.attention(q, k, v, cfg, backend="triton"),
+                flexsparse.attention(q.contiguous(), k.contiguous(), v.contiguous(), cfg, backend="triton"))
 
 
 def _forbid_copies(monkeypatch):
@@ -102,7 +101,7 @@ def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
     """The kernels (interpreter) read the views without any copy of q, k or v; the output equals the contiguous
     inputs' and is laid out like q, ``(B, N, H, D)`` in memory, so the model's ``transpose(1, 2)`` is free."""
     _forbid_copies(monkeypatch)
-    out, want = _inference_on_views(n, torch.float32, "cpu", block=block)
+    out, want = _inference_on(*_fused_views(n)[1], block=block)
     assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 
 
@@ -117,10 +116,7 @@ def test_llsa_inference_on_other_views(layout):
     if layout == "v_contiguous":
         v = v.contiguous()
     assert not q.is_contiguous() and not k.is_contiguous()
-    cfg = {"method": "llsa", "block_size": 16, "topk": 2}
-    with torch.no_grad():
-        out = flexsparse.attention(q, k, v, cfg, backend="triton")
-        want = flexsparse.attention(q.contiguous(), k.contiguous(), v.contiguous(), cfg, backend="triton")
+    out, want = _inference_on(q, k, v)
     assert torch.equal(out, want)
 
 
@@ -197,7 +193,7 @@ def test_gpu_strided_views_equal_contiguous_inputs(config):
 @ts.gpu
 def test_gpu_llsa_inference_on_views_reads_them_in_place(monkeypatch):
     _forbid_copies(monkeypatch)
-    out, want = _inference_on_views(16384, torch.bfloat16, "cuda", heads=4, dim=64)
+    out, want = _inference_on(*_fused_views(16384, 4, 64, torch.bfloat16, "cuda")[1])
     assert torch.equal(out, want) and out.transpose(1, 2).is_contiguous()
 
 
