@@ -9,7 +9,8 @@ gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the sam
 
 CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's without gradients; views pass
 through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
-(``test_interpreter_suite``), which also runs the methods' kernels on the views. GPU (``pytest -m gpu``): the copy in bf16 and the methods bit for bit.
+(``test_interpreter_suite``), which also runs the methods' kernels on the views. GPU (``pytest -m gpu``): the copy
+in bf16 and the methods bit for bit.
 """
 from __future__ import annotations
 
