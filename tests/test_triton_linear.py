@@ -449,8 +449,8 @@ LERP_CASES = [(2, 3, 37, 8, 16, 3), (1, 2, 300, 64, 128, 1), (1, 1, 20, 12, 64, 
 def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     """SLA2's combine backward in one kernel pass (interpreter) equals the PyTorch path: d o_s and d O_l exactly
     (fp32 products rounded once: d O_l within half a unit in the last place of (1 - alpha) dout), d alpha to fp32
-    rounding of its sum; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that are not
-    powers of two."""
+    rounding of its sum; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that
+    are not powers of two."""
     args = _lerp_inputs(b, h, n, d, bq, rows, dtype)
     got = sla_ops.lerp_mix_bwd(*args, bq)
     with ts.interpreter_env(False):
