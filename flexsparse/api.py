@@ -32,9 +32,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
     chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
                               dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
-    # a strided view is copied once here, not by every op (and again in the backward); a method whose forward reads
-    # views itself (STRIDED_FORWARD) keeps them when no gradient is recorded
-    if chosen == "triton" and (needs_grad or not getattr(module, "STRIDED_FORWARD", False)):
+    # a strided view is copied once here, not by every op (and again in the backward); a method whose kernels read
+    # views themselves (STRIDED_INPUTS) keeps them
+    if chosen == "triton" and not getattr(module, "STRIDED_INPUTS", False):
         from .backends.triton_sparse import contiguous_inputs
         q, k, v = contiguous_inputs(q, k, v)
     with _without_autocast(q.device.type):

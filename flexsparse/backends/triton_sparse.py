@@ -30,7 +30,11 @@ def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tu
     """LLSA with ``L = len(topk)`` levels: ``o (B, H, N, D)`` in q's dtype, LSE ``(B, H, N)`` fp32.
 
     Selection scores use fp32 pyramids; the attended pooled K/V are those means in q's dtype (what
-    the tensor cores read anyway)."""
+    the tensor cores read anyway). The kernels read strided q, k, v (views of one fused projection) in place;
+    where the ops fall back to PyTorch (CPU without the interpreter) they get contiguous copies, so that the bits
+    do not depend on the layout there either."""
+    if not ops.use_kernels(q):
+        q, k, v = (x.contiguous() for x in (q, k, v))
     n, levels = q.shape[2], len(topk)
     with torch.no_grad():
         k_scores, k_pyr = ops.llsa_pool_keys(k.detach(), block, levels)

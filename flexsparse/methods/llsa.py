@@ -18,7 +18,7 @@ from ..reference import llsa_dense
 
 BACKENDS = ("reference", "torch", "flex", "triton")
 SELF_ATTENTION = True
-STRIDED_FORWARD = True  # without gradients the triton kernels read q, k, v views in place (``api.attention``)
+STRIDED_INPUTS = True  # the triton kernels read q, k, v views in place, forward and backward (``api.attention``)
 
 
 def init_params(cfg, head_dim: int, num_heads: int, seq_len: int | None):

@@ -83,24 +83,24 @@ def dkv_step(q, do, lse2, delta, row_ok, k, v, bias, dk, dv, SCALE2: tl.constexp
 
 
 @triton.jit
-def backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, D: tl.constexpr):
-    """What a dK/dV step reads of query rows ``n`` (``n_ok``) of one head: q, dO (``(N, D)`` rows, row stride
-    ``q_n``), the LSE in log2 units and Delta (``(N,)``; LSE in natural log)."""
+def backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, D: tl.constexpr):
+    """What a dK/dV step reads of query rows ``n`` (``n_ok``) of one head: q, dO (``(N, D)`` rows, row strides
+    ``q_n``, ``do_n``), the LSE in log2 units and Delta (``(N,)``; LSE in natural log)."""
     q = load_rows(q_base, n, q_n, dim, n_ok, D)
-    do = load_rows(do_base, n, q_n, dim, n_ok, D)
+    do = load_rows(do_base, n, do_n, dim, n_ok, D)
     lse2 = tl.load(lse_base + n, mask=n_ok, other=0.0) * LOG2E
     delta = tl.load(delta_base + n, mask=n_ok, other=0.0)
     return q, do, lse2, delta
 
 
 @triton.jit
-def dkv_rows(q_base, do_base, lse_base, delta_base, lo, hi, q_n, dim, k, v, bias, dk, dv, D: tl.constexpr,
+def dkv_rows(q_base, do_base, lse_base, delta_base, lo, hi, q_n, do_n, dim, k, v, bias, dk, dv, D: tl.constexpr,
              QR: tl.constexpr, SCALE2: tl.constexpr, IEEE: tl.constexpr):
     """``dkv_step`` over query rows ``[lo, hi)`` of one head in steps of ``QR`` (``backward_rows``' arguments)."""
     for n0 in range(lo, hi, QR):
         n = n0 + tl.arange(0, QR)
         n_ok = n < hi
-        q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, D)
+        q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, D)
         dk, dv = dkv_step(q, do, lse2, delta, n_ok, k, v, bias, dk, dv, SCALE2, IEEE)
     return dk, dv
 

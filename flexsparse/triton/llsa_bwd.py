@@ -57,17 +57,18 @@ def _dq_step(s, lse2, do, delta, k, v, dq, IEEE: tl.constexpr):
 
 
 @triton.jit
-def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, row_ok, q_n, N, TOP_OFF, TOP_T,
-              D: tl.constexpr, BD: tl.constexpr, N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
+def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, q_head, o_head, do_head, bh, rows, row_ok, q_n, o_n,
+              do_n, N, TOP_OFF, TOP_T, D: tl.constexpr, BD: tl.constexpr, N_SPARSE: tl.constexpr, SCALE2: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
               IEEE: tl.constexpr):
-    """The coarse levels' dQ (unscaled, ``(BM, BD)`` fp32) of query rows ``rows`` of head ``head``, over the
-    ancestor's key list ``lst`` and the top level; stores ``Delta`` of those rows. Returns ``(q, do, lse2, delta,
-    dq)`` for the fine level. Its only stores are ``Delta``'s, at addresses from ``bh`` and ``rows``."""
+    """The coarse levels' dQ (unscaled, ``(BM, BD)`` fp32) of query rows ``rows`` of one head (its q, o, dO at
+    offsets ``q_head``, ``o_head``, ``do_head``, row strides ``q_n``, ``o_n``, ``do_n``), over the ancestor's key
+    list ``lst`` and the top level; stores ``Delta`` of those rows. Returns ``(q, do, lse2, delta, dq)`` for the fine
+    level. Its only stores are ``Delta``'s, at addresses from ``bh`` and ``rows``."""
     dim = tl.arange(0, BD)
-    q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
-    do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
-    delta = tl.sum(load_rows(O + head, rows, q_n, dim, row_ok, D).to(tl.float32) * do.to(tl.float32), axis=1)
+    q = load_rows(Q + q_head, rows, q_n, dim, row_ok, D)
+    do = load_rows(DO + do_head, rows, do_n, dim, row_ok, D)
+    delta = tl.sum(load_rows(O + o_head, rows, o_n, dim, row_ok, D).to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
@@ -89,26 +90,28 @@ def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, ro
 
 
 @triton.jit
-def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, c_b, c_h, l_bh,
-                      H, GROUP, N, TOP_OFF, TOP_T,
+def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, o_b, o_h, o_n, do_b, do_h,
+                      do_n, dq_b, dq_h, dq_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
                       IEEE: tl.constexpr):
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     local = tl.arange(0, BM)
     rows = tl.program_id(0) * TB * BLOCK + local
     row_ok = (local < TB * BLOCK) & (rows < N)
-    dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, row_ok, q_n, N, TOP_OFF, TOP_T, D,
-                   BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE)[4]
-    store_rows(DQ + head, dq * SCALE, rows, q_n, tl.arange(0, BD), row_ok, D)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, b64 * q_b + h64 * q_h, b64 * o_b + h64 * o_h,
+                   b64 * do_b + h64 * do_h, bh, rows, row_ok, q_n, o_n, do_n, N, TOP_OFF, TOP_T, D, BD, N_SPARSE,
+                   SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE)[4]
+    store_rows(DQ + b64 * dq_b + h64 * dq_h, dq * SCALE, rows, dq_n, tl.arange(0, BD), row_ok, D)
 
 
 @triton.jit
-def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h,
-                     k_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
+def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, o_b, o_h,
+                     o_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b, k_h, k_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF,
+                     TOP_T, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr,
@@ -118,10 +121,11 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    q, do, lse2, delta, dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, head, bh, rows, rows < N, q_n,
-                                       N, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE,
-                                       IEEE)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    q, do, lse2, delta, dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, b64 * q_b + h64 * q_h,
+                                       b64 * o_b + h64 * o_h, b64 * do_b + h64 * do_h, bh, rows, rows < N, q_n, o_n,
+                                       do_n, N, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES,
+                                       HAS_DLSE, IEEE)
     real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
     q = tl.reshape(q, (TB, BLOCK, BD))
     do = tl.reshape(do, (TB, BLOCK, BD))
@@ -135,12 +139,12 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
         k = load_slab(kb, tok, k_n, dim, D, BD)
         dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, k_n, dim, D, BD), dq,
                       IEEE)
-    store_slab(DQ + head, dq * SCALE, rows, q_n, dim, real[:, None], D, BD, True)
+    store_slab(DQ + b64 * dq_b + h64 * dq_h, dq * SCALE, rows, dq_n, dim, real[:, None], D, BD, True)
 
 
 @triton.jit
-def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
-                    H, GROUP, N, S_TOTAL,
+def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b,
+                    k_h, k_n, H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
                     KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
@@ -149,12 +153,12 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
     dim = tl.arange(0, BD)
     for sub in range(WSUB):
         real, blk, rows = step_blocks(pid, sub, N // BLOCK, W, WSUB, BLOCK)
-        q = load_slab(Q + head, rows, q_n, dim, D, BD)
-        do = load_slab(DO + head, rows, q_n, dim, D, BD)
+        q = load_slab(Q + b64 * q_b + h64 * q_h, rows, q_n, dim, D, BD)
+        do = load_slab(DO + b64 * do_b + h64 * do_h, rows, do_n, dim, D, BD)
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows)
         dq = tl.zeros([W, BLOCK, BD], tl.float32)
@@ -163,13 +167,13 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, 
             k = load_slab(kb, tok, k_n, dim, D, BD)
             dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
                           load_slab(vb, tok, k_n, dim, D, BD), dq, IEEE)
-        dq = load_slab(DQ + head, rows, q_n, dim, D, BD).to(tl.float32) + dq * SCALE
-        store_slab(DQ + head, dq, rows, q_n, dim, real[:, None], D, BD, not FULL)
+        dq = load_slab(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, D, BD).to(tl.float32) + dq * SCALE
+        store_slab(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, real[:, None], D, BD, not FULL)
 
 
 @triton.jit
-def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, k_b, k_h, k_n,
-                           H, GROUP, N, S_TOTAL,
+def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
+                           k_b, k_h, k_n, H, GROUP, N, S_TOTAL,
                            D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                            SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
                            IEEE: tl.constexpr):
@@ -177,15 +181,15 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
     for sub in range(SUB):
         start = (pid * SUB + sub) * FQ
         rows = start + tl.arange(0, FQ)
         row_ok = rows < N
-        q = load_rows(Q + head, rows, q_n, dim, row_ok, D)
-        do = load_rows(DO + head, rows, q_n, dim, row_ok, D)
+        q = load_rows(Q + b64 * q_b + h64 * q_h, rows, q_n, dim, row_ok, D)
+        do = load_rows(DO + b64 * do_b + h64 * do_h, rows, do_n, dim, row_ok, D)
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([FQ, BD], tl.float32)
@@ -199,8 +203,8 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
             s = mm(q, tl.trans(k), IEEE) * SCALE2
             s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
             dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
-        dq = load_rows(DQ + head, rows, q_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
-        store_rows(DQ + head, dq, rows, q_n, dim, row_ok, D)
+        dq = load_rows(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
+        store_rows(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, row_ok, D)
 
 
 @triton.jit
@@ -235,16 +239,17 @@ def add_pooled_grads(dk, dv, pk, pv, tok, ok, META, N, LEVELS, dim, D: tl.conste
 
 
 @triton.jit
-def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, k, v, bias, dkt, dvt, D: tl.constexpr,
-                SCALE2: tl.constexpr, IEEE: tl.constexpr):
+def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, k, v, bias, dkt, dvt,
+                D: tl.constexpr, SCALE2: tl.constexpr, IEEE: tl.constexpr):
     """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head (``common.backward_rows``' arguments)."""
-    q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, dim, D)
+    q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, D)
     return _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2, IEEE)
 
 
 @triton.jit
 def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC, PART_K, PART_V,
-                       q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h, p_s, p_b, p_h, part_off,
+                       q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, dk_b, dk_h, dk_n, c_b, c_h, p_s, p_b, p_h,
+                       part_off,
                        H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL, SPLITS,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                        SCALE2: tl.constexpr, SCALE: tl.constexpr, QR: tl.constexpr, FINE: tl.constexpr,
@@ -279,7 +284,9 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     dvt = tl.zeros([BD, BK], tl.float32)
     for g in range(GROUP):
         bh = (b * H + hk * GROUP + g).to(tl.int64)
-        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
+        h64 = (hk * GROUP + g).to(tl.int64)
+        q_base = Q + b.to(tl.int64) * q_b + h64 * q_h
+        do_base = DO + b.to(tl.int64) * do_b + h64 * do_h
         lo = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent)
         hi = tl.load(OFFSETS + bh * C_TOTAL + csc_off + parent + 1)
         per = tl.cdiv(hi - lo, SPLITS)  # this split's share of the list
@@ -291,24 +298,24 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
                 first = tl.load(entries + e) * group
                 for c in range(0, group, QR):
                     n = first + c + tl.arange(0, QR)
-                    dkt, dvt = _dkv_t_rows(Q + head, DO + head, LSE + bh * N, DELTA + bh * N, n, n < N, q_n, dim,
-                                           k, v, bias, dkt, dvt, D, SCALE2, IEEE)
+                    dkt, dvt = _dkv_t_rows(q_base, do_base, LSE + bh * N, DELTA + bh * N, n, n < N, q_n, do_n,
+                                           dim, k, v, bias, dkt, dvt, D, SCALE2, IEEE)
         else:
             n_rows = n_entries * group
             for c in range(0, n_rows, QR):
                 f = c + tl.arange(0, QR)
                 entry = f // group
                 n = tl.load(entries + entry, mask=f < n_rows, other=0) * group + (f - entry * group)
-                dkt, dvt = _dkv_t_rows(Q + head, DO + head, LSE + bh * N, DELTA + bh * N, n, (f < n_rows) & (n < N),
-                                       q_n, dim, k, v, bias, dkt, dvt, D, SCALE2, IEEE)
+                dkt, dvt = _dkv_t_rows(q_base, do_base, LSE + bh * N, DELTA + bh * N, n, (f < n_rows) & (n < N),
+                                       q_n, do_n, dim, k, v, bias, dkt, dvt, D, SCALE2, IEEE)
     dk = tl.trans(dkt) * SCALE
     dv = tl.trans(dvt)
     if FUSE_POOL:
         c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, k_ok, META, N, LEVELS, dim, D)
     if FINE:
-        store_rows(DK + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dk, tok, k_n, dim, k_ok, D)
-        store_rows(DV + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, dv, tok, k_n, dim, k_ok, D)
+        store_rows(DK + b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h, dk, tok, dk_n, dim, k_ok, D)
+        store_rows(DV + b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h, dv, tok, dk_n, dim, k_ok, D)
     else:  # the pyramid's level rows (part_off = the level's offset), or a split's partial sums
         part = split.to(tl.int64) * p_s + b.to(tl.int64) * p_b + hk.to(tl.int64) * p_h
         store_rows(PART_K + part, dk, part_off + tok, D, dim, k_ok, D)
@@ -329,7 +336,8 @@ def _fine_dkv_step(q, do, lse2, delta, k, v, dk, dv, SCALE2: tl.constexpr, IEEE:
 
 @triton.jit
 def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK, DV,
-                     q_b, q_h, q_n, k_b, k_h, k_n, c_b, c_h, H, HK, GROUP, N, LEVELS, S_TOTAL, C_TOTAL,
+                     q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, dk_b, dk_h, dk_n, c_b, c_h, H, HK, GROUP, N,
+                     LEVELS, S_TOTAL, C_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                      SCALE: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr,
                      FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
@@ -351,7 +359,9 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     dv = tl.zeros([W, BLOCK, BD], tl.float32)
     for g in range(GROUP):
         bh = (b * H + hk * GROUP + g).to(tl.int64)
-        head = b.to(tl.int64) * q_b + (hk * GROUP + g).to(tl.int64) * q_h
+        h64 = (hk * GROUP + g).to(tl.int64)
+        q_base = Q + b.to(tl.int64) * q_b + h64 * q_h
+        do_base = DO + b.to(tl.int64) * do_b + h64 * do_h
         lo = tl.load(OFFSETS + bh * C_TOTAL + csc + blk)
         count = tl.load(OFFSETS + bh * C_TOTAL + csc + blk + 1) - lo
         entries = ROWS + bh * S_TOTAL + sel + lo
@@ -362,8 +372,8 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
             for step in tl.range(0, tl.minimum(longest - first, SLOTS), num_stages=STAGES):
                 pick = tl.sum(tl.where(slots[None, :] == step, ids, 0), axis=1)
                 rows = pick[:, None] * BLOCK + local[None, :]
-                q = load_slab(Q + head, rows, q_n, dim, D, BD)
-                do = load_slab(DO + head, rows, q_n, dim, D, BD)
+                q = load_slab(q_base, rows, q_n, dim, D, BD)
+                do = load_slab(do_base, rows, do_n, dim, D, BD)
                 live = (first + step < count)[:, None]
                 lse2 = tl.where(live, tl.load(LSE + bh * N + rows) * LOG2E, float("inf"))
                 dk, dv = _fine_dkv_step(q, do, lse2, tl.load(DELTA + bh * N + rows), k, v, dk, dv, SCALE2, IEEE)
@@ -371,12 +381,13 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     if FUSE_POOL:
         c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, tok < N, META, N, LEVELS, dim, D)
-    store_slab(DK + kv, dk, tok, k_n, dim, real[:, None], D, BD, True)
-    store_slab(DV + kv, dv, tok, k_n, dim, real[:, None], D, BD, True)
+    dkv = b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h
+    store_slab(DK + dkv, dk, tok, dk_n, dim, real[:, None], D, BD, True)
+    store_slab(DV + dkv, dv, tok, dk_n, dim, real[:, None], D, BD, True)
 
 
 @triton.jit
-def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q_n, c_b, c_h, p_s,
+def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q_n, do_b, do_h, do_n, c_b, c_h, p_s,
                     H, GROUP, N, LEVELS, QUERIES,
                     D: tl.constexpr, BD: tl.constexpr, TK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, QR: tl.constexpr, IEEE: tl.constexpr):
@@ -399,9 +410,10 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
     dk = tl.zeros([TK, BD], tl.float32)
     dv = tl.zeros([TK, BD], tl.float32)
     lo = split * QUERIES
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    dk, dv = dkv_rows(Q + head, DO + head, LSE + bh.to(tl.int64) * N, DELTA + bh.to(tl.int64) * N, lo,
-                      tl.minimum(lo + QUERIES, N), q_n, dim, k, v, bias, dk, dv, D, QR, SCALE2, IEEE)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    dk, dv = dkv_rows(Q + b64 * q_b + h64 * q_h, DO + b64 * do_b + h64 * do_h, LSE + bh.to(tl.int64) * N,
+                      DELTA + bh.to(tl.int64) * N, lo, tl.minimum(lo + QUERIES, N), q_n, do_n, dim, k, v, bias, dk, dv,
+                      D, QR, SCALE2, IEEE)
     part = (split * GROUP + h - hk * GROUP).to(tl.int64) * p_s + kv
     store_rows(PART_K + part, dk * SCALE, off + tok, D, dim, k_ok, D)
     store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
@@ -449,9 +461,11 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
                   fuse_pool: bool, tiles: dict | None = None):
     """Gradients ``(dq, dk, dv, dkc, dvc)`` of the LLSA forward.
 
-    Shapes as in ``llsa_forward``; do like q; dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of
-    ``sel`` (``csc.selection_csc``). dkc, dvc ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of
-    the pooled levels; with ``fuse_pool`` dk, dv already include them (through the pooling).
+    Shapes as in ``llsa_forward``; do like q; q, k, v, o, do with contiguous rows, their other strides free (k and
+    v alike); dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of ``sel`` (``csc.selection_csc``). dq, dk, dv
+    are contiguous (autograd stacks them into a fused projection's gradient fastest that way); dkc, dvc
+    ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of the pooled levels; with ``fuse_pool`` dk, dv already
+    include them (through the pooling).
     """
     bsz, heads, n, d = q.shape
     kv_heads, group = k.shape[1], heads // k.shape[1]
@@ -459,28 +473,30 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     meta = levels.meta(q)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty_like(lse)
     key_list = coarse_rows(sel, levels)
-    q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
+    q_strides, c_strides = q.stride()[:3], (kc.stride(0), kc.stride(1))
+    o_strides, do_strides, dq_strides, k_strides = o.stride()[:3], do.stride()[:3], dq.stride()[:3], k.stride()[:3]
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
-            dlse if dlse is not None else lse, delta, dq, *q_strides, k.stride(0), k.stride(1), k.stride(2),
-            *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size, STAGES=tiles["stages"],
-            W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"],
-            num_stages=tiles["stages"], **fused, **common)
+            dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides, *dq_strides,
+            *k_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
+            STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None,
+            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
     else:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
         launcher(_coarse_dq_kernel)[grid](
             q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
-            *q_strides, *c_strides, list_stride, heads, group, n, STAGES=tiles["stages"], HAS_DLSE=dlse is not None,
-            num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
+            *q_strides, *o_strides, *do_strides, *dq_strides, *c_strides, list_stride, heads, group, n,
+            STAGES=tiles["stages"], HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"],
+            **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
-            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, k.stride(0), k.stride(1), k.stride(2), heads, group,
+            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *dq_strides, *k_strides, heads, group,
             n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
@@ -493,24 +509,25 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     part_k = dkc if splits * group == 1 else dkc.new_empty(splits * group, *dkc.shape)
     part_v = dvc if splits * group == 1 else dvc.new_empty(splits * group, *dvc.shape)
     launcher(_top_dkv_kernel)[(chunks, bsz * heads, splits)](
-        q, kc, vc, do, lse, delta, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), dkc.numel(), heads, group, n, top, queries,
-        TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"], num_stages=tiles["top_stages"], **common)
+        q, kc, vc, do, lse, delta, meta, part_k, part_v, *q_strides, *do_strides, *c_strides, dkc.numel(), heads,
+        group, n, top, queries, TK=tiles["TK"], QR=tiles["TOP_QR"], num_warps=tiles["top_warps"],
+        num_stages=tiles["top_stages"], **common)
     if splits * group > 1:
         first = levels.rows[top][layout.KV_OFF]
         span = slice(first, first + levels.tokens(top))
         dkc[:, :, span] = part_k[:, :, :, span].sum(0)
         dvc[:, :, span] = part_v[:, :, :, span].sum(0)
 
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    dk_strides = dk.stride()[:3]
     kv_bytes = 2 * kv_heads * n * k.element_size()  # of k and v, per batch entry and head-dim element
     for level in range(top - 1, -1, -1):
         fine = level == 0
         if fine and batched_blocks(levels) and tiles["batched_dkv"]:
             launcher(_fine_dkv_kernel)[(cdiv(levels.tokens(1), tiles["dkv_W"]), bsz * kv_heads)](
-                q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, k.stride(0), k.stride(1),
-                k.stride(2), *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
+                q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, *do_strides, *k_strides,
+                *dk_strides, *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
                 BLOCK=levels.block, W=tiles["dkv_W"], SLOTS=tiles["dkv_slots"], STAGES=tiles["dkv_stages"],
                 FUSE_POOL=fuse_pool, num_warps=tiles["dkv_W"], num_stages=tiles["dkv_stages"], **common)
             continue
@@ -530,8 +547,8 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             part_off = 0
         launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
             q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc, part_k, part_v,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), kc.stride(0), kc.stride(1),
-            part_k.stride(0) if splits > 1 else 0, part_k.stride(-4), part_k.stride(-3), part_off,
+            *q_strides, *do_strides, *k_strides, *dk_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
+            part_k.stride(-4), part_k.stride(-3), part_off,
             heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,
             BLOCK=levels.block, BK=pow2(levels.block, 16), QR=qr, FINE=fine,
             ENTRY_MAJOR=levels.block ** (level + 1) % qr == 0, FUSE_POOL=fine and fuse_pool,

@@ -31,7 +31,7 @@ from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
-def _entry_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, SEL, META, PART_K, PART_V, q_b, q_h, q_n, c_b, c_h,
+def _entry_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, SEL, META, PART_K, PART_V, q_b, q_h, q_n, do_b, do_h, do_n, c_b, c_h,
                       H, GROUP, N, LEVEL, S_TOTAL, ROWS, CHUNKS,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TK: tl.constexpr, QR: tl.constexpr,
                       SCALE2: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
@@ -62,9 +62,10 @@ def _entry_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, SEL, META, PART_K, PART_V, q_b,
     first = r * span * BLOCK
     lo = first + split * ROWS
     hi = tl.minimum(tl.minimum(lo + ROWS, first + span * BLOCK), N)
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    dk, dv = dkv_rows(Q + head, DO + head, LSE + bh * N, DELTA + bh * N, lo, hi, q_n, dim, k, v, bias, dk, dv, D, QR,
-                      SCALE2, IEEE)
+    q_head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    do_head = b.to(tl.int64) * do_b + h.to(tl.int64) * do_h
+    dk, dv = dkv_rows(Q + q_head, DO + do_head, LSE + bh * N, DELTA + bh * N, lo, hi, q_n, do_n, dim, k, v, bias, dk,
+                      dv, D, QR, SCALE2, IEEE)
     row = ((bh * tl.num_programs(0) + r) * (tl.num_programs(2) // CHUNKS) + split) * (CHUNKS * TK)
     store_rows(PART_K + row * D, dk * SCALE, slot, D, dim, listed, D)
     store_rows(PART_V + row * D, dv, slot, D, dim, listed, D)
@@ -133,7 +134,8 @@ def entry_scratch(levels: Levels, level: int, heads: int, tiles: dict) -> int:
 def entry_dkv(q, kc, vc, do, lse, delta, sel, offsets, rows, dkc, dvc, levels: Levels, level: int, scale: float,
               tiles: dict) -> None:
     """Writes the level-``level`` rows (1 <= level < L) of ``dkc``, ``dvc`` ``(B, Hk, T_1 + ... + T_L, D)`` fp32:
-    the gradients of that level's pooled keys and values. q, do ``(B, H, N, D)``; kc, vc the pooled pyramids;
+    the gradients of that level's pooled keys and values. q, do ``(B, H, N, D)`` (rows contiguous, any other
+    strides); kc, vc the pooled pyramids;
     lse, delta ``(B, H, N)`` fp32; sel the packed selection, offsets / rows its CSC (``csc.selection_csc``).
     Tiles: ``entry_TK`` keys per chunk, ``entry_QR`` rows per step, ``entry_rows`` rows per split at most,
     ``entry_warps``, ``entry_stages``."""
@@ -149,7 +151,7 @@ def entry_dkv(q, kc, vc, do, lse, delta, sel, offsets, rows, dkc, dvc, levels: L
     common = dict(D=d, BD=pow2(d, 16), BLOCK=block)
     meta = levels.meta(q)
     launcher(_entry_dkv_kernel)[(entries, bsz * heads, chunks * splits)](
-        q, kc, vc, do, lse, delta, sel, meta, part_k, part_v, q.stride(0), q.stride(1), q.stride(2),
+        q, kc, vc, do, lse, delta, sel, meta, part_k, part_v, *q.stride()[:3], *do.stride()[:3],
         kc.stride(0), kc.stride(1), heads, heads // kv_heads, n, level, levels.selection_size, split_rows, chunks,
         TK=tk, QR=tiles["entry_QR"], SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
         IEEE=q.dtype == torch.float32, num_warps=tiles["entry_warps"], num_stages=tiles["entry_stages"], **common)
