@@ -4,11 +4,11 @@ The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexspa
 once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. LLSA's kernels read
 them in place, forward and backward, and its output lies in q's memory order. Before, every op made
 its own copy: LLSA's forward copied each of q, k, v twice and its backward once more (2.15 instead of 1.00 ms at
-B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The ops copy a strided upstream
-gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel.
+B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The other methods' ops copy a
+strided upstream gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel;
+LLSA's backward reads it in place.
 
-CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's without gradients; views pass
-through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
+CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's; views pass through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
 (``test_interpreter_suite``), which also runs the methods' kernels on the views. GPU (``pytest -m gpu``): the copy
 in bf16 and the methods bit for bit.
 """
@@ -123,19 +123,46 @@ def test_llsa_training_on_views_copies_nothing(grad_layout, monkeypatch):
         torch.autograd.grad(out, qkv, torch.randn(out.shape))
 
 
-@ts.cpu_only
-@pytest.mark.parametrize("layout", ["gqa_fused", "v_contiguous"])
-def test_llsa_inference_on_other_views(layout):
-    """GQA views of one ``(B, N, H + 2 Hk, D)`` projection (k, v with 2 of 4 heads), and k, v with different strides
-    (a view and a contiguous tensor: the kernels index both with one set of strides, so both are copied)."""
-    n, heads, kv_heads, dim = 200, 4, 2, 16
-    proj = torch.randn(1, n, heads + 2 * kv_heads, dim).transpose(1, 2)
-    q, k, v = proj.split([heads, kv_heads, kv_heads], dim=1)
+def _gqa_views(layout: str, n: int = 200, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+    """A leaf ``(1, n, H + 2 Hk, D)`` projection and its q, k, v views (k, v with 2 of 4 heads); with
+    ``v_contiguous`` v is a contiguous copy (k and v then differ in strides)."""
+    proj = torch.randn(1, n, heads + 2 * kv_heads, dim, requires_grad=True)
+    q, k, v = proj.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if layout == "v_contiguous":
         v = v.contiguous()
     assert not q.is_contiguous() and not k.is_contiguous()
-    out, want = _inference_on(q, k, v)
+    return proj, (q, k, v)
+
+
+@ts.cpu_only
+@pytest.mark.parametrize("n", [200, 256])  # the ragged and the batched kernels
+@pytest.mark.parametrize("layout", ["gqa_fused", "v_contiguous"])
+def test_llsa_inference_on_other_views(layout, n, monkeypatch):
+    """GQA views of one projection, and k, v with different strides (a view and a contiguous tensor, as in a model
+    whose k passes through a norm and RoPE): read in place, no copy."""
+    _forbid_copies(monkeypatch)
+    out, want = _inference_on(*_gqa_views(layout, n)[1])
     assert torch.equal(out, want)
+
+
+@ts.cpu_only
+@pytest.mark.parametrize("n", [200, 256])  # the ragged and the batched kernels
+@pytest.mark.parametrize("layout", ["gqa_fused", "v_contiguous"])
+def test_llsa_training_on_other_views(layout, n, monkeypatch):
+    """The same views with gradients, read in place: output and the projection's gradient (GQA: the query heads' dK,
+    dV summed into their KV head) equal those of contiguous copies, bit for bit (deterministic mode)."""
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
+    proj, views = _gqa_views(layout, n)
+    grad = torch.randn(1, 4, n, 16)
+    with monkeypatch.context() as patch:
+        _forbid_copies(patch)
+        out = flexsparse.attention(*views, cfg, backend="triton")
+        (got,) = torch.autograd.grad(out, proj, grad)
+    leaves = [x.detach().contiguous().requires_grad_() for x in views]
+    want = flexsparse.attention(*leaves, cfg, backend="triton")
+    dq, dk, dv = torch.autograd.grad(want, leaves, grad)
+    assert torch.equal(out, want)
+    assert torch.equal(got, torch.cat([dq, dk, dv], dim=1).transpose(1, 2))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
@@ -227,6 +254,23 @@ def test_gpu_compiled_llsa_inference_on_views_equals_eager():
     with torch.no_grad():
         got, want = torch.compile(run, fullgraph=True)(qkv), run(qkv)
     assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+@ts.gpu
+def test_gpu_compiled_llsa_training_on_views_equals_eager():
+    """Traced with gradients, the forward and backward ops get the views and the model-layout upstream gradient:
+    output and the qkv gradient equal eager's bit for bit (deterministic mode)."""
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
+    qkv, _ = _fused_views(4096, heads=4, dim=64, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn(1, 4096, 4 * 64, dtype=torch.bfloat16, device="cuda")
+
+    def run(x):
+        out = flexsparse.attention(*x.permute(2, 0, 3, 1, 4).unbind(0), cfg, backend="triton")
+        return out.transpose(1, 2).reshape(1, 4096, 4 * 64)
+
+    got, want = torch.compile(run, fullgraph=True)(qkv), run(qkv)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0])
 
 
 @ts.gpu

@@ -110,8 +110,8 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
 
 @triton.jit
 def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, o_b, o_h,
-                     o_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b, k_h, k_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF,
-                     TOP_T, S_TOTAL,
+                     o_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b, k_h, k_n, v_b, v_h, v_n, c_b, c_h, l_bh, H, GROUP, N,
+                     TOP_OFF, TOP_T, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr,
@@ -133,18 +133,18 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     delta = tl.reshape(delta, (TB, BLOCK))
     dq = tl.reshape(dq, (TB, BLOCK, BD))
     dim = tl.arange(0, BD)
-    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         k = load_slab(kb, tok, k_n, dim, D, BD)
-        dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, k_n, dim, D, BD), dq,
+        dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, v_n, dim, D, BD), dq,
                       IEEE)
     store_slab(DQ + b64 * dq_b + h64 * dq_h, dq * SCALE, rows, dq_n, dim, real[:, None], D, BD, True)
 
 
 @triton.jit
 def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b,
-                    k_h, k_n, H, GROUP, N, S_TOTAL,
+                    k_h, k_n, v_b, v_h, v_n, H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
                     KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
@@ -152,7 +152,7 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
     step, one per warp), added to the coarse dQ in ``DQ``."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
-    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     dim = tl.arange(0, BD)
     for sub in range(WSUB):
@@ -166,21 +166,21 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
             tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
             k = load_slab(kb, tok, k_n, dim, D, BD)
             dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
-                          load_slab(vb, tok, k_n, dim, D, BD), dq, IEEE)
+                          load_slab(vb, tok, v_n, dim, D, BD), dq, IEEE)
         dq = load_slab(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, D, BD).to(tl.float32) + dq * SCALE
         store_slab(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, real[:, None], D, BD, not FULL)
 
 
 @triton.jit
 def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
-                           k_b, k_h, k_n, H, GROUP, N, S_TOTAL,
+                           k_b, k_h, k_n, v_b, v_h, v_n, H, GROUP, N, S_TOTAL,
                            D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                            SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
                            IEEE: tl.constexpr):
     """The fine level's dQ for any N and b (``llsa_fwd._fine_fwd_ragged_kernel``'s steps)."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
-    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     topk = tl.load(META + TOPK)
     dim = tl.arange(0, BD)
@@ -202,7 +202,7 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
             k = load_rows(kb, tok, k_n, dim, ok, D)
             s = mm(q, tl.trans(k), IEEE) * SCALE2
             s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-            dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, k_n, dim, ok, D), dq, IEEE)
+            dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, v_n, dim, ok, D), dq, IEEE)
         dq = load_rows(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
         store_rows(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, row_ok, D)
 
@@ -248,7 +248,8 @@ def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, 
 
 @triton.jit
 def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC, PART_K, PART_V,
-                       q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, dk_b, dk_h, dk_n, c_b, c_h, p_s, p_b, p_h,
+                       q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, dk_b, dk_h, dk_n, c_b, c_h, p_s,
+                       p_b, p_h,
                        part_off,
                        H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL, SPLITS,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
@@ -269,16 +270,18 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     dim = tl.arange(0, BD)
     if FINE:
         kb = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-        vb = V + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+        vb = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
         key_rows = tok
         key_stride = k_n
+        value_stride = v_n
     else:
         kb = KC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         vb = VC + b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         key_rows = off + tok
         key_stride = D
+        value_stride = D
     k = load_rows(kb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
-    v = load_rows(vb, key_rows, key_stride, dim, k_ok, D).to(Q.dtype.element_ty)
+    v = load_rows(vb, key_rows, value_stride, dim, k_ok, D).to(Q.dtype.element_ty)
     bias = tl.where(k_ok, log2_count(tok, span, N), float("-inf"))
     dkt = tl.zeros([BD, BK], tl.float32)
     dvt = tl.zeros([BD, BK], tl.float32)
@@ -336,8 +339,8 @@ def _fine_dkv_step(q, do, lse2, delta, k, v, dk, dv, SCALE2: tl.constexpr, IEEE:
 
 @triton.jit
 def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK, DV,
-                     q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, dk_b, dk_h, dk_n, c_b, c_h, H, HK, GROUP, N,
-                     LEVELS, S_TOTAL, C_TOTAL,
+                     q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, dk_b, dk_h, dk_n, c_b, c_h, H, HK,
+                     GROUP, N, LEVELS, S_TOTAL, C_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                      SCALE: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr,
                      FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
@@ -348,9 +351,8 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     _, b, hk = program_heads(HK)
     real, blk, tok = step_blocks(tl.program_id(0), 0, N // BLOCK, W, 1, BLOCK)
     dim = tl.arange(0, BD)
-    kv = b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    k = load_slab(K + kv, tok, k_n, dim, D, BD)
-    v = load_slab(V + kv, tok, k_n, dim, D, BD)
+    k = load_slab(K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, tok, k_n, dim, D, BD)
+    v = load_slab(V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h, tok, v_n, dim, D, BD)
     csc = tl.load(META + CSC_OFF)
     sel = tl.load(META + SEL_OFF)
     local = tl.arange(0, BLOCK)
@@ -477,14 +479,15 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     delta = torch.empty_like(lse)
     key_list = coarse_rows(sel, levels)
     q_strides, c_strides = q.stride()[:3], (kc.stride(0), kc.stride(1))
-    o_strides, do_strides, dq_strides, k_strides = o.stride()[:3], do.stride()[:3], dq.stride()[:3], k.stride()[:3]
+    o_strides, do_strides, dq_strides = o.stride()[:3], do.stride()[:3], dq.stride()[:3]
+    kv_strides = (*k.stride()[:3], *v.stride()[:3])
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
             dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides, *dq_strides,
-            *k_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
+            *kv_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
             STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None,
             num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
     else:
@@ -496,7 +499,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
-            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *dq_strides, *k_strides, heads, group,
+            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *dq_strides, *kv_strides, heads, group,
             n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
@@ -526,7 +529,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
         fine = level == 0
         if fine and batched_blocks(levels) and tiles["batched_dkv"]:
             launcher(_fine_dkv_kernel)[(cdiv(levels.tokens(1), tiles["dkv_W"]), bsz * kv_heads)](
-                q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, *do_strides, *k_strides,
+                q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, *do_strides, *kv_strides,
                 *dk_strides, *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
                 BLOCK=levels.block, W=tiles["dkv_W"], SLOTS=tiles["dkv_slots"], STAGES=tiles["dkv_stages"],
                 FUSE_POOL=fuse_pool, num_warps=tiles["dkv_W"], num_stages=tiles["dkv_stages"], **common)
@@ -547,7 +550,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             part_off = 0
         launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
             q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc, part_k, part_v,
-            *q_strides, *do_strides, *k_strides, *dk_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
+            *q_strides, *do_strides, *kv_strides, *dk_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
             part_k.stride(-4), part_k.stride(-3), part_off,
             heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,
             BLOCK=levels.block, BK=pow2(levels.block, 16), QR=qr, FINE=fine,

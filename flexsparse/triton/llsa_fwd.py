@@ -138,8 +138,8 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, o_b, o_h, 
 
 
 @triton.jit
-def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
-                      c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
+def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n,
+                      o_b, o_h, o_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T, S_TOTAL,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
@@ -161,21 +161,22 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     m = tl.reshape(m, (TB, BLOCK))
     l = tl.reshape(l, (TB, BLOCK))
     acc = tl.reshape(acc, (TB, BLOCK, BD))
-    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
-        m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, k_n, dim, D, BD), m, l, acc, IEEE)
+        m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, v_n, dim, D, BD), m, l, acc, IEEE)
     store_slab(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, :, None], rows, o_n, dim, real[:, None],
                D, BD, True)
     tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
 
 
 @triton.jit
-def fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL):
+def fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL):
     """The K and V of head ``(b, h)``'s KV head and its rows of ``S_1``; read-only (``program_heads``)."""
-    kv = b.to(tl.int64) * k_b + (h // GROUP).to(tl.int64) * k_h
-    return K + kv, V + kv, SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+    b64, hk64 = b.to(tl.int64), (h // GROUP).to(tl.int64)
+    sel = SEL + bh.to(tl.int64) * S_TOTAL + tl.load(META + SEL_OFF)
+    return K + b64 * k_b + hk64 * k_h, V + b64 * v_b + hk64 * v_h, sel
 
 
 @triton.jit
@@ -196,13 +197,13 @@ def fine_tokens(sel, blk, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.co
 
 
 @triton.jit
-def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, o_b, o_h, o_n,
+def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
                             H, GROUP, N, S_TOTAL,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                             FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
-    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, GROUP, S_TOTAL)
+    kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     qb = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     o = O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h
     lse = LSE + bh.to(tl.int64) * N
@@ -224,7 +225,7 @@ def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h,
             ok = ok & (tok < N)
             s = mm(q, tl.trans(load_rows(kb, tok, k_n, dim, ok, D)), IEEE) * SCALE2
             s = tl.where(ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
-            m, l, acc = softmax_step(s, 1.0, load_rows(vb, tok, k_n, dim, ok, D), m, l, acc, IEEE)
+            m, l, acc = softmax_step(s, 1.0, load_rows(vb, tok, v_n, dim, ok, D), m, l, acc, IEEE)
         store_rows(o, acc / l[:, None], rows, o_n, dim, row_ok, D)
         tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
@@ -307,7 +308,7 @@ def fused_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int, 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
     """O ``(B, H, N, D)`` in q's dtype and natural-log LSE ``(B, H, N)`` fp32.
 
-    q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)`` (same strides); each with its last dim contiguous, other strides
+    q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)``; each with its last dim contiguous, other strides
     free (e.g. views of one fused projection); kc, vc: pooled levels 1..L ``(B, Hk, T_1 + ... + T_L, D)``
     contiguous; sel: packed selection ``(B, H, S)`` int32. O is ``empty_like(q)``: q's memory order (a
     ``(B, N, H, D)`` layout for such views, so ``o.transpose(1, 2).reshape(B, N, H * D)`` needs no copy).
@@ -326,8 +327,8 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
         launcher(_fused_fwd_kernel)[grid](
-            q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, k.stride(0),
-            k.stride(1), k.stride(2), *o_strides, *c_strides, list_stride, heads, group, n,
+            q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
+            *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
             S_TOTAL=levels.selection_size, STAGES=tiles["stages"], W_STAGES=tiles["w_stages"],
             num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
         return o, lse
@@ -337,6 +338,6 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
         group, n, STAGES=tiles["stages"], num_warps=tiles["warps"], num_stages=tiles["stages"], **coarse, **common)
     _, programs, fine, options = fine_launch(levels, tiles)
     launcher(_fine_fwd_ragged_kernel)[(programs, bsz * heads)](
-        q, k, v, sel, meta, o, lse, *q_strides, k.stride(0), k.stride(1), k.stride(2), *o_strides, heads, group, n,
+        q, k, v, sel, meta, o, lse, *q_strides, *k.stride()[:3], *v.stride()[:3], *o_strides, heads, group, n,
         levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
     return o, lse

@@ -53,13 +53,6 @@ def row_views(*tensors: Tensor) -> list[Tensor]:
     return [t if t.stride(-1) == 1 else _copied(t) for t in tensors]
 
 
-def kv_views(q: Tensor, k: Tensor, v: Tensor) -> list[Tensor]:
-    """``row_views`` of q, k, v for the LLSA kernels, which index k and v with one set of strides: both are copied
-    where theirs differ."""
-    q, k, v = row_views(q, k, v)
-    return [q, *(contiguous(k, v) if k.stride() != v.stride() else (k, v))]
-
-
 def _copied(t: Tensor) -> Tensor:
     """A contiguous copy of the non-contiguous ``t`` (``contiguous``)."""
     if t.dim() == 4 and t.stride(-1) == 1 and use_kernels(t):
@@ -131,7 +124,7 @@ def llsa_attn(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, sel: Tens
     if not use_kernels(q):
         return _torch_attention(q, k, v, kc, vc, sel, levels, scale)
     from .llsa_fwd import llsa_forward
-    return llsa_forward(*kv_views(q, k, v), *contiguous(kc, vc, sel), levels, scale)
+    return llsa_forward(*row_views(q, k, v), *contiguous(kc, vc, sel), levels, scale)
 
 
 def _unpool(grad_pyr: Tensor, levels: Levels) -> Tensor:
@@ -167,8 +160,7 @@ def llsa_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     else:
         from .csc import selection_csc
         from .llsa_bwd import llsa_backward
-        q, k, v = kv_views(q, k, v)
-        o, do = row_views(o, do)
+        q, k, v, o, do = row_views(q, k, v, o, do)
         kc, vc, sel, lse = contiguous(kc, vc, sel, lse)
         offsets, rows = selection_csc(sel, levels, deterministic)
         dlse = None if dlse is None else dlse.contiguous()
