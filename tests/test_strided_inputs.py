@@ -258,8 +258,9 @@ def test_gpu_compiled_llsa_inference_on_views_equals_eager():
 
 @ts.gpu
 def test_gpu_compiled_llsa_training_on_views_equals_eager():
-    """Traced with gradients, the forward and backward ops get the views and the model-layout upstream gradient:
-    output and the qkv gradient equal eager's bit for bit (deterministic mode)."""
+    """Traced with gradients, the forward and backward ops get the views and the model-layout upstream gradient: the
+    output equals eager's bit for bit, the qkv gradient up to the order in which inductor's reductions add the dK/dV
+    partials of the top levels (ATen's ``sum`` eagerly; a layout error would be O(1))."""
     cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
     qkv, _ = _fused_views(4096, heads=4, dim=64, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn(1, 4096, 4 * 64, dtype=torch.bfloat16, device="cuda")
@@ -270,7 +271,7 @@ def test_gpu_compiled_llsa_training_on_views_equals_eager():
 
     got, want = torch.compile(run, fullgraph=True)(qkv), run(qkv)
     assert torch.equal(got, want)
-    assert torch.equal(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0])
+    assert ts.rel_err(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0]) < 1e-2
 
 
 @ts.gpu
