@@ -249,8 +249,7 @@ def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, 
 @triton.jit
 def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC, PART_K, PART_V,
                        q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, dk_b, dk_h, dk_n, c_b, c_h, p_s,
-                       p_b, p_h,
-                       part_off,
+                       p_b, p_h, part_off,
                        H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL, SPLITS,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                        SCALE2: tl.constexpr, SCALE: tl.constexpr, QR: tl.constexpr, FINE: tl.constexpr,
@@ -463,8 +462,8 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
                   fuse_pool: bool, tiles: dict | None = None):
     """Gradients ``(dq, dk, dv, dkc, dvc)`` of the LLSA forward.
 
-    Shapes as in ``llsa_forward``; do like q; q, k, v, o, do with contiguous rows, their other strides free (k and
-    v alike); dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of ``sel`` (``csc.selection_csc``). dq, dk, dv
+    Shapes as in ``llsa_forward``; do like q; q, k, v, o, do with contiguous rows, their other strides free (each
+    its own); dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of ``sel`` (``csc.selection_csc``). dq, dk, dv
     are contiguous (autograd stacks them into a fused projection's gradient fastest that way); dkc, dvc
     ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of the pooled levels; with ``fuse_pool`` dk, dv already
     include them (through the pooling).

@@ -135,8 +135,8 @@ def entry_dkv(q, kc, vc, do, lse, delta, sel, offsets, rows, dkc, dvc, levels: L
               tiles: dict) -> None:
     """Writes the level-``level`` rows (1 <= level < L) of ``dkc``, ``dvc`` ``(B, Hk, T_1 + ... + T_L, D)`` fp32:
     the gradients of that level's pooled keys and values. q, do ``(B, H, N, D)`` (rows contiguous, any other
-    strides); kc, vc the pooled pyramids;
-    lse, delta ``(B, H, N)`` fp32; sel the packed selection, offsets / rows its CSC (``csc.selection_csc``).
+    strides); kc, vc the pooled pyramids; lse, delta ``(B, H, N)`` fp32; sel the packed selection, offsets / rows
+    its CSC (``csc.selection_csc``).
     Tiles: ``entry_TK`` keys per chunk, ``entry_QR`` rows per step, ``entry_rows`` rows per split at most,
     ``entry_warps``, ``entry_stages``."""
     bsz, heads, n, d = q.shape
