@@ -32,9 +32,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
     chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
                               dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
-    # a strided view is copied once here, not by every op (and again in the backward); a method whose kernels read
-    # views themselves (STRIDED_INPUTS) keeps them
-    if chosen == "triton" and not getattr(module, "STRIDED_INPUTS", False):
+    # a strided view is copied once here, not by every op (and again in the backward). A method whose kernels read
+    # views themselves (STRIDED_INPUTS) keeps them, except in a compiled graph that records gradients, where inductor
+    # fuses the copies into their producers (compiled DiT-S training at N=65536 ran 4% faster so: docs/triton_llsa.md)
+    if chosen == "triton" and (not getattr(module, "STRIDED_INPUTS", False)
+                               or (needs_grad and torch.compiler.is_compiling())):
         from .backends.triton_sparse import contiguous_inputs
         q, k, v = contiguous_inputs(q, k, v)
     with _without_autocast(q.device.type):

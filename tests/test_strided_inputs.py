@@ -2,7 +2,8 @@
 
 The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexsparse.attention`` copies such views
 once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. LLSA's kernels read
-them in place, forward and backward, and its output lies in q's memory order. Before, every op made
+them in place, forward and backward (except in compiled training, where the API copies them: ``api.attention``),
+and its output lies in q's memory order. Before, every op made
 its own copy: LLSA's forward copied each of q, k, v twice and its backward once more (2.15 instead of 1.00 ms at
 B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The other methods' ops copy a
 strided upstream gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel;
@@ -84,6 +85,30 @@ def _inference_on(q, k, v, block: int = 16):
     with torch.no_grad():
         return (flexsparse.attention(q, k, v, cfg, backend="triton"),
                 flexsparse.attention(q.contiguous(), k.contiguous(), v.contiguous(), cfg, backend="triton"))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_compiled_llsa_copies_views_only_for_training(grad, monkeypatch):
+    """In a compiled graph LLSA gets contiguous copies where gradients are recorded (inductor fuses the copies into
+    their producers; compiled DiT-S training measured faster so) and the views without; values as eager's."""
+    module = method_module("llsa")
+    seen, forward = [], module.forward
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append([x.is_contiguous() for x in (q, k, v)])
+        return forward(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(module, "forward", spy)
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
+    qkv, _ = _fused_views(256)
+
+    def run(x):
+        return flexsparse.attention(*x.permute(2, 0, 3, 1, 4).unbind(0), cfg, backend="triton")
+
+    with torch.set_grad_enabled(grad):
+        got, want = torch.compile(run, fullgraph=True)(qkv), run(qkv)
+    assert seen == [[grad] * 3, [False] * 3]
+    torch.testing.assert_close(got, want)
 
 
 def _forbid_copies(monkeypatch):
@@ -258,9 +283,10 @@ def test_gpu_compiled_llsa_inference_on_views_equals_eager():
 
 @ts.gpu
 def test_gpu_compiled_llsa_training_on_views_equals_eager():
-    """Traced with gradients, the forward and backward ops get the views and the model-layout upstream gradient: the
-    output equals eager's bit for bit, the qkv gradient up to the order in which inductor's reductions add the dK/dV
-    partials of the top levels (ATen's ``sum`` eagerly; a layout error would be O(1))."""
+    """Traced with gradients the API copies the views (``.contiguous()``, which inductor fuses into their producers);
+    eagerly the ops read them in place. The output is equal bit for bit, the qkv gradient up to the order in which
+    inductor's reductions add the dK/dV partials of the top levels (ATen's ``sum`` eagerly; a layout error would be
+    O(1))."""
     cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
     qkv, _ = _fused_views(4096, heads=4, dim=64, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn(1, 4096, 4 * 64, dtype=torch.bfloat16, device="cuda")
