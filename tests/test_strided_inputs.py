@@ -3,13 +3,13 @@
 The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexsparse.attention`` copies such views
 once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. LLSA's kernels read
 them in place, forward and backward (except in compiled training, where the API copies them: ``api.attention``),
-and its output lies in q's memory order. Before, every op made
-its own copy: LLSA's forward copied each of q, k, v twice and its backward once more (2.15 instead of 1.00 ms at
-B2 H8 N65536 D64 on an H100). Values and gradients are those of contiguous inputs. The other methods' ops copy a
-strided upstream gradient (through the model's ``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel;
-LLSA's backward reads it in place.
+and its output lies in q's memory order. Before, every op made its own copy: LLSA's forward copied each of q, k, v
+twice and its backward once more (2.15 instead of 1.00 ms at B2 H8 N65536 D64 on an H100). Values and gradients
+are those of contiguous inputs. The other methods' ops copy a strided upstream gradient (through the model's
+``out.transpose(1, 2).reshape(...)``) with the same row-copy kernel; LLSA's backward reads it in place.
 
-CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's; views pass through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
+CPU: the contract (contiguous rows reach the method on ``triton``, except LLSA's outside compiled training; views
+pass through on ``torch``) and equal results; the copy kernel through the interpreter in a child pytest
 (``test_interpreter_suite``), which also runs the methods' kernels on the views. GPU (``pytest -m gpu``): the copy
 in bf16 and the methods bit for bit.
 """
@@ -39,17 +39,23 @@ def _triton_module(config: dict, n: int, heads: int, dim: int, dtype, device: st
     return module.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
 
 
+def _on_views_and_copies(attend, leaf: torch.Tensor, views, grad: torch.Tensor):
+    """``attend(q, k, v)`` on the views of ``leaf`` and on contiguous copies of them, with one upstream gradient:
+    ``(out, d_leaf)`` and ``(out, [dq, dk, dv])``."""
+    out = attend(*views)
+    (d_leaf,) = torch.autograd.grad(out, leaf, grad)
+    leaves = [x.detach().contiguous().requires_grad_() for x in views]
+    want = attend(*leaves)
+    return (out, d_leaf), (want, torch.autograd.grad(want, leaves, grad))
+
+
 def _as_views_and_contiguous(config: dict, n: int, dtype, device: str, heads: int = 2, dim: int = 16):
     """``(out, d_qkv)`` on the views and ``(out, stacked grads)`` on contiguous copies, one module, one gradient."""
     qkv, views = _fused_views(n, heads, dim, dtype, device)
     grad = torch.randn(1, heads, n, dim, dtype=dtype, device=device)
-    module = _triton_module(config, n, heads, dim, dtype, device)
-    out = module(*views)
-    (d_qkv,) = torch.autograd.grad(out, qkv, grad)
-    leaves = [x.detach().contiguous().requires_grad_() for x in views]
-    want = module(*leaves)
-    want_grads = torch.autograd.grad(want, leaves, grad)
-    return (out, d_qkv), (want, torch.stack(want_grads).permute(1, 3, 0, 2, 4))
+    got, (want, want_grads) = _on_views_and_copies(_triton_module(config, n, heads, dim, dtype, device), qkv, views,
+                                                   grad)
+    return got, (want, torch.stack(want_grads).permute(1, 3, 0, 2, 4))
 
 
 @ts.cpu_parent
@@ -179,16 +185,14 @@ def test_llsa_training_on_other_views(layout, n, monkeypatch):
     dV summed into their KV head) equal those of contiguous copies, bit for bit (deterministic mode)."""
     cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
     proj, views = _gqa_views(layout, n)
-    grad = torch.randn(1, 4, n, 16)
-    with monkeypatch.context() as patch:
-        _forbid_copies(patch)
-        out = flexsparse.attention(*views, cfg, backend="triton")
-        (got,) = torch.autograd.grad(out, proj, grad)
-    leaves = [x.detach().contiguous().requires_grad_() for x in views]
-    want = flexsparse.attention(*leaves, cfg, backend="triton")
-    dq, dk, dv = torch.autograd.grad(want, leaves, grad)
+    _forbid_copies(monkeypatch)  # the contiguous copies' run makes none either
+
+    def attend(q, k, v):
+        return flexsparse.attention(q, k, v, cfg, backend="triton")
+
+    (out, got), (want, grads) = _on_views_and_copies(attend, proj, views, torch.randn(1, 4, n, 16))
     assert torch.equal(out, want)
-    assert torch.equal(got, torch.cat([dq, dk, dv], dim=1).transpose(1, 2))
+    assert torch.equal(got, torch.cat(grads, dim=1).transpose(1, 2))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])

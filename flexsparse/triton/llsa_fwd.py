@@ -321,8 +321,7 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     key_list = coarse_rows(sel, levels)
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, n, dtype=torch.float32)
-    q_strides, c_strides = (q.stride(0), q.stride(1), q.stride(2)), (kc.stride(0), kc.stride(1))
-    o_strides = (o.stride(0), o.stride(1), o.stride(2))
+    q_strides, o_strides, c_strides = q.stride()[:3], o.stride()[:3], kc.stride()[:2]
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
