@@ -67,9 +67,10 @@ def main():
     import torch
     dev = torch.device("cuda")
     d, dt, block = args.d, args.dtype, 16
-    common = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=False)
-    ft = llsa_fwd.forward_tiles(dev, d)
-    bt = llsa_bwd.backward_tiles(dev, d, block)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    common = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=dt == "fp32")
+    ft = llsa_fwd.forward_tiles(dev, d, torch_dtype)
+    bt = llsa_bwd.backward_tiles(dev, d, block, torch_dtype)
     q = f"*{dt}"
     jobs = [
         ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32", LOW=q),
@@ -124,7 +125,6 @@ def main():
                       DKC="*fp32", DVC="*fp32"),
                  dict(D=d, BD=pow2(d, 16), BLOCK=block, BK=16, KP2=8), 1, 1))
     block_q, block_k = (int(x) for x in args.blocks.split("x"))
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     bf, bb = block_fwd.forward_tiles(dev, d, torch_dtype), block_bwd.backward_tiles(dev, d, torch_dtype)
     even = dict(D=d, BD=pow2(d, 16), SCALE2=0.18, IEEE=dt == "fp32")
     geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, bf["BM"], bf["BN"], 50, k_group=bf["KB"])

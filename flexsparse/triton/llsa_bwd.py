@@ -420,7 +420,7 @@ def _top_dkv_kernel(Q, KC, VC, DO, LSE, DELTA, META, PART_K, PART_V, q_b, q_h, q
     store_rows(PART_V + part, dv, off + tok, D, dim, k_ok, D)
 
 
-def backward_tiles(device: torch.device, d: int, block: int) -> dict:
+def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype) -> dict:
     """Tile sizes of the backward kernels (see module docstring), with ``tiles.overrides("bwd")``;
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split);
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
@@ -455,6 +455,9 @@ def backward_tiles(device: torch.device, d: int, block: int) -> dict:
                     programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, dkv_coarse_stages=2 if wide else 3,
                     batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3, entry_memory=0.5, entry_TK=64, entry_QR=32,
                     entry_rows=4096, entry_warps=4, entry_stages=3)
+        if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see llsa_fwd.forward_tiles)
+            base.update(BM=max(64, fq), BN=32, FN=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
+                        dkv_coarse_stages=2, dkv_stages=2, entry_stages=2)
     return {**base, **overrides("bwd")}
 
 
@@ -470,7 +473,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     """
     bsz, heads, n, d = q.shape
     kv_heads, group = k.shape[1], heads // k.shape[1]
-    tiles = tiles or backward_tiles(q.device, d, levels.block)
+    tiles = tiles or backward_tiles(q.device, d, levels.block, q.dtype)
     meta = levels.meta(q)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), SCALE=float(scale),
                   IEEE=q.dtype == torch.float32)

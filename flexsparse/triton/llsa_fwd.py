@@ -264,14 +264,19 @@ def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
         num_warps=tiles["fine_warps"], num_stages=tiles["fine_stages"])
 
 
-def forward_tiles(device: torch.device, d: int) -> dict:
+def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile sizes of the forward kernels (see module docstring and ``fine_launch``), with
     ``tiles.overrides("fwd")``. The fused kernel's tiles hold at most ``fused_BM`` rows (whole query blocks that
     share their ancestors) on ``fused_warps`` warps, ``BN`` coarse keys per step on ``stages`` stages, ``WN``
-    fine keys per step on ``w_stages``; the ragged path's coarse tiles ``BM`` rows on ``warps`` warps."""
+    fine keys per step on ``w_stages``; the ragged path's coarse tiles ``BM`` rows on ``warps`` warps. fp32 on a GPU
+    (tuned for fit, not speed) takes key chunks of a quarter the bytes: the bf16 ragged fine chunks of 256 keys
+    needed 283 KB of shared memory at D=64 in fp32 (``benchmarks/sm90_fit.py``)."""
     if device.type == "cpu":
         base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
                     fine_warps=4, fine_stages=1)
+    elif dtype.itemsize > 2:
+        base = dict(fused_BM=64, fused_warps=4, BM=64, BN=32, WN=16, w_stages=2, FN=64, SUB=8, warps=4, stages=2,
+                    fine_warps=4, fine_stages=2)
     else:
         base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=32, w_stages=2, FN=256, SUB=8, warps=8, stages=2,
                     fine_warps=4, fine_stages=2 if d > 64 else 3)
@@ -314,7 +319,7 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     ``(B, N, H, D)`` layout for such views, so ``o.transpose(1, 2).reshape(B, N, H * D)`` needs no copy).
     """
     bsz, heads, n, d = q.shape
-    tiles = tiles or forward_tiles(q.device, d)
+    tiles = tiles or forward_tiles(q.device, d, q.dtype)
     meta = levels.meta(q)
     common = dict(D=d, BD=pow2(d, 16), SCALE2=float(scale * LOG2E.value), IEEE=q.dtype == torch.float32)
     group = heads // k.shape[1]

@@ -1,0 +1,134 @@
+"""Does every Triton kernel a call launches fit an H100/H200? Without a GPU: the methods' real host code runs on CPU
+tensors, and each launch compiles its kernel for sm_90 instead of running it; the report lists shared memory
+against the 227 KB an sm_90 block may take (a launch over it fails at run time with ``OutOfResources``) and the
+bytes each thread spills.
+
+    python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128]
+
+The cases are LLSA (forward, backward; even and ragged N, block sizes 8 to 32, L = 1 to 3, GQA) and the block-sparse
+kernels (forward, backward; block pairs 16 to 128). Needs the GPU machine's triton (3.6: ``pip install
+triton==3.6.0`` in a side venv, as for ``triton_sm90_report.py``); the output values are garbage, only the launches
+and their constants are real.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.runtime import driver
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_sm90_report import _Sm90Driver  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+MODULES = ("block_bwd", "block_fwd", "csc", "llsa_bwd", "llsa_entry_dkv", "llsa_fwd", "pool", "rows", "select")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class CompileOnly:
+    """Stands in for a launch: ``kernel[grid](*args)`` compiles for sm_90 and records the kernel's resources."""
+
+    seen: dict = {}
+    records: list = []
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+            key = compiled.hash
+            if key not in CompileOnly.seen:
+                CompileOnly.seen[key] = (self.kernel.fn.__name__, compiled.metadata.shared, _stack_bytes(compiled))
+            CompileOnly.records.append(CompileOnly.seen[key])
+        return launch
+
+
+def _stack_bytes(compiled) -> int:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def _on_gpu_tiles():
+    """The launches use the GPU's tiles and kernels although the tensors live on the CPU."""
+    from flexsparse.triton import block_bwd, block_fwd, linear_fwd, llsa_bwd, llsa_fwd, ops
+    cuda = torch.device("cuda")
+    for module, name in ((llsa_fwd, "forward_tiles"), (llsa_bwd, "backward_tiles"), (block_fwd, "forward_tiles"),
+                         (block_bwd, "backward_tiles"), (linear_fwd, "linear_tiles")):
+        original = getattr(module, name)
+        setattr(module, name, lambda device, *rest, _f=original: _f(cuda, *rest))
+    ops.use_kernels = lambda *tensors: True
+    block_fwd.gluon_runs = lambda *args, **kwargs: False      # Gluon kernels: gluon_sm90_report.py
+    for name in MODULES:
+        module = importlib.import_module(f"flexsparse.triton.{name}")
+        if hasattr(module, "launcher"):
+            module.launcher = CompileOnly
+
+
+def llsa_case(n, block, topk, heads, kv_heads, d, dtype):
+    from flexsparse.backends import triton_sparse
+    q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    o, lse = triton_sparse.llsa(q, k, v, block, topk, d**-0.5)
+    torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
+
+
+def block_case(n, block_q, block_k, topk, heads, kv_heads, d, dtype):
+    from flexsparse.backends import triton_sparse
+    from flexsparse.masks import BlockSelection, num_blocks
+    q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    tq, tk = num_blocks(n, block_q), num_blocks(n, block_k)
+    ids = torch.rand(1, heads, tq, tk).argsort(-1)[..., :topk].sort(-1).values.to(torch.int32).contiguous()
+    o, lse = triton_sparse.block_sparse_attention(q, k, v, BlockSelection(ids, block_q, block_k, n, n), d**-0.5)
+    torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 96, 128])
+    args = parser.parse_args()
+    driver.set_active(_Sm90Driver())
+    _on_gpu_tiles()
+    cases = []
+    for dt, d in itertools.product(args.dtypes, args.dims):
+        dtype = DTYPES[dt]
+        for n, block, topk in ((4096, 16, (8, 8)), (4000, 16, (8, 8)), (4133, 8, (9, 4)), (8192, 32, (4, 2)),
+                               (5000, 16, (8, 8, 2)), (300, 16, (3,))):
+            cases.append((f"llsa {dt} D{d} N{n} b{block} K{list(topk)}", llsa_case, (n, block, topk, 4, 2, d, dtype)))
+        for block_q, block_k in ((64, 64), (128, 64), (16, 128), (128, 16), (32, 32)):
+            cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,
+                                                                                dtype)))
+    bad = 0
+    for name, run, case in cases:
+        CompileOnly.records = []
+        try:
+            run(*case)
+        except Exception as exc:  # a diagnostic: report and go on
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            bad += 1
+            continue
+        worst = [r for r in CompileOnly.records if r[1] > SMEM_LIMIT or r[2] > 0]
+        bad += any(r[1] > SMEM_LIMIT for r in worst)
+        print(f"{name}: {len(CompileOnly.records)} launches" + "".join(
+            f"\n    {kernel}: smem {smem}{' > limit' if smem > SMEM_LIMIT else ''}, stack {stack} B"
+            for kernel, smem, stack in sorted(set(worst))), flush=True)
+    print(f"{bad} case(s) with a launch that does not fit")
+
+
+if __name__ == "__main__":
+    main()

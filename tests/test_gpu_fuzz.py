@@ -1,0 +1,138 @@
+"""GPU (``pytest -m gpu``): random shapes and configs through the Triton kernels, drawn fresh on every run
+(hypothesis), against the ``torch`` backend in fp32 on the same selection.
+
+The parametrized GPU tests pin the shapes the kernels were written for; these draw the rest: ragged and tiny N,
+every block size pair the kernels take (so every kernel variant: the Gluon ones on sm_90, the batched and the
+ragged LLSA paths), GQA, head dims 32 to 128, bf16 and fp16, and whole methods end to end. Each test draws
+``FLEXSPARSE_FUZZ_EXAMPLES`` cases (default 12: the GPU suite's share; a campaign sets more). A failure prints its
+case as drawn (no shrinking), which hypothesis's ``@example`` can pin.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import triton_support as ts
+
+pytest.importorskip("triton")
+
+from flexsparse.backends import torch_sparse, triton_sparse  # noqa: E402
+from flexsparse.masks import llsa_topk, num_blocks  # noqa: E402
+
+from _sla_testing import run  # noqa: E402
+from test_triton_blocks import NAMES, _method_params, grad_run  # noqa: E402
+from test_triton_llsa import _leaf_run  # noqa: E402
+
+gpu = ts.gpu
+# no shrinking: GPU time is scarce, and a failing case is reported as drawn
+FUZZ = settings(max_examples=int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "12")), deadline=None, database=None,
+                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@st.composite
+def block_cases(draw):
+    """(B, Nq, Nk, block_q, block_k, H, Hk, D, K, dtype): self- or cross-length, any block pair of 16..128."""
+    nq = draw(st.integers(1, 9000))
+    nk = nq if draw(st.booleans()) else draw(st.integers(1, 9000))
+    block_q, block_k = draw(st.sampled_from([16, 32, 64, 128])), draw(st.sampled_from([16, 32, 64, 128]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    topk = draw(st.integers(1, min(num_blocks(nk, block_k), 40)))
+    return (draw(st.sampled_from([1, 2])), nq, nk, block_q, block_k, heads, kv_heads,
+            draw(st.sampled_from([32, 64, 96, 128])), topk, draw(st.sampled_from(sorted(LOW))))
+
+
+@st.composite
+def llsa_cases(draw):
+    """(N, block, topk per level finest first, H, Hk, D, dtype), K within what each level can fill."""
+    block = draw(st.sampled_from([8, 16, 32]))
+    levels = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 40000))
+    top = [0] * levels
+    top[-1] = draw(st.integers(1, min(num_blocks(n, block**levels), 24)))
+    for level in range(levels - 2, -1, -1):
+        top[level] = draw(st.integers(1, min((top[level + 1] - 1) * block + 1, num_blocks(n, block ** (level + 1)),
+                                             24)))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads = kv_heads * draw(st.sampled_from([1, 2]))
+    d = draw(st.sampled_from([32, 64, 128]))
+    return n, block, tuple(top), heads, kv_heads, d, draw(st.sampled_from(sorted(LOW)))
+
+
+@st.composite
+def method_cases(draw):
+    """(config, N, H, Hk, D): every method on random blocks and sparsities, for fp32 end-to-end runs."""
+    method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
+    n = draw(st.integers(1, 5000))
+    if method in ("topk", "vsa", "llsa"):
+        block = draw(st.sampled_from([8, 16] if method == "llsa" else [16, 32, 64, 128]))
+        cfg = {"method": method, "block_size": block, "topk": draw(st.integers(1, min(num_blocks(n, block), 12)))}
+    else:
+        cfg = {"method": method, "block_q": draw(st.sampled_from([32, 64, 128])),
+               "block_k": draw(st.sampled_from([32, 64])),
+               "topk_ratio": draw(st.sampled_from([0.05, 0.2, 0.5])),
+               "feature_map": draw(st.sampled_from(["softmax", "elu", "relu"]))}
+        if method == "sla":
+            cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128]))
+
+
+@gpu
+@FUZZ
+@given(case=block_cases())
+def test_gpu_fuzz_block_sparse_kernels(case):
+    """The block-sparse forward and backward (Triton and Gluon kernels) on a random selection: O, LSE, dQ, dK, dV
+    within bf16/fp16 rounding of the fp32 torch backend on the same values."""
+    bsz, nq, nk, block_q, block_k, heads, kv_heads, d, topk, dtype = case
+    q, k, v = ts.make_qkv(bsz, heads, kv_heads, nq, nk, d, LOW[dtype], "cuda")
+    selection = ts.random_selection(bsz, heads, nq, nk, block_q, block_k, topk, "cuda")
+    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, d**-0.5)
+    want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, d**-0.5)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.isfinite(a).all(), name
+        assert ts.rel_err(a, b) < 2e-2, name
+
+
+@gpu
+@FUZZ
+@given(case=llsa_cases())
+def test_gpu_fuzz_llsa_kernels(case):
+    """LLSA's kernels on the Triton selection of random inputs: O, LSE, dQ and the gradients of every level of the
+    pyramid (separate leaves) within bf16/fp16 rounding of the fp32 torch backend on the same selection."""
+    n, block, topk, heads, kv_heads, d, dtype = case
+    q, k, v = ts.make_qkv(1, heads, kv_heads, n, n, d, LOW[dtype], "cuda")
+    selection = llsa_topk(q, k, topk, block)
+    levels = len(topk)
+    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
+    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5,
+                     q.dtype)
+    names = ["o", "lse", "dq"] + [f"dk{level}" for level in range(levels + 1)] + [f"dv{level}" for level in
+                                                                                  range(levels + 1)]
+    for name, a, b in zip(names, got, want):
+        assert torch.isfinite(a).all(), name
+        assert ts.rel_err(a, b) < 2e-2, name
+
+
+@gpu
+@FUZZ
+@given(case=method_cases())
+def test_gpu_fuzz_methods_fp32(case):
+    """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32:
+    triton against torch. Both select with the same kernels on CUDA, so the selections agree."""
+    cfg, n, heads, kv_heads, d = case
+    leaves = [x.requires_grad_() for x in ts.make_qkv(1, heads, kv_heads, n, n, d, torch.float32, "cuda")]
+    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+    got = run(*leaves, cfg, params, "triton")
+    want = run(*leaves, cfg, params, "torch")
+    assert ts.rel_err(got[0], want[0]) < 1e-3
+    assert ts.lse_err(got[1], want[1]) < 1e-3
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert ts.rel_err(a, b) < 2e-3, i
