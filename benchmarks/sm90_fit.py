@@ -5,7 +5,8 @@ bytes each thread spills.
 
     python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128]
 
-The cases are LLSA (forward, backward; even and ragged N, block sizes 8 to 32, L = 1 to 3, GQA) and the block-sparse
+The cases are LLSA (forward, backward; even and ragged N, block sizes 8 to 32, L = 1 to 3, top levels of up to 1024
+tokens, GQA) and the block-sparse
 kernels (forward, backward; block pairs 16 to 128). Needs the GPU machine's triton (3.6: ``pip install
 triton==3.6.0`` in a side venv, as for ``triton_sm90_report.py``); the output values are garbage, only the launches
 and their constants are real.
@@ -30,7 +31,8 @@ from gluon_sm90_report import _Sm90Driver  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-MODULES = ("block_bwd", "block_fwd", "csc", "llsa_bwd", "llsa_entry_dkv", "llsa_fwd", "pool", "rows", "select")
+MODULES = ("block_bwd", "block_fwd", "block_topk", "csc", "llsa_bwd", "llsa_entry_dkv", "llsa_fwd", "pool", "rows",
+           "select")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -108,7 +110,8 @@ def main() -> None:
     for dt, d in itertools.product(args.dtypes, args.dims):
         dtype = DTYPES[dt]
         for n, block, topk in ((4096, 16, (8, 8)), (4000, 16, (8, 8)), (4133, 8, (9, 4)), (8192, 32, (4, 2)),
-                               (5000, 16, (8, 8, 2)), (300, 16, (3,))):
+                               (5000, 16, (8, 8, 2)), (300, 16, (3,)), (16384, 16, (8,)), (19540, 32, (1,)),
+                               (131072, 16, (8, 8))):  # the last three: top levels of 1024, 611 and 512 tokens
             cases.append((f"llsa {dt} D{d} N{n} b{block} K{list(topk)}", llsa_case, (n, block, topk, 4, 2, d, dtype)))
         for block_q, block_k in ((64, 64), (128, 64), (16, 128), (128, 16), (32, 32)):
             cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,

@@ -141,9 +141,9 @@ def test_select_long_top_level_through_block_topk():
     q, k, _ = _qkv(n, 2, 1, 16, grid=True)
     q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
-    for limit in (16, select.DENSE_ROW_LIMIT):  # T_2 = 19
+    for limit in (16, select.DENSE_TOP_ELEMENTS):  # T_2 = 19 (32 x 16 padded elements)
         sel = select.hierarchical_topk(torch.cat(q_levels, 2), torch.cat(k_levels, 2), level_table(n, block, topk),
-                                       row_limit=limit)
+                                       dense_limit=limit)
         for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
             assert torch.equal(a, b)
 
