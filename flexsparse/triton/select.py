@@ -2,13 +2,13 @@
 
 One kernel per level. Top level (``_select_top_kernel``): each program scores 16 pooled query tokens against every
 token of the level (IEEE fp32 dots over all of its keys at once; levels whose fp32 keys take more than
-``DENSE_TOP_ELEMENTS`` elements take the single-level ``block_topk``). Each finer level
-(``_select_children_kernel``): a warp per parent token scores its ``b`` children against the children of the parent's selection only (``K_{l+1} * b`` candidates per query token, O(N)), with
-three-pass TF32 tensor-core dots (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took 150 of this kernel's 250 us at
-N=65536 on an H100). Rows are selected all at once by bisection (``bisect.first_k_rows``); ties go to the smallest
-key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The
-result equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as
-on the tests' grid values).
+``DENSE_TOP_ELEMENTS`` elements take the single-level ``block_topk``). Each finer level (``_select_children_kernel``):
+a warp per parent token scores its ``b`` children against the children of the parent's selection only (``K_{l+1} * b``
+candidates per query token, O(N)), with three-pass TF32 tensor-core dots (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA
+dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are selected all at once by bisection
+(``bisect.first_k_rows``); ties go to the smallest key id (candidates are laid out in id order: the parent's selection
+is ascending); rows are stored ascending. The result equals ``flexsparse.masks.hierarchical_topk`` on the same
+pyramids (exactly where the products are exact, as on the tests' grid values).
 """
 from __future__ import annotations
 
