@@ -3,13 +3,13 @@ tensors, and each launch compiles its kernel for sm_90 instead of running it; th
 against the 227 KB an sm_90 block may take (a launch over it fails at run time with ``OutOfResources``) and the
 bytes each thread spills.
 
-    python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128]
+    python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128] [--llsa 2 7]
 
 The cases are LLSA (forward, backward; even and ragged N, block sizes 8 to 32, L = 1 to 3, top levels of up to 1024
-tokens, GQA) and the block-sparse
-kernels (forward, backward; block pairs 16 to 128). Needs the GPU machine's triton (3.6: ``pip install
-triton==3.6.0`` in a side venv, as for ``triton_sm90_report.py``); the output values are garbage, only the launches
-and their constants are real.
+tokens, GQA) and the block-sparse kernels (forward, backward; block pairs 16 to 128). Best run with the GPU machine's
+triton (3.6: ``pip install triton==3.6.0`` in a side venv, as for ``triton_sm90_report.py``); CI's triton 3.7
+compiles them too (``tests/test_triton_llsa.py`` runs two cases). The output values are garbage, only the launches
+and their constants are real. Exits with 1 where a launch does not fit.
 """
 from __future__ import annotations
 
@@ -99,23 +99,17 @@ def block_case(n, block_q, block_k, topk, heads, kv_heads, d, dtype):
     torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 96, 128])
-    args = parser.parse_args()
+LLSA_CASES = ((4096, 16, (8, 8)), (4000, 16, (8, 8)), (4133, 8, (9, 4)), (8192, 32, (4, 2)), (5000, 16, (8, 8, 2)),
+              (300, 16, (3,)), (16384, 16, (8,)), (19540, 32, (1,)),
+              (131072, 16, (8, 8)))  # (N, block, topk); the last three: top levels of 1024, 611 and 512 tokens
+BLOCK_PAIRS = ((64, 64), (128, 64), (16, 128), (128, 16), (32, 32))
+
+
+def fit(cases) -> int:
+    """Run ``(name, case function, arguments)`` cases with every launch compiled for sm_90 only; print each case's
+    launches over the shared-memory limit or with spills; return how many cases have a launch over the limit."""
     driver.set_active(_Sm90Driver())
     _on_gpu_tiles()
-    cases = []
-    for dt, d in itertools.product(args.dtypes, args.dims):
-        dtype = DTYPES[dt]
-        for n, block, topk in ((4096, 16, (8, 8)), (4000, 16, (8, 8)), (4133, 8, (9, 4)), (8192, 32, (4, 2)),
-                               (5000, 16, (8, 8, 2)), (300, 16, (3,)), (16384, 16, (8,)), (19540, 32, (1,)),
-                               (131072, 16, (8, 8))):  # the last three: top levels of 1024, 611 and 512 tokens
-            cases.append((f"llsa {dt} D{d} N{n} b{block} K{list(topk)}", llsa_case, (n, block, topk, 4, 2, d, dtype)))
-        for block_q, block_k in ((64, 64), (128, 64), (16, 128), (128, 16), (32, 32)):
-            cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,
-                                                                                dtype)))
     bad = 0
     for name, run, case in cases:
         CompileOnly.records = []
@@ -131,6 +125,27 @@ def main() -> None:
             f"\n    {kernel}: smem {smem}{' > limit' if smem > SMEM_LIMIT else ''}, stack {stack} B"
             for kernel, smem, stack in sorted(set(worst))), flush=True)
     print(f"{bad} case(s) with a launch that does not fit")
+    return bad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 96, 128])
+    parser.add_argument("--llsa", type=int, nargs="*", default=None,
+                        help="only these LLSA cases (indices into LLSA_CASES), no block-sparse ones")
+    args = parser.parse_args()
+    cases = []
+    for dt, d in itertools.product(args.dtypes, args.dims):
+        dtype = DTYPES[dt]
+        for i, (n, block, topk) in enumerate(LLSA_CASES):
+            if args.llsa is None or i in args.llsa:
+                cases.append((f"llsa {dt} D{d} N{n} b{block} K{list(topk)}", llsa_case,
+                              (n, block, topk, 4, 2, d, dtype)))
+        for block_q, block_k in BLOCK_PAIRS if args.llsa is None else ():
+            cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,
+                                                                                dtype)))
+    sys.exit(1 if fit(cases) else 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ GPU (``pytest -m gpu``): bf16 at realistic sizes, eager and ``torch.compile(full
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,6 +109,19 @@ def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
     got = level_table(n, block, topk).unpack(sel)
     for level, (a, b) in enumerate(zip(got.indices, expected.indices), start=1):
         assert torch.equal(a, b), f"S_{level} differs"
+
+
+@cpu_parent
+def test_launches_fit_sm90_shared_memory():
+    """Every launch of LLSA's forward and backward compiled for sm_90 (``benchmarks/sm90_fit.py``, no GPU needed) fits
+    its 227 KB of shared memory, in fp32: the ragged path at b=8 (whose bf16 tiles needed 283 KB) and a 611-token top
+    level (260 KB in the dense selection kernel), two launch failures the GPU fuzz test found."""
+    cmd = [sys.executable, os.path.join(ts.ROOT, "benchmarks", "sm90_fit.py"), "--dtypes", "fp32", "--dims", "64",
+           "--llsa", "2", "7"]
+    env = dict(os.environ, PYTHONPATH=ts.ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ts.ROOT, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_select_refuses_rows_it_cannot_fill():
