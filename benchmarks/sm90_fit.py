@@ -6,7 +6,8 @@ bytes each thread spills.
     python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128] [--llsa 2 7]
 
 The cases are LLSA (forward, backward; even and ragged N, block sizes 8 to 32, L = 1 to 3, top levels of up to 1024
-tokens, GQA) and the block-sparse kernels (forward, backward; block pairs 16 to 128). Best run with the GPU machine's
+tokens, GQA), the block-sparse kernels (forward, backward; block pairs 16 to 128) and whole methods (``sla``, ``sla2``,
+``vsa``: their linear and coarse branches, routers and parameters). Best run with the GPU machine's
 triton (3.6: ``pip install triton==3.6.0`` in a side venv, as for ``triton_sm90_report.py``); CI's triton 3.7
 compiles them too (``tests/test_triton_llsa.py`` runs two cases). The output values are garbage, only the launches
 and their constants are real. Exits with 1 where a launch does not fit.
@@ -31,8 +32,8 @@ from gluon_sm90_report import _Sm90Driver  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-MODULES = ("block_bwd", "block_fwd", "block_topk", "csc", "llsa_bwd", "llsa_entry_dkv", "llsa_fwd", "pool", "rows",
-           "select")
+MODULES = ("block_bwd", "block_fwd", "block_topk", "center", "csc", "lerp_bwd", "linear_bwd", "linear_fwd", "llsa_bwd",
+           "llsa_entry_dkv", "llsa_fwd", "pool", "rows", "select")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -66,13 +67,14 @@ def _stack_bytes(compiled) -> int:
 
 def _on_gpu_tiles():
     """The launches use the GPU's tiles and kernels although the tensors live on the CPU."""
-    from flexsparse.triton import block_bwd, block_fwd, linear_fwd, llsa_bwd, llsa_fwd, ops
+    from flexsparse.triton import block_bwd, block_fwd, block_ops, linear_fwd, llsa_bwd, llsa_fwd, ops, sla_ops
     cuda = torch.device("cuda")
     for module, name in ((llsa_fwd, "forward_tiles"), (llsa_bwd, "backward_tiles"), (block_fwd, "forward_tiles"),
                          (block_bwd, "backward_tiles"), (linear_fwd, "linear_tiles")):
         original = getattr(module, name)
         setattr(module, name, lambda device, *rest, _f=original: _f(cuda, *rest))
-    ops.use_kernels = lambda *tensors: True
+    for module in (ops, block_ops, sla_ops):
+        module.use_kernels = lambda *tensors: True
     block_fwd.gluon_runs = lambda *args, **kwargs: False      # Gluon kernels: gluon_sm90_report.py
     for name in MODULES:
         module = importlib.import_module(f"flexsparse.triton.{name}")
@@ -128,12 +130,30 @@ def fit(cases) -> int:
     return bad
 
 
+def method_case(cfg, n, heads, kv_heads, d, dtype):
+    """``flexsparse.attention`` forward and backward, the method's parameters included."""
+    import flexsparse
+    from flexsparse.config import Config
+    q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    method = importlib.import_module(f"flexsparse.methods.{cfg['method']}")
+    params = {name: p.requires_grad_() for name, p in method.init_params(Config.from_dict(cfg), d, heads, n).items()}
+    o = flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
+    torch.autograd.grad(o.float().sum(), (q, k, v, *params.values()))
+
+
+METHODS = ({"method": "sla", "block_size": 64, "topk_ratio": 0.05}, {"method": "sla", "block_q": 128, "block_k": 64},
+           {"method": "sla", "block_size": 32, "linear": "full"}, {"method": "sla2", "block_q": 128, "block_k": 64},
+           {"method": "sla2", "block_size": 64, "topk_ratio": 0.2}, {"method": "vsa", "block_size": 64, "topk": 6},
+           {"method": "vsa", "block_size": 16, "topk": 6})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 96, 128])
     parser.add_argument("--llsa", type=int, nargs="*", default=None,
-                        help="only these LLSA cases (indices into LLSA_CASES), no block-sparse ones")
+                        help="only these LLSA cases (indices into LLSA_CASES), no block-sparse or method ones")
     args = parser.parse_args()
     cases = []
     for dt, d in itertools.product(args.dtypes, args.dims):
@@ -145,6 +165,8 @@ def main() -> None:
         for block_q, block_k in BLOCK_PAIRS if args.llsa is None else ():
             cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,
                                                                                 dtype)))
+        for cfg in METHODS if args.llsa is None else ():
+            cases.append((f"{dt} D{d} {cfg}", method_case, (cfg, 4000, 4, 2, d, dtype)))
     sys.exit(1 if fit(cases) else 0)
 
 

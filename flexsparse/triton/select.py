@@ -1,14 +1,15 @@
 """Hierarchical top-K selection of LLSA in Triton.
 
 One kernel per level. Top level (``_select_top_kernel``): each program scores 16 pooled query tokens against every
-token of the level (IEEE fp32 dots over all of its keys at once; levels whose fp32 keys take more than
-``DENSE_TOP_ELEMENTS`` elements take the single-level ``block_topk``). Each finer level (``_select_children_kernel``):
-a warp per parent token scores its ``b`` children against the children of the parent's selection only (``K_{l+1} * b``
-candidates per query token, O(N)), with three-pass TF32 tensor-core dots (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA
-dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are selected all at once by bisection
-(``bisect.first_k_rows``); ties go to the smallest key id (candidates are laid out in id order: the parent's selection
-is ascending); rows are stored ascending. The result equals ``flexsparse.masks.hierarchical_topk`` on the same
-pyramids (exactly where the products are exact, as on the tests' grid values).
+token of the level (IEEE fp32 dots over all of its keys at once; levels of more than ``DENSE_TOP_TOKENS`` tokens, or
+whose fp32 keys take more than ``DENSE_TOP_ELEMENTS`` elements, take the single-level ``block_topk``). Each finer
+level (``_select_children_kernel``): a warp per parent token scores its ``b`` children against the children of the
+parent's selection only (``K_{l+1} * b`` candidates per query token, O(N)), with three-pass TF32 tensor-core dots
+(``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are
+selected all at once by bisection (``bisect.first_k_rows``); ties go to the smallest key id (candidates are laid out
+in id order: the parent's selection is ascending); rows are stored ascending. The result equals
+``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the tests'
+grid values).
 """
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     store_taken(sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL, taken, cand)
 
 
-DENSE_TOP_ELEMENTS = 256 * 128  # top levels with more (padded tokens x head dims) go through block_topk (rows of up
-# to 16K keys): the dense kernel holds the level's fp32 keys in shared memory, 128 KB here (1024 x 64 needed 260 KB,
-# over sm_90's 227 KB, and failed to launch: benchmarks/sm90_fit.py)
+DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
+DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys): the dense kernel holds the level's
+# fp32 keys in shared memory, 128 KB here (1024 x 64 needed 260 KB, over sm_90's 227 KB, and failed to launch:
+# benchmarks/sm90_fit.py)
 CHILD_PARENTS = 2  # parents per program below the top level, a warp each (H200, B2 H8 N65536 L2: 0.102 ms against
 # 0.111 / 0.110 with 1 / 4, and 0.129 for the former 4-warp program per parent; D128: 0.129 against 0.139 / 0.141)
 HEAD_CHUNK = 16  # head dims per step of the children's scores
@@ -108,9 +110,9 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
                       dense_limit: int = DENSE_TOP_ELEMENTS) -> torch.Tensor:
     """Packed selection ``(B, H, sum_l T_l * K_l)`` int32 from pooled pyramids.
 
-    q_pyr: ``(B, H, T_1 + ... + T_L, D)``, k_pyr: ``(B, Hk, ..., D)``, both fp32 and contiguous. A top level
-    whose keys (tokens and head dims, each padded to a power of two) are more than ``dense_limit`` elements goes
-    through ``block_topk``.
+    q_pyr: ``(B, H, T_1 + ... + T_L, D)``, k_pyr: ``(B, Hk, ..., D)``, both fp32 and contiguous. A top level of
+    more than ``DENSE_TOP_TOKENS`` tokens, or whose keys (tokens and head dims, each padded to a power of two) are
+    more than ``dense_limit`` elements, goes through ``block_topk``.
     """
     bsz, heads, _, d = q_pyr.shape
     sel = q_pyr.new_empty(bsz, heads, levels.selection_size, dtype=torch.int32)
@@ -119,7 +121,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     args = (q_pyr, k_pyr, sel, meta, q_pyr.stride(0), q_pyr.stride(1), k_pyr.stride(0), k_pyr.stride(1),
             heads, heads // k_pyr.shape[1], levels.selection_size)
     bc = pow2(levels.tokens(top), 16)
-    if bc * pow2(d, 16) <= dense_limit:
+    if bc <= DENSE_TOP_TOKENS and bc * pow2(d, 16) <= dense_limit:
         launcher(_select_top_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
             *args, top, D=d, BD=pow2(d, 16), BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT,
             num_warps=4 if bc * d <= 256 * 64 else 8)
