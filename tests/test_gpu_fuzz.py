@@ -83,6 +83,13 @@ def method_cases(draw):
     return cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128]))
 
 
+def _assert_near(names, got, want, tol: float = 2e-2):
+    """Every low-precision result finite and within ``tol`` relative L2 error of its fp32 counterpart."""
+    for name, a, b in zip(names, got, want):
+        assert torch.isfinite(a).all(), name
+        assert ts.rel_err(a, b) < tol, name
+
+
 @gpu
 @FUZZ
 @given(case=block_cases())
@@ -94,9 +101,7 @@ def test_gpu_fuzz_block_sparse_kernels(case):
     selection = ts.random_selection(bsz, heads, nq, nk, block_q, block_k, topk, "cuda")
     got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, d**-0.5)
     want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, d**-0.5)
-    for name, a, b in zip(NAMES, got, want):
-        assert torch.isfinite(a).all(), name
-        assert ts.rel_err(a, b) < 2e-2, name
+    _assert_near(NAMES, got, want)
 
 
 @gpu
@@ -112,11 +117,8 @@ def test_gpu_fuzz_llsa_kernels(case):
     got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
     want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5,
                      q.dtype)
-    names = ["o", "lse", "dq"] + [f"dk{level}" for level in range(levels + 1)] + [f"dv{level}" for level in
-                                                                                  range(levels + 1)]
-    for name, a, b in zip(names, got, want):
-        assert torch.isfinite(a).all(), name
-        assert ts.rel_err(a, b) < 2e-2, name
+    _assert_near(["o", "lse", "dq"] + [f"dk{i}" for i in range(levels + 1)] + [f"dv{i}" for i in range(levels + 1)],
+                 got, want)
 
 
 @gpu
