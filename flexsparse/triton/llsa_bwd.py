@@ -456,7 +456,7 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
                     batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3, entry_memory=0.5, entry_TK=64, entry_QR=32,
                     entry_rows=4096, entry_warps=4, entry_stages=3)
         if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see llsa_fwd.forward_tiles)
-            base.update(BM=max(64, fq), BN=32, FN=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
+            base.update(BM=max(64, fq), BN=32, FN=64, QR=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
                         dkv_coarse_stages=2, dkv_stages=2, entry_stages=2)
     return {**base, **overrides("bwd")}
 
