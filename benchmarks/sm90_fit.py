@@ -67,12 +67,8 @@ def _stack_bytes(compiled) -> int:
 
 def _on_gpu_tiles():
     """The launches use the GPU's tiles and kernels although the tensors live on the CPU."""
-    from flexsparse.triton import block_bwd, block_fwd, block_ops, linear_fwd, llsa_bwd, llsa_fwd, ops, sla_ops
+    from flexsparse.triton import block_fwd, block_ops, ops, sla_ops
     cuda = torch.device("cuda")
-    for module, name in ((llsa_fwd, "forward_tiles"), (llsa_bwd, "backward_tiles"), (block_fwd, "forward_tiles"),
-                         (block_bwd, "backward_tiles"), (linear_fwd, "linear_tiles")):
-        original = getattr(module, name)
-        setattr(module, name, lambda device, *rest, _f=original: _f(cuda, *rest))
     for module in (ops, block_ops, sla_ops):
         module.use_kernels = lambda *tensors: True
     block_fwd.gluon_runs = lambda *args, **kwargs: False      # Gluon kernels: gluon_sm90_report.py
@@ -80,6 +76,9 @@ def _on_gpu_tiles():
         module = importlib.import_module(f"flexsparse.triton.{name}")
         if hasattr(module, "launcher"):
             module.launcher = CompileOnly
+        for tiles in ("forward_tiles", "backward_tiles", "linear_tiles"):  # each module's own (imported) reference
+            if hasattr(module, tiles):
+                setattr(module, tiles, lambda device, *rest, _f=getattr(module, tiles): _f(cuda, *rest))
 
 
 def llsa_case(n, block, topk, heads, kv_heads, d, dtype):
