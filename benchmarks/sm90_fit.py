@@ -19,19 +19,16 @@ import importlib
 import itertools
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
 from triton.runtime import driver
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_sm90_report import _Sm90Driver  # noqa: E402
+from triton_sm90_report import cuobjdump  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 MODULES = ("block_bwd", "block_fwd", "block_topk", "center", "csc", "lerp_bwd", "linear_bwd", "linear_fwd", "llsa_bwd",
            "llsa_entry_dkv", "llsa_fwd", "pool", "rows", "select")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -57,12 +54,7 @@ class CompileOnly:
 
 
 def _stack_bytes(compiled) -> int:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
-                               text=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    return int(re.search(r"STACK:(\d+)", cuobjdump(compiled, "--dump-resource-usage")).group(1))
 
 
 def _on_gpu_tiles():

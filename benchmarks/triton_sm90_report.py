@@ -38,13 +38,16 @@ def compile_kernel(fn, pointers: dict, constexprs: dict, num_warps: int, num_sta
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def report(name, kernel, sass: bool):
+def cuobjdump(kernel, flag: str) -> str:
+    """``cuobjdump <flag>`` of a compiled kernel's cubin (``--dump-resource-usage``, ``-sass``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
-                               text=True).stdout
-        code = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True).stdout
+
+
+def report(name, kernel, sass: bool):
+    usage, code = cuobjdump(kernel, "--dump-resource-usage"), cuobjdump(kernel, "-sass")
     regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     mma = {}
     for op in re.findall(r"\b(HGMMA\.[\w.]+|QGMMA\.[\w.]+|HMMA\.[\w.]+|LDL|STL)\b", code):

@@ -274,12 +274,11 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     if device.type == "cpu":
         base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
                     fine_warps=4, fine_stages=1)
-    elif dtype.itemsize > 2:
-        base = dict(fused_BM=64, fused_warps=4, BM=64, BN=32, WN=16, w_stages=2, FN=64, SUB=8, warps=4, stages=2,
-                    fine_warps=4, fine_stages=2)
     else:
         base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=32, w_stages=2, FN=256, SUB=8, warps=8, stages=2,
                     fine_warps=4, fine_stages=2 if d > 64 else 3)
+        if dtype.itemsize > 2:
+            base.update(BM=64, BN=32, WN=16, FN=64, warps=4, fine_stages=2)
     return {**base, **overrides("fwd")}
 
 
