@@ -3,12 +3,14 @@
 
 The parametrized GPU tests pin the shapes the kernels were written for; these draw the rest: ragged and tiny N,
 every block size pair the kernels take (so every kernel variant: the Gluon ones on sm_90, the batched and the
-ragged LLSA paths), GQA, head dims 32 to 128, bf16 and fp16, and whole methods end to end. Each test draws
-``FLEXSPARSE_FUZZ_EXAMPLES`` cases (default 8: the GPU suite's share; a campaign sets more). A failure prints its
-case as drawn (no shrinking), which hypothesis's ``@example`` can pin.
+ragged LLSA paths), GQA, head dims 32 to 128, bf16 and fp16, the FP8 forward, and whole methods end to end on
+``triton`` and on ``flex`` (compiled FlexAttention). Each test draws ``FLEXSPARSE_FUZZ_EXAMPLES`` cases (default 8:
+the GPU suite's share; a campaign sets more), the flex test a quarter of them (each case compiles). A failure
+prints its case as drawn (no shrinking), which hypothesis's ``@example`` can pin.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -29,8 +31,10 @@ from test_triton_llsa import _leaf_run  # noqa: E402
 
 gpu = ts.gpu
 # no shrinking: GPU time is scarce, and a failing case is reported as drawn
-FUZZ = settings(max_examples=int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "8")), deadline=None, database=None,
-                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+EXAMPLES = int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "8"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck))
+FUZZ_COMPILED = settings(FUZZ, max_examples=math.ceil(EXAMPLES / 4))
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,6 +69,16 @@ def llsa_cases(draw):
 
 
 @st.composite
+def fp8_cases(draw):
+    """(N, H, Hk, D, block_q, block_k, K): the FP8 forward's shapes (Nq = Nk), any block pair of 16..128."""
+    n = draw(st.integers(1, 9000))
+    block_q, block_k = draw(st.sampled_from([16, 32, 64, 128])), draw(st.sampled_from([16, 32, 64, 128]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return (n, kv_heads * draw(st.sampled_from([1, 2, 3])), kv_heads, draw(st.sampled_from([32, 64, 96, 128])),
+            block_q, block_k, draw(st.integers(1, min(num_blocks(n, block_k), 40))))
+
+
+@st.composite
 def method_cases(draw):
     """(config, N, H, Hk, D): every method on random blocks and sparsities, for fp32 end-to-end runs."""
     method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
@@ -81,6 +95,30 @@ def method_cases(draw):
             cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
     kv_heads = draw(st.sampled_from([1, 2]))
     return cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128]))
+
+
+@st.composite
+def flex_cases(draw):
+    """(config, N, H, Hk, D, dtype): every method with the block sizes flex takes on CUDA (multiples of 16,
+    query and key blocks apart where the method has both), D 32..128, bf16 / fp16 / fp32."""
+    method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
+    n = draw(st.integers(1, 5000))
+    if method == "llsa":
+        block = draw(st.sampled_from([16, 32]))
+        cfg = {"method": method, "block_size": block, "topk": draw(st.integers(1, min(num_blocks(n, block), 12)))}
+    elif method in ("topk", "vsa"):
+        block_q, block_k = draw(st.sampled_from([16, 32, 64, 128])), draw(st.sampled_from([16, 32, 64, 128]))
+        cfg = {"method": method, "block_q": block_q, "block_k": block_k,
+               "topk": draw(st.integers(1, min(num_blocks(n, block_k), 12)))}
+    else:
+        cfg = {"method": method, "block_q": draw(st.sampled_from([32, 64, 128])),
+               "block_k": draw(st.sampled_from([16, 32, 64])), "topk_ratio": draw(st.sampled_from([0.05, 0.2, 0.5])),
+               "feature_map": draw(st.sampled_from(["softmax", "elu", "relu"]))}
+        if method == "sla":
+            cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return (cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 96, 128])),
+            draw(st.sampled_from(["bf16", "fp16", "fp32"])))
 
 
 def _assert_near(names, got, want, tol: float = 2e-2):
@@ -138,3 +176,47 @@ def test_gpu_fuzz_methods_fp32(case):
         assert (a is None) == (b is None), i
         if a is not None:
             assert ts.rel_err(a, b) < 2e-3, i
+
+
+@gpu
+@FUZZ
+@given(case=fp8_cases())
+def test_gpu_fuzz_fp8_kernel(case):
+    """The FP8 forward kernel on a random selection: within accumulation rounding of its PyTorch emulation (same
+    quantized operands, same key order) and within FP8 rounding of the fake-quant spec."""
+    fp8 = pytest.importorskip("test_triton_fp8")    # skipped without torchao, as that file
+    n, heads, kv_heads, d, block_q, block_k, topk = case
+    (q, k, v), selection = fp8._gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
+    scale = d**-0.5
+    pre = fp8.quantize_qkv(q, k, v, block_q, block_k)
+    o, lse = fp8.block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    want_o, want_lse = fp8.emulate_kernel(pre, selection.indices, block_q, block_k, scale,
+                                          fp8.forward_tiles(q.device, d))
+    # LSE by absolute error: the FP8 products carry ~1e-4 absolute logit error, and a short row's LSE sits near 0
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.lse_err(lse, want_lse) < 1e-3
+    spec_o, spec_lse = fp8.fake_quant_branch(q, k, v, selection, scale)
+    assert ts.rel_err(o, spec_o.float()) < 0.04 and ts.lse_err(lse, spec_lse) < 1e-3
+
+
+@gpu
+@FUZZ_COMPILED
+@given(case=flex_cases())
+def test_gpu_fuzz_flex_methods(case):
+    """``backend="flex"`` (compiled FlexAttention, fresh graphs per case) against ``backend="torch"`` (fp32
+    arithmetic) on the same inputs, so on the same selection: output, LSE and the gradients of q, k, v and of the
+    learned parameters, fp32 tight, bf16 / fp16 within their rounding. Catches block / head-dim / dtype
+    combinations that fail to compile (``NoValidChoicesError``, shared memory) as well as wrong values."""
+    cfg, n, heads, kv_heads, d, dtype = case
+    dtype = {"fp32": torch.float32, **LOW}[dtype]
+    torch._dynamo.reset()        # each case compiles on its own: no recompile limit shared across cases
+    leaves = [x.requires_grad_() for x in ts.make_qkv(1, heads, kv_heads, n, n, d, dtype, "cuda")]
+    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+    got = run(*leaves, cfg, params, "flex")
+    want = run(*leaves, cfg, params, "torch")
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert ts.rel_err(got[0], want[0]) < tol
+    assert ts.lse_err(got[1], want[1]) < tol
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert ts.rel_err(a, b) < 2 * tol, i
