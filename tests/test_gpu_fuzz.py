@@ -22,10 +22,12 @@ import triton_support as ts
 
 pytest.importorskip("triton")
 
+import flexsparse  # noqa: E402
 from flexsparse.backends import torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.masks import llsa_topk, num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
+from helpers import grads  # noqa: E402
 from test_triton_blocks import NAMES, _method_params, grad_run  # noqa: E402
 from test_triton_llsa import _leaf_run  # noqa: E402
 
@@ -93,8 +95,21 @@ def method_cases(draw):
                "feature_map": draw(st.sampled_from(["softmax", "elu", "relu"]))}
         if method == "sla":
             cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
+    cfg["deterministic"] = draw(st.booleans())
     kv_heads = draw(st.sampled_from([1, 2]))
-    return cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128]))
+    return (cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128])),
+            draw(st.sampled_from(["bhnd", "bnhd"])))
+
+
+def method_leaves(n, heads, kv_heads, d, dtype, layout: str, grid: bool = False):
+    """q ``(1, H, N, D)``, k, v ``(1, Hk, N, D)`` with gradients: contiguous (``"bhnd"``), or views of
+    ``(1, N, H, D)`` tensors as a model's projections give them (``"bnhd"``). ``grid``: multiples of 1/16 in
+    [-4, 4], whose block sums are exact in any order, so that selections cannot depend on how a reduction adds."""
+    tensors = ts.make_qkv(1, heads, kv_heads, n, n, d, torch.float32, "cuda")
+    tensors = [((x * 16).round().clamp(-64, 64) / 16 if grid else x).to(dtype) for x in tensors]
+    if layout == "bhnd":
+        return [x.requires_grad_() for x in tensors]
+    return [x.transpose(1, 2).contiguous().requires_grad_().transpose(1, 2) for x in tensors]
 
 
 @st.composite
@@ -163,13 +178,18 @@ def test_gpu_fuzz_llsa_kernels(case):
 @FUZZ
 @given(case=method_cases())
 def test_gpu_fuzz_methods_fp32(case):
-    """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32:
-    triton against torch. Both select with the same kernels on CUDA, so the selections agree."""
-    cfg, n, heads, kv_heads, d = case
-    leaves = [x.requires_grad_() for x in ts.make_qkv(1, heads, kv_heads, n, n, d, torch.float32, "cuda")]
+    """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32,
+    on contiguous inputs or on a model's ``(B, N, H, D)`` views: triton against torch. Both select with the same
+    kernels on CUDA, so the selections agree. ``deterministic=True``: a second triton run gives the same bits."""
+    cfg, n, heads, kv_heads, d, layout = case
+    leaves = method_leaves(n, heads, kv_heads, d, torch.float32, layout)
     params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "torch")
+    if cfg["deterministic"]:
+        again = run(*leaves, cfg, params, "triton")
+        assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+        assert all(a is None or torch.equal(a, b) for a, b in zip(again[2], got[2]))
     assert ts.rel_err(got[0], want[0]) < 1e-3
     assert ts.lse_err(got[1], want[1]) < 1e-3
     for i, (a, b) in enumerate(zip(got[2], want[2])):
@@ -220,3 +240,33 @@ def test_gpu_fuzz_flex_methods(case):
         assert (a is None) == (b is None), i
         if a is not None:
             assert ts.rel_err(a, b) < 2 * tol, i
+
+
+@gpu
+@FUZZ_COMPILED
+@given(case=method_cases(), dtype=st.sampled_from(["bf16", "fp32"]))
+def test_gpu_fuzz_compiled_triton_methods(case, dtype):
+    """``torch.compile(fullgraph=True)`` of a call on ``backend="triton"`` (fresh graphs per case) against the eager
+    call: the same custom ops, so the output is equal up to the order of inductor's reductions of partial sums
+    (the methods' glue), and so are the gradients. Grid-valued inputs: the routers' pooling, which inductor
+    compiles, then gives the same selection."""
+    cfg, n, heads, kv_heads, d, layout = case
+    dtype = {"fp32": torch.float32, **LOW}[dtype]
+    torch._dynamo.reset()
+    leaves = method_leaves(n, heads, kv_heads, d, dtype, layout, grid=True)
+    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+
+    def call(q, k, v, params):
+        return flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True, params=params)
+
+    results = []
+    for fn in (torch.compile(call, fullgraph=True), call):
+        out, lse = fn(*leaves, params)
+        results.append((out, lse, grads([out, lse], [*leaves, *params.values()])))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    (out, lse, got), (want_out, want_lse, want) = results
+    assert ts.rel_err(out, want_out) < tol and ts.lse_err(lse, want_lse) < tol
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert ts.rel_err(a, b) < tol, i
