@@ -91,7 +91,7 @@ def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, q_head, o_head, do
 
 @triton.jit
 def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, o_b, o_h, o_n, do_b, do_h,
-                      do_n, dq_b, dq_h, dq_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T,
+                      do_n, c_b, c_h, l_bh, H, GROUP, N, TOP_OFF, TOP_T,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
@@ -105,12 +105,12 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
     dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, b64 * q_b + h64 * q_h, b64 * o_b + h64 * o_h,
                    b64 * do_b + h64 * do_h, bh, rows, row_ok, q_n, o_n, do_n, N, TOP_OFF, TOP_T, D, BD, N_SPARSE,
                    SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE)[4]
-    store_rows(DQ + b64 * dq_b + h64 * dq_h, dq * SCALE, rows, dq_n, tl.arange(0, BD), row_ok, D)
+    store_rows(DQ + bh.to(tl.int64) * N * D, dq * SCALE, rows, D, tl.arange(0, BD), row_ok, D)
 
 
 @triton.jit
 def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, DELTA, DQ, q_b, q_h, q_n, o_b, o_h,
-                     o_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b, k_h, k_n, v_b, v_h, v_n, c_b, c_h, l_bh, H, GROUP, N,
+                     o_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, c_b, c_h, l_bh, H, GROUP, N,
                      TOP_OFF, TOP_T, S_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
@@ -139,12 +139,12 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
         k = load_slab(kb, tok, k_n, dim, D, BD)
         dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, v_n, dim, D, BD), dq,
                       IEEE)
-    store_slab(DQ + b64 * dq_b + h64 * dq_h, dq * SCALE, rows, dq_n, dim, real[:, None], D, BD, True)
+    store_slab(DQ + bh.to(tl.int64) * N * D, dq * SCALE, rows, D, dim, real[:, None], D, BD, True)
 
 
 @triton.jit
-def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n, k_b,
-                    k_h, k_n, v_b, v_h, v_n, H, GROUP, N, S_TOTAL,
+def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h,
+                    v_n, H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
                     KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
@@ -167,13 +167,13 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
             k = load_slab(kb, tok, k_n, dim, D, BD)
             dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
                           load_slab(vb, tok, v_n, dim, D, BD), dq, IEEE)
-        dq = load_slab(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, D, BD).to(tl.float32) + dq * SCALE
-        store_slab(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, real[:, None], D, BD, not FULL)
+        dq = load_slab(DQ + bh.to(tl.int64) * N * D, rows, D, dim, D, BD).to(tl.float32) + dq * SCALE
+        store_slab(DQ + bh.to(tl.int64) * N * D, dq, rows, D, dim, real[:, None], D, BD, not FULL)
 
 
 @triton.jit
-def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
-                           k_b, k_h, k_n, v_b, v_h, v_n, H, GROUP, N, S_TOTAL,
+def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n,
+                           v_b, v_h, v_n, H, GROUP, N, S_TOTAL,
                            D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                            SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
                            IEEE: tl.constexpr):
@@ -203,8 +203,8 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
             s = mm(q, tl.trans(k), IEEE) * SCALE2
             s = tl.where(row_ok[:, None] & ok[None, :] & (row_block[:, None] == g[None, :]), s, float("-inf"))
             dq = _dq_step(s, lse2, do, delta, k, load_rows(vb, tok, v_n, dim, ok, D), dq, IEEE)
-        dq = load_rows(DQ + b64 * dq_b + h64 * dq_h, rows, dq_n, dim, row_ok, D).to(tl.float32) + dq * SCALE
-        store_rows(DQ + b64 * dq_b + h64 * dq_h, dq, rows, dq_n, dim, row_ok, D)
+        dq = load_rows(DQ + bh.to(tl.int64) * N * D, rows, D, dim, row_ok, D).to(tl.float32) + dq * SCALE
+        store_rows(DQ + bh.to(tl.int64) * N * D, dq, rows, D, dim, row_ok, D)
 
 
 @triton.jit
@@ -248,7 +248,7 @@ def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, 
 
 @triton.jit
 def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK, DV, DKC, DVC, PART_K, PART_V,
-                       q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, dk_b, dk_h, dk_n, c_b, c_h, p_s,
+                       q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, c_b, c_h, p_s,
                        p_b, p_h, part_off,
                        H, HK, GROUP, N, LEVELS, LEVEL, S_TOTAL, C_TOTAL, SPLITS,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
@@ -256,7 +256,7 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
                        ENTRY_MAJOR: tl.constexpr, FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
     parent = tl.program_id(0)
     split = tl.program_id(2)
-    _, b, hk = program_heads(HK)
+    bhk, b, hk = program_heads(HK)
     tokens = tl.load(META + LEVEL * 6 + T)
     off = tl.load(META + LEVEL * 6 + KV_OFF)
     span = tl.load(META + LEVEL * 6 + SPAN)
@@ -316,8 +316,8 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
         c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, k_ok, META, N, LEVELS, dim, D)
     if FINE:
-        store_rows(DK + b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h, dk, tok, dk_n, dim, k_ok, D)
-        store_rows(DV + b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h, dv, tok, dk_n, dim, k_ok, D)
+        store_rows(DK + bhk.to(tl.int64) * N * D, dk, tok, D, dim, k_ok, D)
+        store_rows(DV + bhk.to(tl.int64) * N * D, dv, tok, D, dim, k_ok, D)
     else:  # the pyramid's level rows (part_off = the level's offset), or a split's partial sums
         part = split.to(tl.int64) * p_s + b.to(tl.int64) * p_b + hk.to(tl.int64) * p_h
         store_rows(PART_K + part, dk, part_off + tok, D, dim, k_ok, D)
@@ -338,7 +338,7 @@ def _fine_dkv_step(q, do, lse2, delta, k, v, dk, dv, SCALE2: tl.constexpr, IEEE:
 
 @triton.jit
 def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK, DV,
-                     q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, dk_b, dk_h, dk_n, c_b, c_h, H, HK,
+                     q_b, q_h, q_n, do_b, do_h, do_n, k_b, k_h, k_n, v_b, v_h, v_n, c_b, c_h, H, HK,
                      GROUP, N, LEVELS, S_TOTAL, C_TOTAL,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                      SCALE: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr,
@@ -347,7 +347,7 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     one per warp, each walking the CSC list of ``S_1`` (the query blocks that selected it) one query block per step
     (``_fine_dkv_step``); a program takes as many steps as its longest list, the shorter ones masked. A partial last
     program repeats the last block (not stored). With ``FUSE_POOL`` also adds the pooled levels' gradients."""
-    _, b, hk = program_heads(HK)
+    bhk, b, hk = program_heads(HK)
     real, blk, tok = step_blocks(tl.program_id(0), 0, N // BLOCK, W, 1, BLOCK)
     dim = tl.arange(0, BD)
     k = load_slab(K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h, tok, k_n, dim, D, BD)
@@ -382,9 +382,8 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
     if FUSE_POOL:
         c_kv = b.to(tl.int64) * c_b + hk.to(tl.int64) * c_h
         dk, dv = add_pooled_grads(dk, dv, DKC + c_kv, DVC + c_kv, tok, tok < N, META, N, LEVELS, dim, D)
-    dkv = b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h
-    store_slab(DK + dkv, dk, tok, dk_n, dim, real[:, None], D, BD, True)
-    store_slab(DV + dkv, dv, tok, dk_n, dim, real[:, None], D, BD, True)
+    store_slab(DK + bhk.to(tl.int64) * N * D, dk, tok, D, dim, real[:, None], D, BD, True)
+    store_slab(DV + bhk.to(tl.int64) * N * D, dv, tok, D, dim, real[:, None], D, BD, True)
 
 
 @triton.jit
@@ -467,7 +466,9 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
 
     Shapes as in ``llsa_forward``; do like q; q, k, v, o, do with contiguous rows, their other strides free (each
     its own); dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of ``sel`` (``csc.selection_csc``). dq, dk, dv
-    are contiguous (autograd stacks them into a fused projection's gradient fastest that way); dkc, dvc
+    are contiguous (autograd stacks them into a fused projection's gradient fastest that way), and the kernels
+    address them so, with no stride arguments (dQ's strides, live across the coarse dQ's loop, took it from 128 to
+    144 registers at L=3: one CTA per SM instead of two, 1.69 -> 2.52 ms at B2 H8 N262144 D64 on an H100); dkc, dvc
     ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of the pooled levels; with ``fuse_pool`` dk, dv already
     include them (through the pooling).
     """
@@ -481,14 +482,14 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     delta = torch.empty_like(lse)
     key_list = coarse_rows(sel, levels)
     q_strides, c_strides = q.stride()[:3], (kc.stride(0), kc.stride(1))
-    o_strides, do_strides, dq_strides = o.stride()[:3], do.stride()[:3], dq.stride()[:3]
+    o_strides, do_strides = o.stride()[:3], do.stride()[:3]
     kv_strides = (*k.stride()[:3], *v.stride()[:3])
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
-            dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides, *dq_strides,
+            dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides,
             *kv_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
             STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None,
             num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
@@ -496,12 +497,12 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
         launcher(_coarse_dq_kernel)[grid](
             q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
-            *q_strides, *o_strides, *do_strides, *dq_strides, *c_strides, list_stride, heads, group, n,
+            *q_strides, *o_strides, *do_strides, *c_strides, list_stride, heads, group, n,
             STAGES=tiles["stages"], HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"],
             **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
-            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *dq_strides, *kv_strides, heads, group,
+            q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *kv_strides, heads, group,
             n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)
 
     dkc = torch.empty_like(kc, dtype=torch.float32)
@@ -525,14 +526,13 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
-    dk_strides = dk.stride()[:3]
     kv_bytes = 2 * kv_heads * n * k.element_size()  # of k and v, per batch entry and head-dim element
     for level in range(top - 1, -1, -1):
         fine = level == 0
         if fine and batched_blocks(levels) and tiles["batched_dkv"]:
             launcher(_fine_dkv_kernel)[(cdiv(levels.tokens(1), tiles["dkv_W"]), bsz * kv_heads)](
                 q, k, v, do, lse, delta, offsets, rows, meta, dkc, dvc, dk, dv, *q_strides, *do_strides, *kv_strides,
-                *dk_strides, *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
+                *c_strides, heads, kv_heads, group, n, top, levels.selection_size, levels.csc_size,
                 BLOCK=levels.block, W=tiles["dkv_W"], SLOTS=tiles["dkv_slots"], STAGES=tiles["dkv_stages"],
                 FUSE_POOL=fuse_pool, num_warps=tiles["dkv_W"], num_stages=tiles["dkv_stages"], **common)
             continue
@@ -552,7 +552,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             part_off = 0
         launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
             q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc, part_k, part_v,
-            *q_strides, *do_strides, *kv_strides, *dk_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
+            *q_strides, *do_strides, *kv_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
             part_k.stride(-4), part_k.stride(-3), part_off,
             heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,
             BLOCK=levels.block, BK=pow2(levels.block, 16), QR=qr, FINE=fine,
