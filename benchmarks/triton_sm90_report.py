@@ -92,11 +92,14 @@ def main():
          dict(BLOCK=block, TB=ft["fused_BM"] // block, N_SPARSE=128, BM=ft["fused_BM"], BN=ft["BN"], EVEN=True,
               STAGES=ft["stages"], WN=ft["WN"], KEYS=128, W_STAGES=ft["w_stages"], **common), ft["fused_warps"],
          ft["stages"]),
-        ("coarse dq", llsa_bwd._coarse_dq_kernel,
-         dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
-              DELTA="*fp32", DQ=q),
-         dict(BLOCK=block, TB=bt["BM"] // block, N_SPARSE=128, SCALE=0.125, BM=bt["BM"], BN=bt["BN"], EVEN=True,
-              STAGES=bt["stages"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]),
+    ]
+    for levels, listed in ((2, 128), (3, 256)):  # keys listed per ancestor at K = 8: the loop's length differs
+        jobs.append((f"coarse dq (L={levels})", llsa_bwd._coarse_dq_kernel,
+                     dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
+                          DELTA="*fp32", DQ=q),
+                     dict(BLOCK=block, TB=bt["BM"] // block, N_SPARSE=listed, SCALE=0.125, BM=bt["BM"], BN=bt["BN"],
+                          EVEN=True, STAGES=bt["stages"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]))
+    jobs += [
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
          dict(BLOCK=block, SCALE=0.125, W=bt["W"], WN=bt["WN"], WSUB=bt["WSUB"], KEYS=128, STAGES=bt["w_stages"],
