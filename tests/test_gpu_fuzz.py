@@ -5,7 +5,7 @@ The parametrized GPU tests pin the shapes the kernels were written for; these dr
 every block size pair the kernels take (so every kernel variant: the Gluon ones on sm_90, the batched and the
 ragged LLSA paths), GQA, head dims 32 to 128, bf16 and fp16, the FP8 forward, and whole methods end to end on
 ``triton`` and on ``flex`` (compiled FlexAttention). Each test draws ``FLEXSPARSE_FUZZ_EXAMPLES`` cases (default 8:
-the GPU suite's share; a campaign sets more), the flex test a quarter of them (each case compiles). A failure
+the GPU suite's share; a campaign sets more), the two tests that compile every case a quarter of them. A failure
 prints its case as drawn (no shrinking), which hypothesis's ``@example`` can pin.
 """
 from __future__ import annotations
@@ -82,7 +82,8 @@ def fp8_cases(draw):
 
 @st.composite
 def method_cases(draw):
-    """(config, N, H, Hk, D): every method on random blocks and sparsities, for fp32 end-to-end runs."""
+    """(config, N, H, Hk, D, layout): every method on random blocks and sparsities, deterministic or not, on
+    contiguous inputs or views (``method_leaves``)."""
     method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
     n = draw(st.integers(1, 5000))
     if method in ("topk", "vsa", "llsa"):
