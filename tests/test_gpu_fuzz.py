@@ -184,19 +184,14 @@ def test_gpu_fuzz_methods_fp32(case):
     kernels on CUDA, so the selections agree. ``deterministic=True``: a second triton run gives the same bits."""
     cfg, n, heads, kv_heads, d, layout = case
     leaves = method_leaves(n, heads, kv_heads, d, torch.float32, layout)
-    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+    params = _method_params(cfg, d, heads, n, "cuda")
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "torch")
     if cfg["deterministic"]:
         again = run(*leaves, cfg, params, "triton")
         assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
         assert all(a is None or torch.equal(a, b) for a, b in zip(again[2], got[2]))
-    assert ts.rel_err(got[0], want[0]) < 1e-3
-    assert ts.lse_err(got[1], want[1]) < 1e-3
-    for i, (a, b) in enumerate(zip(got[2], want[2])):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert ts.rel_err(a, b) < 2e-3, i
+    ts.assert_runs_near(got, want, 1e-3, 2e-3)
 
 
 @gpu
@@ -234,16 +229,11 @@ def test_gpu_fuzz_flex_methods(case):
     dtype = {"fp32": torch.float32, **LOW}[dtype]
     torch._dynamo.reset()        # each case compiles on its own: no recompile limit shared across cases
     leaves = [x.requires_grad_() for x in ts.make_qkv(1, heads, kv_heads, n, n, d, dtype, "cuda")]
-    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+    params = _method_params(cfg, d, heads, n, "cuda")
     got = run(*leaves, cfg, params, "flex")
     want = run(*leaves, cfg, params, "torch")
     tol = 1e-3 if dtype == torch.float32 else 2e-2
-    assert ts.rel_err(got[0], want[0]) < tol
-    assert ts.lse_err(got[1], want[1]) < tol
-    for i, (a, b) in enumerate(zip(got[2], want[2])):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert ts.rel_err(a, b) < 2 * tol, i
+    ts.assert_runs_near(got, want, tol, 2 * tol)
 
 
 @gpu
@@ -258,7 +248,7 @@ def test_gpu_fuzz_compiled_triton_methods(case, dtype):
     dtype = {"fp32": torch.float32, **LOW}[dtype]
     torch._dynamo.reset()
     leaves = method_leaves(n, heads, kv_heads, d, dtype, layout, grid=True)
-    params = {name: p.detach().cuda().requires_grad_() for name, p in _method_params(cfg, d, heads, n).items()}
+    params = _method_params(cfg, d, heads, n, "cuda")
 
     def call(q, k, v, params):
         return flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True, params=params)
@@ -268,9 +258,4 @@ def test_gpu_fuzz_compiled_triton_methods(case, dtype):
         out, lse = fn(*leaves, params)
         results.append((out, lse, grads([out, lse], [*leaves, *params.values()])))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    (out, lse, got), (want_out, want_lse, want) = results
-    assert ts.rel_err(out, want_out) < tol and ts.lse_err(lse, want_lse) < tol
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert ts.rel_err(a, b) < tol, i
+    ts.assert_runs_near(*results, tol, tol)

@@ -106,6 +106,17 @@ def lse_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs() / (1 + b.abs())).max().item()
 
 
+def assert_runs_near(got, want, tol: float, grad_tol: float, lse=lse_err) -> None:
+    """Two ``(out, lse, grads)`` results (``_sla_testing.run``): outputs within ``tol`` relative L2 error, LSEs
+    within ``tol`` by ``lse``, and every gradient present in both or in neither, within ``grad_tol``."""
+    assert rel_err(got[0], want[0]) < tol
+    assert lse(got[1], want[1]) < tol
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert rel_err(a, b) < grad_tol, i
+
+
 def grid_values(*shape) -> torch.Tensor:
     """Random multiples of 1/4 in [-1, 1] (fp32): pooled means and raw dots are exact, so every
     summation order gives the same scores, and exact ties exercise the tie-break."""
