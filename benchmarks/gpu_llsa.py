@@ -5,7 +5,7 @@ forward (no grad) and forward+backward, against ``backend="torch"`` (small N onl
 ``F.scaled_dot_product_attention`` in the same run; a per-kernel breakdown from the profiler.
 B=2, H=8, bf16, K=8 per level, b=16. Prints a table and writes JSON to ``--out``.
 
-    python benchmarks/gpu_llsa.py --out bench.json [--shapes 65536:2:64,262144:3:64] [--tiles JSON]
+    python benchmarks/gpu_llsa.py --out bench.json [--shapes 65536:2:64,262144:3:64] [--tiles JSON] [--sdpa-max N]
 
 ``--tiles`` overrides tile sizes through ``FLEXSPARSE_TRITON_TILES`` (``flexsparse.triton.tiles``), e.g.
 ``'{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``. ``--graph`` also times CUDA-graph replays
@@ -118,6 +118,7 @@ def main():
     parser.add_argument("--tiles", default="{}")
     parser.add_argument("--no-phases", action="store_true")
     parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--sdpa-max", type=int, default=65536, help="time dense SDPA up to this N")
     args = parser.parse_args()
     if args.tiles != "{}":
         os.environ["FLEXSPARSE_TRITON_TILES"] = args.tiles
@@ -125,7 +126,7 @@ def main():
     for spec in args.shapes.split(","):
         n, levels, d = (int(x) for x in spec.split(":"))
         start = time.time()
-        row = run_shape(n, levels, d, with_torch=n <= 16384, with_sdpa=n <= 65536,
+        row = run_shape(n, levels, d, with_torch=n <= 16384, with_sdpa=n <= args.sdpa_max,
                         phases=not args.no_phases and n >= 65536, graph=args.graph)
         row["wall_s"] = time.time() - start
         rows.append(row)

@@ -3,15 +3,23 @@
 A config is a plain dict such as ``{"method": "llsa", "block_size": 16, "topk": 8}``.
 ``Config.from_dict`` turns it into the frozen dataclass of its method, checking
 every key and value; ``to_dict`` gives back a dict that round-trips.
-Unknown methods or keys raise ``ValueError`` naming them and listing the valid ones.
+Unknown methods or keys raise ``ValueError`` naming them, suggesting a close valid one and listing the valid ones.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
+
+
+def _did_you_mean(names, known) -> str:
+    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` close to one of ``known`` (lowercase), else ``""``."""
+    hints = [f"{match[0]!r} for {name!r}" for name in names
+             if (match := difflib.get_close_matches(str(name).lower(), list(known), n=1))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -35,7 +43,8 @@ def _check_float(name: str, value: Any, low: float, high: float, *, low_open: bo
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"config key {name!r} must be one of {list(choices)}, got {value!r}")
+        raise ValueError(f"config key {name!r} must be one of {list(choices)}, got {value!r}"
+                         f"{_did_you_mean([value], choices)}")
     return value
 
 
@@ -78,7 +87,8 @@ class QuantConfig:
         valid = list(cls.__dataclass_fields__)     # not dataclasses.fields(cls): torch.compile traces this
         unknown = sorted(set(value) - set(valid))
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in config 'quant'; valid keys: {valid}")
+            raise ValueError(f"unknown key(s) {unknown} in config 'quant'{_did_you_mean(unknown, valid)}; "
+                             f"valid keys: {valid}")
         return cls(**dict(value))
 
 
@@ -88,6 +98,7 @@ class Config:
 
     method: ClassVar[str] = ""
     registry: ClassVar[dict[str, type["Config"]]] = {}
+    ALIASES: ClassVar[tuple[str, ...]] = ()  # keys accepted besides the fields (``_BlockAliases``)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -105,7 +116,8 @@ class Config:
             raise ValueError(f"config needs a 'method' key; valid methods: {sorted(Config.registry)}")
         method = config["method"]
         if method not in Config.registry:
-            raise ValueError(f"unknown method {method!r}; valid methods: {sorted(Config.registry)}")
+            raise ValueError(f"unknown method {method!r}{_did_you_mean([method], Config.registry)}; "
+                             f"valid methods: {sorted(Config.registry)}")
         cls = Config.registry[method]
         kwargs = {key: value for key, value in config.items() if key != "method"}
         kwargs = cls._normalise_aliases(kwargs)
@@ -116,7 +128,9 @@ class Config:
             raise ValueError(f"config key 'quant' (FP8 quantization of the sparse branch) is not supported by method "
                              f"{method!r}; methods with it: {quantized}")
         if unknown:
-            raise ValueError(f"unknown config key(s) {unknown} for method {method!r}; valid keys: {valid}")
+            keys = sorted(valid + list(cls.ALIASES))
+            raise ValueError(f"unknown config key(s) {unknown} for method {method!r}{_did_you_mean(unknown, keys)}; "
+                             f"valid keys: {keys}")
         return cls(**kwargs)
 
     @classmethod
@@ -148,6 +162,8 @@ class Config:
 
 class _BlockAliases:
     """``block_size`` is shorthand for equal ``block_q`` and ``block_k``."""
+
+    ALIASES = ("block_size",)
 
     @classmethod
     def _normalise_aliases(cls, kwargs: dict) -> dict:

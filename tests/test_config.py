@@ -49,6 +49,26 @@ def test_unknown_key_is_named_with_valid_keys():
 
 
 @pytest.mark.parametrize("config, match", [
+    ({"method": "LLSA"}, r"unknown method 'LLSA' \(did you mean 'llsa' for 'LLSA'\?\)"),
+    ({"method": "topk", "blocksize": 16}, r"did you mean 'block_size' for 'blocksize'\?\); valid keys: .*'block_size'"),
+    ({"method": "sla", "topk_ration": 0.1, "linaer": "full"},
+     r"did you mean 'linear' for 'linaer', 'topk_ratio' for 'topk_ration'\?"),
+    ({"method": "topk", "quant": {"qk_dtpye": "int8"}}, r"in config 'quant' \(did you mean 'qk_dtype' for 'qk_dtpye'"),
+    ({"method": "sla", "feature_map": "Softmax"}, r"got 'Softmax' \(did you mean 'softmax' for 'Softmax'\?\)"),
+])
+def test_misspelt_names_get_a_suggestion(config, match):
+    """A key, method or choice close to a valid one (case aside) is named in the error; aliases count as keys."""
+    with pytest.raises(ValueError, match=match):
+        Config.from_dict(config)
+
+
+def test_unrelated_names_get_no_suggestion():
+    with pytest.raises(ValueError) as info:
+        Config.from_dict({"method": "topk", "zzz": 1})
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("config, match", [
     ({"method": "llsa", "topk": 0}, "'topk' must be >= 1"),
     ({"method": "llsa", "topk": 2.5}, "'topk' must be an int"),
     ({"method": "llsa", "block_size": 1}, "'block_size' must be >= 2"),
