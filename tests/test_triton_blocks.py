@@ -28,6 +28,7 @@ from flexsparse.config import Config  # noqa: E402
 from flexsparse.masks import csr_to_csc  # noqa: E402
 from flexsparse.methods import sla as sla_method  # noqa: E402
 from flexsparse.methods import sla2 as sla2_method  # noqa: E402
+from flexsparse.methods import vsa as vsa_method  # noqa: E402
 from flexsparse.reference import topk_dense  # noqa: E402
 from flexsparse.triton import block_ops  # noqa: E402
 
@@ -172,9 +173,10 @@ def _method_configs():
 
 
 def _method_params(cfg: dict, d: int, heads: int, n: int, device="cpu") -> dict:
-    """The method's learned parameters (none for ``topk``, ``vsa``, ``llsa``) plus noise: fp32 leaves on ``device``."""
+    """The method's learned parameters (none for ``topk``, ``llsa`` and ``vsa`` without its gate) plus noise: fp32
+    leaves on ``device``."""
     config = Config.from_dict(cfg)
-    modules = {"sla": sla_method, "sla2": sla2_method}
+    modules = {"sla": sla_method, "sla2": sla2_method, "vsa": vsa_method}
     if cfg["method"] not in modules:
         return {}
     params = leaf_params(modules[cfg["method"]].init_params(config, d, heads, n), torch.float32)
