@@ -15,7 +15,7 @@ from flexsparse.masks import sla_block_counts
 from flexsparse.methods import sla as sla_method
 from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
 
-from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, run
+from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
 from helpers import rel_err
 
 
@@ -81,7 +81,13 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, line
 def test_fp32_matches_fp64_reference(linear):
     cfg = sla_config(block_q=8, block_k=4, topk_ratio=0.2, linear=linear,
                      negligible_ratio=0.1 if linear == "masked" else 0.0)
-    q, k, v = leaf_qkv(2, 4, 2, 203, 16, dtype=torch.float32)
+    config = Config.from_dict(cfg)
+
+    def select(q, k):
+        selection = sla_method.select(q, k, config)
+        return tuple(x for x in (selection.indices, selection.excluded) if x is not None)
+
+    q, k, v = qkv_selecting_alike(select, 2, 4, 2, 203, 16)
     params = cast_params(params_for(cfg, 16), torch.float32)
     got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
     want = run(*cast((q, k, v), torch.float64), cfg, cast_params(params, torch.float64), "reference")

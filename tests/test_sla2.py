@@ -16,7 +16,7 @@ from flexsparse.methods import sla as sla_method
 from flexsparse.methods import sla2 as sla2_method
 from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
 
-from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, run
+from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
 from helpers import rel_err
 
 
@@ -235,8 +235,16 @@ def test_torch_matches_reference_random_configs(n, block_q, block_k, heads, rout
 @pytest.mark.parametrize("router", ["hard", "soft"])
 def test_fp32_matches_fp64_reference(router):
     cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.2, router=router, tau=0.5)
-    q, k, v = leaf_qkv(2, 4, 2, 203, 16, dtype=torch.float32)
     params = cast_params(params_for(cfg, 16, 4, 203), torch.float32)
+    config = Config.from_dict(cfg)
+
+    def select(q, k):  # the hard router's blocks; the soft one has none to flip
+        if router == "soft":
+            return ()
+        proj = [params[name].detach().to(q.dtype) for name in ("proj_q", "proj_k")]
+        return (sla2_method.route(q.detach(), k.detach(), config, *proj).indices,)
+
+    q, k, v = qkv_selecting_alike(select, 2, 4, 2, 203, 16)
     got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
     want = run(*cast((q, k, v), torch.float64), cfg, cast_params(params, torch.float64), "reference")
     assert got[0].dtype == torch.float32
