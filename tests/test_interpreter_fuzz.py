@@ -24,6 +24,7 @@ from flexsparse.masks import num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
 from test_triton_blocks import _method_params  # noqa: E402
+from test_triton_llsa import _qkv as llsa_qkv  # noqa: E402
 
 cpu_only, cpu_parent = ts.cpu_only, ts.cpu_parent
 FUZZ = settings(max_examples=int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "8")), deadline=None, database=None,
@@ -72,9 +73,15 @@ def method_cases(draw):
 @FUZZ
 @given(case=method_cases())
 def test_methods_match_reference_on_random_configs(case):
-    """``backend="triton"`` (interpreted kernels) against ``"reference"`` on the same fp32 inputs and parameters."""
+    """``backend="triton"`` (interpreted kernels) against ``"reference"`` on the same fp32 inputs and parameters.
+    LLSA's two backends select with different code (Triton kernels, ``masks``), so its inputs are grid values
+    (one batch), on which both score exactly alike; the other methods share one selection."""
     cfg, bsz, n, heads, kv_heads, d = case
-    leaves = [x.requires_grad_() for x in ts.make_qkv(bsz, heads, kv_heads, n, n, d)]
+    if cfg["method"] == "llsa":
+        tensors = llsa_qkv(n, heads, kv_heads, d, grid=True)
+    else:
+        tensors = ts.make_qkv(bsz, heads, kv_heads, n, n, d)
+    leaves = [x.requires_grad_() for x in tensors]
     params = _method_params(cfg, d, heads, n)
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "reference")
