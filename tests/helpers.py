@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from flexsparse.masks import num_blocks
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -12,6 +15,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.equal(torch.isfinite(a), finite), "non-finite entries differ"
     a, b = a[finite], b[finite]
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = None) -> list[int]:
+    """Hypothesis draw of LLSA's K per level, finest first, for N tokens: each K at most the blocks of its level,
+    at most the candidates of a ragged parent set (``(K_{l+1} - 1) * block + 1``) and at most ``cap``."""
+    def most(limit: int) -> int:
+        return limit if cap is None else min(limit, cap)
+
+    top = [0] * levels
+    top[-1] = draw(st.integers(1, most(num_blocks(n, block**levels))))
+    for level in range(levels - 2, -1, -1):
+        top[level] = draw(st.integers(1, most(min((top[level + 1] - 1) * block + 1,
+                                                  num_blocks(n, block ** (level + 1))))))
+    return top
 
 
 def qkv(batch=2, heads=2, kv_heads=None, n=64, d=16, dtype=torch.float64, device="cpu", seed=None, requires_grad=False):

@@ -27,7 +27,7 @@ from flexsparse.backends import torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.masks import llsa_topk, num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
-from helpers import grads  # noqa: E402
+from helpers import draw_level_topk, grads  # noqa: E402
 from test_triton_blocks import NAMES, _method_params, grad_run  # noqa: E402
 from test_triton_llsa import _leaf_run  # noqa: E402
 
@@ -59,11 +59,7 @@ def llsa_cases(draw):
     block = draw(st.sampled_from([8, 16, 32]))
     levels = draw(st.integers(1, 3))
     n = draw(st.integers(1, 40000))
-    top = [0] * levels
-    top[-1] = draw(st.integers(1, min(num_blocks(n, block**levels), 24)))
-    for level in range(levels - 2, -1, -1):
-        top[level] = draw(st.integers(1, min((top[level + 1] - 1) * block + 1, num_blocks(n, block ** (level + 1)),
-                                             24)))
+    top = draw_level_topk(draw, n, block, levels, cap=24)
     kv_heads = draw(st.sampled_from([1, 2]))
     heads = kv_heads * draw(st.sampled_from([1, 2]))
     d = draw(st.sampled_from([32, 64, 128]))

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from flexsparse.masks import num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
+from helpers import draw_level_topk  # noqa: E402
 from test_triton_blocks import _method_params  # noqa: E402
 from test_triton_llsa import _qkv as llsa_qkv  # noqa: E402
 
@@ -42,12 +43,8 @@ def method_cases(draw):
     method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
     if method == "llsa":
         n, block, levels = draw(st.integers(1, 700)), draw(st.sampled_from([4, 8, 16])), draw(st.integers(1, 3))
-        top = [0] * levels
-        top[-1] = draw(st.integers(1, min(num_blocks(n, block**levels), 12)))
-        for level in range(levels - 2, -1, -1):
-            top[level] = draw(st.integers(1, min((top[level + 1] - 1) * block + 1,
-                                                 num_blocks(n, block ** (level + 1)), 12)))
-        cfg = {"method": "llsa", "block_size": block, "levels": levels, "topk": top}
+        cfg = {"method": "llsa", "block_size": block, "levels": levels,
+               "topk": draw_level_topk(draw, n, block, levels, cap=12)}
     else:
         n = draw(st.integers(1, 400))
         cfg = {"method": method, "block_q": draw(st.sampled_from([16, 32, 64])),

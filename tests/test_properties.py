@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import flexsparse as fs
 from flexsparse.masks import num_blocks
 
-from helpers import qkv, rel_err
+from helpers import draw_level_topk, qkv, rel_err
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -17,10 +17,7 @@ def llsa_cases(draw):
     n = draw(st.integers(1, 400))
     block = draw(st.sampled_from([2, 3, 4, 8]))
     levels = draw(st.integers(1, 3))
-    top = [0] * levels
-    top[-1] = draw(st.integers(1, num_blocks(n, block**levels)))
-    for level in range(levels - 2, -1, -1):
-        top[level] = draw(st.integers(1, min((top[level + 1] - 1) * block + 1, num_blocks(n, block ** (level + 1)))))
+    top = draw_level_topk(draw, n, block, levels)
     kv_heads = draw(st.sampled_from([1, 2]))
     heads = kv_heads * draw(st.sampled_from([1, 2]))
     return n, {"method": "llsa", "block_size": block, "levels": levels, "topk": top}, heads, kv_heads
