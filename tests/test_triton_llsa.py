@@ -150,6 +150,24 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
 
 
 @cpu_only
+@pytest.mark.parametrize("grid", [True, False])
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [(300, 4, (3, 2, 2), 2, 1, 16), (1100, 4, (1, 5), 4, 2, 8),
+                                                           (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16)])
+def test_select_bitonic_and_bisection_agree(n, block, topk, heads, kv_heads, d, grid, monkeypatch):
+    """The two searches of the selection kernels (``select.search_bitonic``) pick the same keys in the same order,
+    ties included (grid values: many), for K that are no power of two, K = 1, wide rows (the 275-token top level)
+    and GQA."""
+    from flexsparse.triton import select
+    q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
+    q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
+    sels = []
+    for bitonic in (True, False):
+        monkeypatch.setattr(select, "search_bitonic", lambda top, candidates, dims, bitonic=bitonic: bitonic)
+        sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
+    assert torch.equal(sels[0], sels[1])
+
+
+@cpu_only
 def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
     from flexsparse.triton import select
@@ -353,6 +371,21 @@ def test_gpu_selection_matches_masks(n, block, topk):
     assert top > 0.99
     fine = children_topk(q_levels[0], k_levels[0], got.indices[1], topk[0], block)  # same parents
     assert (got.indices[0] == fine).all(-1).float().mean().item() > 0.99
+
+
+@gpu
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_gpu_select_bitonic_and_bisection_agree(d, monkeypatch):
+    """The selection kernels' two searches give the same selection on the GPU at a realistic size."""
+    from flexsparse.triton import select
+    n, block, topk = 65536, 16, [8, 8]
+    q, k, _ = _gpu_inputs(n, 4, 2, d)
+    q_pyr, k_pyr = ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2)
+    sels = []
+    for bitonic in (True, False):
+        monkeypatch.setattr(select, "search_bitonic", lambda top, candidates, dims, bitonic=bitonic: bitonic)
+        sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, topk))
+    assert torch.equal(sels[0], sels[1])
 
 
 @gpu

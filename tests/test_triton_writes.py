@@ -45,9 +45,10 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
 ]
 
 
-# Kernels whose store addresses come from the data they read: the selection kernels pack each row's taken columns
-# by rank, a scatter whose address depends on the scores and so on the pyramids and the level table. The analysis
-# cannot tell that from writing them; compiled graphs copy these (intermediate) tensors before the launch.
+# Kernels whose store addresses come from the data they read: the selection kernels searching by bisection
+# (``BITONIC`` off) pack each row's taken columns by rank, a scatter whose address depends on the scores and so on
+# the pyramids and the level table. The analysis cannot tell that from writing them; compiled graphs copy these
+# (intermediate) tensors before the launch. Their bitonic search stores each row's tokens in place.
 DATA_ADDRESSED = {("flexsparse.triton.select", "_select_top_kernel"): {"QP", "KP", "META"},
                   ("flexsparse.triton.select", "_select_children_kernel"): {"QP", "KP", "META"}}
 
@@ -153,7 +154,10 @@ def record(out: str) -> None:
     pooled_q, pooled_k = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16)
     sla_ops.block_topk(pooled_q, pooled_k, 4, 2)  # the methods select on CPU without the kernels
     sla_ops.center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
-    from flexsparse.triton import ops
+    from flexsparse.triton import layout, ops, select
+    for n, block, d in ((8192, 4, 64), (512, 16, 128)):  # bisection: a top level of 512 tokens; children at D > 64
+        levels = layout.level_table(n, block, [2, 2])
+        select.hierarchical_topk(*(torch.randn(1, 1, levels.pyramid_tokens, d) for _ in range(2)), levels)
     ops.contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
     with open(out, "wb") as f:
         pickle.dump(LAUNCHES, f)
@@ -239,7 +243,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
     child = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     launches = pickle.loads(out.read_bytes())
-    seen, wrong = set(), []
+    seen, wrong, scattered = set(), [], set()
     for module, name, spec, groups in launches:
         key = (module, name, tuple(sorted((k, v) for k, v in spec.items() if not isinstance(v, tuple))))
         if key in seen:
@@ -254,7 +258,9 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         if scalar_methods:
             wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
                          "write analysis has no such attribute (use tl.cast)")
-        extra = DATA_ADDRESSED.get((module, name), set())
+        extra = set() if spec.get("BITONIC") else DATA_ADDRESSED.get((module, name), set())
+        if extra:
+            scattered.add((module, name))
         if not extra <= written:
             wrong.append(f"{module}.{name}: the analysis no longer writes {sorted(extra - written)}: update "
                          "DATA_ADDRESSED")
@@ -267,6 +273,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
                 wrong.append(f"{module}.{name}: {'/'.join(group)} {'is' if stored else 'is not'} stored into, "
                              f"the analysis says it writes {sorted(written)}")
     assert len({(m, n) for m, n, _, _ in launches}) >= 26  # every kernel the interpreter runs
+    assert scattered == set(DATA_ADDRESSED), "a selection kernel never searched by bisection here"
     assert not wrong, "\n".join(wrong)
 
 

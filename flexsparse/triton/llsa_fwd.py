@@ -143,11 +143,11 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
-                      W_STAGES: tl.constexpr, IEEE: tl.constexpr):
+                      W_STAGES: tl.constexpr, KV_ROWS: tl.constexpr, IEEE: tl.constexpr):
     """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the coarse pass
     as ``_coarse_fwd_kernel`` on ``TB * b`` rows, then the state reshaped to ``(TB, b, ...)``, one block per warp
     where ``TB`` is the warp count, adds each block's ``K_1 * b`` fine keys (batched 3-d products, chunks of
-    ``WN``) and stores the output and the natural-log LSE."""
+    ``WN``; ``KV_ROWS``: v's token stride is ``k_n``) and stores the output and the natural-log LSE."""
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
@@ -165,7 +165,12 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
-        m, l, acc = softmax_step(s, SCALE2, load_slab(vb, tok, v_n, dim, D, BD), m, l, acc, IEEE)
+        if KV_ROWS:  # v's token stride is k's: one address computation for both gathers (H200, session 32: the
+            # kernel 693-695 against 698 us at B2 H8 N65536 D64, 1253-1266 against 1274-1282 at D128)
+            v_slab = load_slab(vb, tok, k_n, dim, D, BD)
+        else:
+            v_slab = load_slab(vb, tok, v_n, dim, D, BD)
+        m, l, acc = softmax_step(s, SCALE2, v_slab, m, l, acc, IEEE)
     store_slab(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, :, None], rows, o_n, dim, real[:, None],
                D, BD, True)
     tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
@@ -333,7 +338,8 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
             *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
             S_TOTAL=levels.selection_size, STAGES=tiles["stages"], W_STAGES=tiles["w_stages"],
-            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
+            KV_ROWS=k.stride(2) == v.stride(2), num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused,
+            **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](

@@ -6,8 +6,9 @@ whose fp32 keys take more than ``DENSE_TOP_ELEMENTS`` elements, take the single-
 level (``_select_children_kernel``): a warp per parent token scores its ``b`` children against the children of the
 parent's selection only (``K_{l+1} * b`` candidates per query token, O(N)), with three-pass TF32 tensor-core dots
 (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are
-selected all at once by bisection (``bisect.first_k_rows``); ties go to the smallest key id (candidates are laid out
-in id order: the parent's selection is ascending); rows are stored ascending. The result equals
+selected all at once, by a bitonic top-K of the scores packed with their key ids (``top_tokens``) or by bisection
+(``bisect.first_k_rows``), whichever ran faster for the kernel's shape (``search_bitonic``); ties go to the smallest
+key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The result equals
 ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the tests'
 grid values).
 """
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bisect import INT_MIN, first_k_rows, ordered_key, store_taken
+from .bisect import INT_MAX, INT_MIN, first_k_rows, ordered_key, store_taken
 from .block_topk import block_topk
 from .common import KV_OFF, SEL_OFF, T, TOPK, launcher, program_heads
 from . import layout
@@ -34,12 +35,30 @@ def level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL):
 
 
 @triton.jit
+def top_tokens(key, tok, KSEL: tl.constexpr, KP: tl.constexpr):
+    """The tokens of the ``KSEL`` largest keys of each row of ``key (..., C)`` (ties to the smallest token of
+    ``tok``, same shape, unique per row), ascending: ``(..., KP)`` int32, ``KP = pow2(KSEL)``, slots past ``KSEL``
+    hold ``INT_MAX``. A bitonic top-K (``tl.topk``) of the keys packed with their tokens into int64."""
+    packed = (key.to(tl.int64) << 32) | (INT_MAX - tok.to(tl.int64))
+    best = tl.topk(packed, KP)
+    tokens = INT_MAX - (best & INT_MAX).to(tl.int32)
+    return tl.sort(tl.where(tl.arange(0, KP) < KSEL, tokens, INT_MAX))
+
+
+@triton.jit
+def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr):
+    """Store the first ``KSEL`` of ``tokens (..., KP)`` at ``out_rows (...)`` where ``row_ok``."""
+    slot = tl.arange(0, KP)
+    tl.store(tl.expand_dims(out_rows, -1) + slot, tokens, mask=tl.expand_dims(row_ok, -1) & (slot < KSEL))
+
+
+@triton.jit
 def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                        D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BC: tl.constexpr, KSEL: tl.constexpr,
-                       SCAN: tl.constexpr):
+                       SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr):
     """``S_LEVEL`` rows of the top level: query tokens ``pid * BQ ...`` against every token of the level (IEEE fp32
-    dots). The top ``KSEL`` of each row, ascending; ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s
-    ``TIES_BY_SCAN``)."""
+    dots). The top ``KSEL`` of each row, ascending: by ``top_tokens`` with ``BITONIC`` (``KSEL2 = pow2(KSEL)``), else
+    by bisection, ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s ``TIES_BY_SCAN``)."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     q_base, k_base, tokens, off = level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL)
@@ -54,15 +73,18 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
     k = tl.load(k_base + (off + cand).to(tl.int64)[:, None] * D + dim[None, :],
                 mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
     key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision="ieee")), INT_MIN)
-    taken = first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, None]
-    store_taken(sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL, taken, cand)
+    out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
+    if BITONIC:
+        store_tokens(out, top_tokens(key, cand[None, :] + tl.zeros_like(key), KSEL, KSEL2), row_ok, KSEL, KSEL2)
+    else:
+        store_taken(out, first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, None], cand)
 
 
 @triton.jit
 def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL, PARENTS,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BQ: tl.constexpr,
                             BC: tl.constexpr, KSEL: tl.constexpr, W: tl.constexpr, DC: tl.constexpr,
-                            SCAN: tl.constexpr):
+                            SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr):
     """``S_LEVEL`` rows below the top: ``W`` parents (level LEVEL+1) per program, one per warp (batched 3-d
     products and searches: each warp's row reductions stay in the warp), the ``BLOCK`` query tokens under each
     against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). A partial last program repeats the last parent
@@ -91,8 +113,11 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
         k = tl.load(k_rows + dim, mask=c_ok[:, :, None] & (dim < D), other=0.0)
         scores = tl.dot(q, tl.trans(k), scores, input_precision="tf32x3")
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
-    taken = first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, :, None]
-    store_taken(sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL, taken, cand)
+    out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
+    if BITONIC:
+        store_tokens(out, top_tokens(key, cand[:, None, :] + tl.zeros_like(key), KSEL, KSEL2), row_ok, KSEL, KSEL2)
+    else:
+        store_taken(out, first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, :, None], cand)
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
@@ -102,8 +127,26 @@ DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys)
 CHILD_PARENTS = 2  # parents per program below the top level, a warp each (H200, B2 H8 N65536 L2: 0.102 ms against
 # 0.111 / 0.110 with 1 / 4, and 0.129 for the former 4-warp program per parent; D128: 0.129 against 0.139 / 0.141)
 HEAD_CHUNK = 16  # head dims per step of the children's scores
+BITONIC_TOP_KEYS = 256  # the searches that ran faster (H200, session 32, us per launch at B2 H8 b16 K8): bitonic
+BITONIC_CHILD_DIMS = 64  # for top levels of <= 256 tokens (D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7
+# -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens 136 -> 160, spilled) and children rows at head dims <= 64 (128
+# candidates: D64 100 -> 90-97, D32 81 -> 65; D128 129 -> 138)
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
+
+
+def search_bitonic(top: bool, candidates: int, head_dims: int) -> bool:
+    """Whether the rows of ``candidates`` keys (a power of two) of a selection kernel at ``head_dims`` (padded) take
+    their top K by ``top_tokens`` (bitonic) rather than ``bisect.first_k_rows``: the faster one where measured
+    (``BITONIC_TOP_KEYS``). Both give the same selection."""
+    return candidates <= BITONIC_TOP_KEYS if top else head_dims <= BITONIC_CHILD_DIMS and candidates <= 128
+
+
+def top_warps(bitonic: bool, candidates: int, head_dims: int) -> int:
+    """Warps of a top-level program (16 query rows x ``candidates`` keys of ``head_dims``): the bitonic search holds
+    int64 keys and spilled on 4 warps at 256 x 64 (40 us against 30 on 8)."""
+    size = candidates * head_dims
+    return (8 if size >= 256 * 64 else 4) if bitonic else (4 if size <= 256 * 64 else 8)
 
 
 def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
@@ -120,11 +163,12 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     top, block = levels.levels, levels.block
     args = (q_pyr, k_pyr, sel, meta, q_pyr.stride(0), q_pyr.stride(1), k_pyr.stride(0), k_pyr.stride(1),
             heads, heads // k_pyr.shape[1], levels.selection_size)
-    bc = pow2(levels.tokens(top), 16)
-    if bc <= DENSE_TOP_TOKENS and bc * pow2(d, 16) <= dense_limit:
+    bc, bd = pow2(levels.tokens(top), 16), pow2(d, 16)
+    if bc <= DENSE_TOP_TOKENS and bc * bd <= dense_limit:
+        bitonic = search_bitonic(True, bc, bd)
         launcher(_select_top_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
-            *args, top, D=d, BD=pow2(d, 16), BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT,
-            num_warps=4 if bc * d <= 256 * 64 else 8)
+            *args, top, D=d, BD=bd, BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT, BITONIC=bitonic,
+            KSEL2=pow2(levels.topk[-1]), num_warps=top_warps(bitonic, bc, bd))
     else:
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
@@ -133,7 +177,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         bc = pow2(levels.topk[level] * block, 16)
         parents = levels.tokens(level + 1)
         launcher(_select_children_kernel)[(cdiv(parents, CHILD_PARENTS), bsz * heads)](
-            *args, level, parents, D=d, BD=pow2(d, 16), BLOCK=block, BQ=pow2(block, 16), BC=bc,
+            *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=pow2(block, 16), BC=bc,
             KSEL=levels.topk[level - 1], W=CHILD_PARENTS, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT,
-            num_warps=CHILD_PARENTS)
+            BITONIC=search_bitonic(False, bc, bd), KSEL2=pow2(levels.topk[level - 1]), num_warps=CHILD_PARENTS)
     return sel
