@@ -8,9 +8,9 @@ parent's selection only (``K_{l+1} * b`` candidates per query token, O(N)), with
 (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are
 selected all at once, by a bitonic top-K of the scores packed with their key ids (``top_tokens``) or by bisection
 (``bisect.first_k_rows``), whichever ran faster for the kernel's shape (``search_bitonic``); ties go to the smallest
-key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The result equals
-``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the tests'
-grid values).
+key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The
+result equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as
+on the tests' grid values).
 """
 from __future__ import annotations
 
