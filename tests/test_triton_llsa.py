@@ -89,14 +89,19 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8]])
-def test_pool_keys_are_the_pyramid_and_its_rounding(n, block, topk, heads, kv_heads, d):
-    """``llsa_pool_keys``: the fp32 pyramid of ``llsa_pool`` and its rounding to x's dtype, bit for bit."""
-    x = torch.randn(2, kv_heads, n, d, dtype=torch.float16)
-    scores, low = ops.llsa_pool_keys(x, block, len(topk))
-    want = ops.llsa_pool(x, block, len(topk))
-    assert scores.dtype == torch.float32 and low.dtype == torch.float16
-    assert torch.equal(scores, want) and torch.equal(low, want.to(torch.float16))
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8], (2048, 32, (2,), 4, 2, 64)])
+def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv_heads, d):
+    """``llsa_pool_qkv`` (one launch over q, k and v, GQA): the fp32 pyramids of ``llsa_pool`` and their rounding to
+    the inputs' dtype, bit for bit, from views with their own strides; at L = 1, 2, 3 and with levels 1 and 2 in
+    one pass or not (b x D over 8192 elements, the last case)."""
+    q = torch.randn(2, n, heads, d, dtype=torch.float16).transpose(1, 2)
+    k = torch.randn(2, kv_heads, 2, n, d, dtype=torch.float16)[:, :, 1]
+    v = torch.randn(2, n, kv_heads, d, dtype=torch.float16).transpose(1, 2)
+    q_pyr, k_scores, k_pyr, v_pyr = ops.llsa_pool_qkv(q, k, v, block, len(topk))
+    want = [ops.llsa_pool(x.contiguous(), block, len(topk)) for x in (q, k, v)]
+    assert q_pyr.dtype == k_scores.dtype == torch.float32 and k_pyr.dtype == v_pyr.dtype == torch.float16
+    assert torch.equal(q_pyr, want[0]) and torch.equal(k_scores, want[1])
+    assert torch.equal(k_pyr, want[1].half()) and torch.equal(v_pyr, want[2].half())
 
 
 @cpu_only
@@ -310,7 +315,7 @@ def test_opcheck_cpu_fallback():
         k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
         sel = ops.llsa_select(ops.llsa_pool(q, block, 2), k_pyr, n, block, topk)
         torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
-        torch.library.opcheck(ops.llsa_pool_keys.op, (k, block, 2))
+        torch.library.opcheck(ops.llsa_pool_qkv.op, (q, k, v, block, 2))
         torch.library.opcheck(ops.llsa_select.op, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
         for fuse in (False, True):
             args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
@@ -436,7 +441,7 @@ def test_gpu_opcheck():
     q_pyr = ops.llsa_pool(q, block, 2)
     sel = ops.llsa_select(q_pyr, k_pyr, n, block, topk)
     torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
-    torch.library.opcheck(ops.llsa_pool_keys.op, (k, block, 2))
+    torch.library.opcheck(ops.llsa_pool_qkv.op, (q, k, v, block, 2))
     torch.library.opcheck(ops.llsa_select.op, (q_pyr, k_pyr, n, block, topk))
     for fuse in (False, True):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),

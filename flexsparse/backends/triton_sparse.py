@@ -37,9 +37,8 @@ def llsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: tu
         q, k, v = (x.contiguous() for x in (q, k, v))
     n, levels = q.shape[2], len(topk)
     with torch.no_grad():
-        k_scores, k_pyr = ops.llsa_pool_keys(k.detach(), block, levels)
-        v_pyr = ops.llsa_pool(v.detach(), block, levels, True)
-        sel = ops.llsa_select(ops.llsa_pool(q.detach(), block, levels), k_scores, n, block, list(topk))
+        q_pyr, k_scores, k_pyr, v_pyr = ops.llsa_pool_qkv(q.detach(), k.detach(), v.detach(), block, levels)
+        sel = ops.llsa_select(q_pyr, k_scores, n, block, list(topk))
     return ops.llsa_attn(q, k, v, k_pyr, v_pyr, sel, block, list(topk), scale, True, deterministic)
 
 

@@ -8,7 +8,7 @@ interpreter when ``TRITON_INTERPRET=1`` is set (eager only), else falls back to 
 backend. fp64 always takes the fallback.
 
 Ops: ``contiguous_rows`` (a contiguous copy of a ``(B, H, N, D)`` view with strided token rows; differentiable),
-``llsa_pool`` (pooling pyramid), ``llsa_pool_keys`` (its fp32 and low-precision copies in one pass),
+``llsa_pool`` (pooling pyramid), ``llsa_pool_qkv`` (LLSA's pyramids of q, k and v in one pass),
 ``llsa_select`` (packed hierarchical selection), ``llsa_attn`` (O, LSE; differentiable) and ``llsa_attn_bwd``.
 Pyramids are ``(B, H, T_1 + ... + T_L, D)`` fp32 and selections packed ``(B, H, sum_l T_l K_l)`` int32
 (``flexsparse.triton.layout``).
@@ -72,27 +72,26 @@ contiguous_rows.register_autograd(lambda ctx, grad: grad, setup_context=lambda c
 
 
 @triton_op("flexsparse::llsa_pool")
-def llsa_pool(x: Tensor, block: int, levels: int, same_dtype: bool = False) -> Tensor:
+def llsa_pool(x: Tensor, block: int, levels: int) -> Tensor:
     """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
-    fp32 (fp64 for fp64), or x's dtype with ``same_dtype`` (sums are fp32 either way). Not differentiable
-    (the attention backward pools the gradients itself)."""
+    fp32 (fp64 for fp64). Not differentiable (the attention backward pools the gradients itself)."""
     if not use_kernels(x):
-        pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
-        return pyramid.to(x.dtype) if same_dtype else pyramid
+        return torch.cat(pool_pyramid(x, block, levels), dim=2)
     from .pool import pool_pyramid as pool_kernel
-    return pool_kernel(*row_views(x), level_table(x.shape[2], block, [1] * levels),
-                       x.dtype if same_dtype else torch.float32)
+    return pool_kernel(*row_views(x), level_table(x.shape[2], block, [1] * levels))
 
 
-@triton_op("flexsparse::llsa_pool_keys")
-def llsa_pool_keys(x: Tensor, block: int, levels: int) -> tuple[Tensor, Tensor]:
-    """``llsa_pool(x, block, levels)`` (fp32: selection scores) and the same means rounded to x's dtype (what the
-    attention reads), written by one pass over x."""
-    if not use_kernels(x):
-        pyramid = torch.cat(pool_pyramid(x, block, levels), dim=2)
-        return pyramid, pyramid.to(x.dtype, copy=True)  # a separate tensor even for fp32 x
-    from .pool import pool_pyramid as pool_kernel
-    return pool_kernel(*row_views(x), level_table(x.shape[2], block, [1] * levels), low=True)
+@triton_op("flexsparse::llsa_pool_qkv")
+def llsa_pool_qkv(q: Tensor, k: Tensor, v: Tensor, block: int, levels: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """LLSA's pyramids (``llsa_pool``'s layout) of q, k and v from one pass over them: q's and k's in fp32
+    (selection scores) and k's and v's means rounded to their dtype (what the attention reads): ``(q_pyr, k_scores,
+    k_pyr, v_pyr)``. Not differentiable."""
+    if not use_kernels(q):
+        q_pyr, k_scores = (torch.cat(pool_pyramid(x, block, levels), dim=2) for x in (q, k))
+        v_scores = torch.cat(pool_pyramid(v, block, levels), dim=2)
+        return q_pyr, k_scores, k_scores.to(k.dtype, copy=True), v_scores.to(v.dtype, copy=True)
+    from .pool import pool_qkv
+    return pool_qkv(*row_views(q, k, v), level_table(q.shape[2], block, [1] * levels))
 
 
 @triton_op("flexsparse::llsa_select")

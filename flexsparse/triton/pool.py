@@ -3,7 +3,8 @@
 Level l holds the true means of the real fine tokens under each span of ``b^l`` (fp32 sums, built
 recursively from the previous level's sums, as ``flexsparse.masks.pool_pyramid`` does). One pass over x
 makes levels 1 and 2 (a program sums the ``b x b`` fine tokens of one level-2 token: its ``b`` level-1 sums,
-then their sum), so x is read once; each deeper level is one more pass over the level-2 sums.
+then their sum), so x is read once; each deeper level is one more pass over the level-2 sums. LLSA's q, k and v
+take their first pass in one launch (``pool_qkv``).
 """
 from __future__ import annotations
 
@@ -16,40 +17,30 @@ from .layout import Levels, cdiv, pow2
 
 
 @triton.jit
-def _pool_kernel(SRC, SUMS, MEANS, LOW, s_b, s_h, s_n, p_b, p_h,
-                 H, N, src_tokens, src_off, dst_off, dst_tokens, span, up_off, up_tokens,
-                 D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr,
-                 FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr, HAS_LOW: tl.constexpr):
-    """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source tokens each; ``TT >= STEP`` a power
-    of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above (the mean of those), whose
-    sums are stored with ``KEEP_SUMS``. With ``HAS_LOW`` every mean is also stored rounded to ``LOW``'s dtype."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
+def pool_tokens(src, stride, SUMS, MEANS, LOW, pyr, pid, N, src_tokens, dst_off, dst_tokens, span, up_off, up_tokens,
+                D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr,
+                UP: tl.constexpr, KEEP_SUMS: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_LOW: tl.constexpr):
+    """Tokens ``pid * STEP ... + STEP`` of a level (means of ``BLOCK`` source rows each of ``src``, row stride
+    ``stride``; ``TT >= STEP`` a power of two); with ``UP`` (``STEP == BLOCK``) also token ``pid`` of the level above
+    (the mean of those), whose sums are stored with ``KEEP_SUMS``; without ``UP`` the level's sums are stored. Means
+    go to ``MEANS`` with ``HAS_MEANS`` and, rounded to ``LOW``'s dtype, to ``LOW`` with ``HAS_LOW``; ``pyr`` is the
+    pyramids' offset of this head."""
     r = tl.arange(0, TT)
     t = tl.where(r < STEP, pid * STEP + r, dst_tokens)
     dim = tl.arange(0, BD)
-    pyr = b.to(tl.int64) * p_b + h.to(tl.int64) * p_h
-    if FROM_SUMS:
-        base = SUMS + pyr + tl.cast(src_off, tl.int64) * D  # not src_off.to: a constant in torch 2.11's analysis
-        stride = D
-    else:
-        base = SRC + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
-        stride = s_n
     total = tl.zeros([TT, BD], tl.float32)
     for j in tl.static_range(BLOCK):  # the j-th child of every token: independent loads, no cross-thread sum
         child = t * BLOCK + j
-        ptr = base + child.to(tl.int64)[:, None] * stride + dim[None, :]
+        ptr = src + child.to(tl.int64)[:, None] * stride + dim[None, :]
         total += tl.load(ptr, mask=(child < src_tokens)[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
-    t_ok = t < dst_tokens
     count = tl.maximum(tl.minimum(N - t * span, span), 1).to(tl.float32)
     out = pyr + (dst_off + t).to(tl.int64)[:, None] * D + dim[None, :]
-    out_mask = t_ok[:, None] & (dim[None, :] < D)
+    out_mask = (t < dst_tokens)[:, None] & (dim[None, :] < D)
     if not UP:
         tl.store(SUMS + out, total, mask=out_mask)
     mean = total / count[:, None]
-    tl.store(MEANS + out, mean.to(MEANS.dtype.element_ty), mask=out_mask)
+    if HAS_MEANS:
+        tl.store(MEANS + out, mean.to(MEANS.dtype.element_ty), mask=out_mask)
     if HAS_LOW:
         tl.store(LOW + out, mean.to(LOW.dtype.element_ty), mask=out_mask)
     if UP:
@@ -61,37 +52,141 @@ def _pool_kernel(SRC, SUMS, MEANS, LOW, s_b, s_h, s_n, p_b, p_h,
         if KEEP_SUMS:
             tl.store(SUMS + up_ptr, up, mask=up_ok)
         up_mean = up / up_count
-        tl.store(MEANS + up_ptr, up_mean.to(MEANS.dtype.element_ty), mask=up_ok)
+        if HAS_MEANS:
+            tl.store(MEANS + up_ptr, up_mean.to(MEANS.dtype.element_ty), mask=up_ok)
         if HAS_LOW:
             tl.store(LOW + up_ptr, up_mean.to(LOW.dtype.element_ty), mask=up_ok)
 
 
-def pool_pyramid(x: torch.Tensor, levels: Levels, dtype: torch.dtype = torch.float32,
-                 low: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)``
-    in ``dtype`` (the sums stay fp32). With ``low`` also the same means rounded to x's dtype, from the same pass:
-    ``(means, low_means)``."""
+@triton.jit
+def _pool_kernel(SRC, SUMS, MEANS, LOW, s_b, s_h, s_n, p_b, p_h, H, N, src_tokens, src_off, dst_off, dst_tokens, span,
+                 up_off, up_tokens, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr,
+                 STEP: tl.constexpr, FROM_SUMS: tl.constexpr, UP: tl.constexpr, KEEP_SUMS: tl.constexpr,
+                 HAS_LOW: tl.constexpr):
+    """``pool_tokens`` of one head (``program_id(1)``) of x (``SRC``) or, with ``FROM_SUMS``, of the level below's
+    sums (rows ``src_off ...`` of ``SUMS``)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    pyr = b.to(tl.int64) * p_b + h.to(tl.int64) * p_h
+    if FROM_SUMS:
+        pool_tokens(SUMS + pyr + tl.cast(src_off, tl.int64) * D, D, SUMS, MEANS, LOW, pyr, pid, N, src_tokens,
+                    dst_off, dst_tokens, span, up_off, up_tokens, D, BD, BLOCK, TT, STEP, UP, KEEP_SUMS, True,
+                    HAS_LOW)  # tl.cast, not src_off.to: a constant in torch 2.11's analysis
+    else:
+        pool_tokens(SRC + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h, s_n, SUMS, MEANS, LOW, pyr, pid, N,
+                    src_tokens, dst_off, dst_tokens, span, up_off, up_tokens, D, BD, BLOCK, TT, STEP, UP, KEEP_SUMS,
+                    True, HAS_LOW)
+
+
+@triton.jit
+def _pool_qkv_kernel(Q, K, V, SQ, SK, SV, QM, KM, KL, VL, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, pq_b, pq_h,
+                     pk_b, pk_h, H, HK, N, dst_tokens, up_off, up_tokens, D: tl.constexpr, BD: tl.constexpr,
+                     BLOCK: tl.constexpr, TT: tl.constexpr, STEP: tl.constexpr, UP: tl.constexpr,
+                     KEEP_SUMS: tl.constexpr):
+    """The first pass of ``_pool_kernel`` (level 1 from the tokens, with ``UP`` level 2 too) for q, k and v at once
+    (``program_id(2)``): q's means to ``QM`` (fp32), k's to ``KM`` (fp32) and ``KL`` (k's dtype), v's to ``VL``;
+    sums (for later passes) to ``SQ``, ``SK``, ``SV``. ``program_id(1)`` runs over q's heads; k and v programs past
+    their ``HK`` heads return."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    which = tl.program_id(2)
+    if which == 0:
+        b = bh // H
+        h = bh - b * H
+        pyr = b.to(tl.int64) * pq_b + h.to(tl.int64) * pq_h
+        pool_tokens(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, q_n, SQ, QM, QM, pyr, pid, N, N, 0, dst_tokens,
+                    BLOCK, up_off, up_tokens, D, BD, BLOCK, TT, STEP, UP, KEEP_SUMS, True, False)
+    elif bh < (tl.num_programs(1) // H) * HK:
+        b = bh // HK
+        h = bh - b * HK
+        pyr = b.to(tl.int64) * pk_b + h.to(tl.int64) * pk_h
+        if which == 1:
+            pool_tokens(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h, k_n, SK, KM, KL, pyr, pid, N, N, 0,
+                        dst_tokens, BLOCK, up_off, up_tokens, D, BD, BLOCK, TT, STEP, UP, KEEP_SUMS, True, True)
+        else:
+            pool_tokens(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h, v_n, SV, VL, VL, pyr, pid, N, N, 0,
+                        dst_tokens, BLOCK, up_off, up_tokens, D, BD, BLOCK, TT, STEP, UP, KEEP_SUMS, False, True)
+
+
+ELEMENTS = {"cpu": 1024, "cuda": 4096}  # tile elements of a pass (a load per child)
+
+
+def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[bool, int, int]:
+    """How the first pass over the tokens runs: ``(up, step, warps)``: levels 1 and 2 together (``up``: the ``b``
+    level-1 tokens of one level-2 token in one tile), ``step`` level-1 tokens per program, on ``warps`` warps."""
+    bd = pow2(d)
+    up = levels.levels >= 2 and levels.block * bd <= 8192
+    step = levels.block if up else max(1, ELEMENTS.get(device.type, 4096) // bd)
+    return up, step, warps_for(step, bd)
+
+
+def warps_for(step: int, bd: int) -> int:
+    """Warps of a pass of ``step`` tokens per program: 8 elements (16 bytes of bf16) per thread and load."""
+    return max(1, min(8, pow2(step) * bd // 1024))
+
+
+def deeper_levels(x: torch.Tensor, sums: torch.Tensor, means: torch.Tensor, low: torch.Tensor, levels: Levels,
+                  level: int, has_low: bool) -> None:
+    """Levels ``level ..L`` of ``x``'s pyramid (its level ``level - 1`` sums in ``sums``), one pass each from the sums
+    below (``x`` is only an unused pointer)."""
     bsz, heads, n, d = x.shape
-    means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=dtype)
-    low_means = torch.empty_like(means, dtype=x.dtype) if low else x  # x: LOW unused (common.launcher)
-    block = levels.block
-    bd, top = pow2(d), levels.levels
-    up = top >= 2 and block * bd <= 8192  # the b level-1 tokens of one level-2 token in one tile
-    sums = x.new_empty(bsz, heads, levels.pyramid_tokens if (top > 2 or not up) else 1, d, dtype=torch.float32)
-    elems = 1024 if x.device.type == "cpu" else 4096  # tile elements (a load per child)
-    common = dict(D=d, BD=bd, BLOCK=block, HAS_LOW=low)
-    level = 1
-    while level <= top:
-        dst_tokens, dst_off = levels.rows[level][0], levels.rows[level][1]
-        src_tokens, src_off = levels.rows[level - 1][0], levels.rows[level - 1][1]
-        two = up and level == 1
-        step = block if two else max(1, elems // bd)
-        warps = max(1, min(8, pow2(step) * bd // 1024))  # 8 elements (16 bytes of bf16) per thread and load
-        up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if two else (0, 0)
+    bd, block = pow2(d), levels.block
+    step = max(1, ELEMENTS.get(x.device.type, 4096) // bd)
+    for level in range(level, levels.levels + 1):
+        (dst_tokens, dst_off), (src_tokens, src_off) = levels.rows[level][:2], levels.rows[level - 1][:2]
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
-            x, sums, means, low_means, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1),
-            heads, n, src_tokens, src_off, dst_off, dst_tokens, block**level, up_off, up_tokens,
-            TT=pow2(step), STEP=step, FROM_SUMS=level > 1, UP=two, KEEP_SUMS=two and top > 2, num_warps=warps,
-            **common)
-        level += 2 if two else 1
-    return (means, low_means) if low else means
+            x, sums, means, low, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n,
+            src_tokens, src_off, dst_off, dst_tokens, block**level, 0, 0, D=d, BD=bd, BLOCK=block, TT=pow2(step),
+            STEP=step, FROM_SUMS=True, UP=False, KEEP_SUMS=False, HAS_LOW=has_low, num_warps=warps_for(step, bd))
+
+
+def pool_pyramid(x: torch.Tensor, levels: Levels) -> torch.Tensor:
+    """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)`` fp32."""
+    bsz, heads, n, d = x.shape
+    means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
+    up, step, warps = first_pass(levels, d, x.device)
+    sums = _sums(x, levels, up)
+    dst_tokens = levels.rows[1][0]
+    up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if up else (0, 0)
+    launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
+        x, sums, means, x, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n, n, 0,
+        levels.rows[1][1], dst_tokens, levels.block, up_off, up_tokens, D=d, BD=pow2(d), BLOCK=levels.block,
+        TT=pow2(step), STEP=step, FROM_SUMS=False, UP=up, KEEP_SUMS=up and levels.levels > 2, HAS_LOW=False,
+        num_warps=warps)  # x: LOW unused (common.launcher)
+    deeper_levels(x, sums, means, x, levels, 3 if up else 2, False)
+    return means
+
+
+def _sums(x: torch.Tensor, levels: Levels, up: bool) -> torch.Tensor:
+    """fp32 sums the passes after the first read (a placeholder where there are none)."""
+    bsz, heads, _, d = x.shape
+    rows = levels.pyramid_tokens if (levels.levels > 2 or not up) else 1
+    return x.new_empty(bsz, heads, rows, d, dtype=torch.float32)
+
+
+def pool_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             levels: Levels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLSA's pyramids from one first pass over q, k and v (``(B, H, N, D)``, ``(B, Hk, N, D)``, last dims
+    contiguous): q's and k's means in fp32 (the selection's scores) and k's and v's in their dtype (what the
+    attention reads), ``(B, H or Hk, T_1 + ... + T_L, D)`` each; the same values as ``pool_pyramid``."""
+    bsz, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    q_means = q.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
+    k_means = q.new_empty(bsz, kv_heads, levels.pyramid_tokens, d, dtype=torch.float32)
+    k_low, v_low = torch.empty_like(k_means, dtype=k.dtype), torch.empty_like(k_means, dtype=v.dtype)
+    up, step, warps = first_pass(levels, d, q.device)
+    sums = [_sums(x, levels, up) for x in (q, k, v)]
+    dst_tokens = levels.rows[1][0]
+    up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if up else (0, 0)
+    launcher(_pool_qkv_kernel)[(cdiv(dst_tokens, step), bsz * heads, 3)](
+        q, k, v, *sums, q_means, k_means, k_low, v_low, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *q_means.stride()[:2], *k_means.stride()[:2], heads, kv_heads, n, dst_tokens, up_off, up_tokens, D=d,
+        BD=pow2(d), BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up, KEEP_SUMS=up and levels.levels > 2,
+        num_warps=warps)
+    first = 3 if up else 2
+    deeper_levels(q, sums[0], q_means, q, levels, first, False)
+    deeper_levels(k, sums[1], k_means, k_low, levels, first, True)
+    deeper_levels(v, sums[2], v_low, v, levels, first, False)
+    return q_means, k_means, k_low, v_low
