@@ -89,11 +89,12 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
-@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8], (2048, 32, (2,), 4, 2, 64)])
+@pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8], (2048, 32, (2,), 4, 2, 64),
+                                                           (4200, 64, (1, 1), 1, 1, 160)])
 def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv_heads, d):
     """``llsa_pool_qkv`` (one launch over q, k and v, GQA): the fp32 pyramids of ``llsa_pool`` and their rounding to
-    the inputs' dtype, bit for bit, from views with their own strides; at L = 1, 2, 3 and with levels 1 and 2 in
-    one pass or not (b x D over 8192 elements, the last case)."""
+    the inputs' dtype, bit for bit, from views with their own strides; at L = 1, 2, 3, and at L = 2 with levels 1
+    and 2 in two passes (b x D over 8192 elements, the last case)."""
     q = torch.randn(2, n, heads, d, dtype=torch.float16).transpose(1, 2)
     k = torch.randn(2, kv_heads, 2, n, d, dtype=torch.float16)[:, :, 1]
     v = torch.randn(2, n, kv_heads, d, dtype=torch.float16).transpose(1, 2)
