@@ -173,6 +173,27 @@ def test_gpu_fuzz_llsa_kernels(case):
 
 @gpu
 @FUZZ
+@given(case=llsa_cases(), grid=st.booleans())
+def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
+    """LLSA's selection kernels by their bitonic search and by bisection (``select.search_bitonic`` forced either
+    way; rows of more than 256 candidates, whose int64 keys would spill heavily, always bisect): the same packed
+    selection, on random or grid (tie-rich) inputs."""
+    from flexsparse.triton import ops, select
+    n, block, topk, heads, kv_heads, d, dtype = case
+    q, k, _ = method_leaves(n, heads, kv_heads, d, LOW[dtype], "bhnd", grid)
+    q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
+    chosen, sels = select.search_bitonic, []
+    try:
+        for bitonic in (True, False):
+            select.search_bitonic = lambda top, candidates, dims, bitonic=bitonic: bitonic and candidates <= 256
+            sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
+    finally:
+        select.search_bitonic = chosen
+    assert torch.equal(sels[0], sels[1])
+
+
+@gpu
+@FUZZ
 @given(case=method_cases())
 def test_gpu_fuzz_methods_fp32(case):
     """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32,
