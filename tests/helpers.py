@@ -31,6 +31,23 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
     return top
 
 
+def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
+                         widest: int | None = None) -> list[torch.Tensor]:
+    """LLSA's packed selections from pooled pyramids by the selection kernels' bitonic search and by bisection
+    (``flexsparse.triton.select.search_bitonic`` forced each way; rows of more than ``widest`` candidates always
+    bisect): ``[bitonic, bisection]``."""
+    from flexsparse.triton import ops, select  # not at import: the interpreter tests set TRITON_INTERPRET first
+    chosen, sels = select.search_bitonic, []
+    try:
+        for bitonic in (True, False):
+            select.search_bitonic = lambda top, candidates, dims, bitonic=bitonic: bitonic and (
+                widest is None or candidates <= widest)
+            sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
+    finally:
+        select.search_bitonic = chosen
+    return sels
+
+
 def qkv(batch=2, heads=2, kv_heads=None, n=64, d=16, dtype=torch.float64, device="cpu", seed=None, requires_grad=False):
     """Fresh random q ``(B, H, N, D)`` and k, v ``(B, Hk, N, D)``; k has a per-head offset like real keys."""
     gen = torch.Generator(device="cpu")

@@ -27,7 +27,7 @@ from flexsparse.backends import torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.masks import llsa_topk, num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
-from helpers import draw_level_topk, grads  # noqa: E402
+from helpers import draw_level_topk, grads, selections_by_search  # noqa: E402
 from test_triton_blocks import NAMES, _method_params, grad_run  # noqa: E402
 from test_triton_llsa import _leaf_run  # noqa: E402
 
@@ -178,18 +178,12 @@ def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
     """LLSA's selection kernels by their bitonic search and by bisection (``select.search_bitonic`` forced either
     way; rows of more than 256 candidates, whose int64 keys would spill heavily, always bisect): the same packed
     selection, on random or grid (tie-rich) inputs."""
-    from flexsparse.triton import ops, select
+    from flexsparse.triton import ops
     n, block, topk, heads, kv_heads, d, dtype = case
     q, k, _ = method_leaves(n, heads, kv_heads, d, LOW[dtype], "bhnd", grid)
     q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
-    chosen, sels = select.search_bitonic, []
-    try:
-        for bitonic in (True, False):
-            select.search_bitonic = lambda top, candidates, dims, bitonic=bitonic: bitonic and candidates <= 256
-            sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
-    finally:
-        select.search_bitonic = chosen
-    assert torch.equal(sels[0], sels[1])
+    bitonic, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
+    assert torch.equal(bitonic, bisection)
 
 
 @gpu

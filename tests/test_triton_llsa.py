@@ -25,6 +25,7 @@ from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E4
 from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, llsa_topk, pool_pyramid  # noqa: E402
 from flexsparse.triton import ops  # noqa: E402
 from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
+from helpers import selections_by_search  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 
@@ -159,18 +160,14 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
 @pytest.mark.parametrize("grid", [True, False])
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [(300, 4, (3, 2, 2), 2, 1, 16), (1100, 4, (1, 5), 4, 2, 8),
                                                            (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16)])
-def test_select_bitonic_and_bisection_agree(n, block, topk, heads, kv_heads, d, grid, monkeypatch):
+def test_select_bitonic_and_bisection_agree(n, block, topk, heads, kv_heads, d, grid):
     """The two searches of the selection kernels (``select.search_bitonic``) pick the same keys in the same order,
     ties included (grid values: many), for K that are no power of two, K = 1, wide rows (the 275-token top level)
     and GQA."""
-    from flexsparse.triton import select
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
     q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
-    sels = []
-    for bitonic in (True, False):
-        monkeypatch.setattr(select, "search_bitonic", lambda top, candidates, dims, bitonic=bitonic: bitonic)
-        sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
-    assert torch.equal(sels[0], sels[1])
+    bitonic, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
+    assert torch.equal(bitonic, bisection)
 
 
 @cpu_only
@@ -381,17 +378,12 @@ def test_gpu_selection_matches_masks(n, block, topk):
 
 @gpu
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_gpu_select_bitonic_and_bisection_agree(d, monkeypatch):
+def test_gpu_select_bitonic_and_bisection_agree(d):
     """The selection kernels' two searches give the same selection on the GPU at a realistic size."""
-    from flexsparse.triton import select
     n, block, topk = 65536, 16, [8, 8]
     q, k, _ = _gpu_inputs(n, 4, 2, d)
-    q_pyr, k_pyr = ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2)
-    sels = []
-    for bitonic in (True, False):
-        monkeypatch.setattr(select, "search_bitonic", lambda top, candidates, dims, bitonic=bitonic: bitonic)
-        sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, topk))
-    assert torch.equal(sels[0], sels[1])
+    bitonic, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n, block, topk)
+    assert torch.equal(bitonic, bisection)
 
 
 @gpu
