@@ -159,11 +159,12 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
 @cpu_only
 @pytest.mark.parametrize("grid", [True, False])
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [(300, 4, (3, 2, 2), 2, 1, 16), (1100, 4, (1, 5), 4, 2, 8),
-                                                           (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16)])
+                                                           (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16),
+                                                           (250, 16, (16,), 2, 1, 16)])
 def test_select_bitonic_and_bisection_agree(n, block, topk, heads, kv_heads, d, grid):
     """The two searches of the selection kernels (``select.search_bitonic``) pick the same keys in the same order,
-    ties included (grid values: many), for K that are no power of two, K = 1, wide rows (the 275-token top level)
-    and GQA."""
+    ties included (grid values: many), for K that are no power of two, K = 1, K = every token of a ragged level
+    (a full bitonic sort), wide rows (the 275-token top level) and GQA."""
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
     q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
     bitonic, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
