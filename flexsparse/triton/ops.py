@@ -87,8 +87,7 @@ def llsa_pool_qkv(q: Tensor, k: Tensor, v: Tensor, block: int, levels: int) -> t
     (selection scores) and k's and v's means rounded to their dtype (what the attention reads): ``(q_pyr, k_scores,
     k_pyr, v_pyr)``. Not differentiable."""
     if not use_kernels(q):
-        q_pyr, k_scores = (torch.cat(pool_pyramid(x, block, levels), dim=2) for x in (q, k))
-        v_scores = torch.cat(pool_pyramid(v, block, levels), dim=2)
+        q_pyr, k_scores, v_scores = (torch.cat(pool_pyramid(x, block, levels), dim=2) for x in (q, k, v))
         return q_pyr, k_scores, k_scores.to(k.dtype, copy=True), v_scores.to(v.dtype, copy=True)
     from .pool import pool_qkv
     return pool_qkv(*row_views(q, k, v), level_table(q.shape[2], block, [1] * levels))

@@ -113,13 +113,9 @@ def _pool_qkv_kernel(Q, K, V, SQ, SK, SV, QM, KM, KL, VL, q_b, q_h, q_n, k_b, k_
 ELEMENTS = {"cpu": 1024, "cuda": 4096}  # tile elements of a pass (a load per child)
 
 
-def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[bool, int, int]:
-    """How the first pass over the tokens runs: ``(up, step, warps)``: levels 1 and 2 together (``up``: the ``b``
-    level-1 tokens of one level-2 token in one tile), ``step`` level-1 tokens per program, on ``warps`` warps."""
-    bd = pow2(d)
-    up = levels.levels >= 2 and levels.block * bd <= 8192
-    step = levels.block if up else max(1, ELEMENTS.get(device.type, 4096) // bd)
-    return up, step, warps_for(step, bd)
+def sums_step(d: int, device: torch.device) -> int:
+    """Tokens per program of a pass that does not make two levels at once: ``ELEMENTS`` of the device's tile."""
+    return max(1, ELEMENTS.get(device.type, 4096) // pow2(d))
 
 
 def warps_for(step: int, bd: int) -> int:
@@ -127,13 +123,25 @@ def warps_for(step: int, bd: int) -> int:
     return max(1, min(8, pow2(step) * bd // 1024))
 
 
+def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[int, int, tuple[int, int, int], dict]:
+    """The first pass over the tokens, shared by ``_pool_kernel`` and ``_pool_qkv_kernel``: level 1, and level 2 too
+    (``UP``) where the ``b`` level-1 tokens of one level-2 token fit one tile. Returns ``(programs per head, the
+    first level the passes from sums make, (dst_tokens, up_off, up_tokens), constants and warps)``."""
+    bd = pow2(d)
+    up = levels.levels >= 2 and levels.block * bd <= 8192
+    step = levels.block if up else sums_step(d, device)
+    (up_tokens, up_off), dst_tokens = (levels.rows[2][:2] if up else (0, 0)), levels.rows[1][0]
+    constants = dict(D=d, BD=bd, BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up,
+                     KEEP_SUMS=up and levels.levels > 2, num_warps=warps_for(step, bd))
+    return cdiv(dst_tokens, step), 3 if up else 2, (dst_tokens, up_off, up_tokens), constants
+
+
 def deeper_levels(x: torch.Tensor, sums: torch.Tensor, means: torch.Tensor, low: torch.Tensor, levels: Levels,
                   level: int, has_low: bool) -> None:
     """Levels ``level ..L`` of ``x``'s pyramid (its level ``level - 1`` sums in ``sums``), one pass each from the sums
-    below (``x`` is only an unused pointer)."""
+    below (``x`` gives the shape and is the unused source pointer)."""
     bsz, heads, n, d = x.shape
-    bd, block = pow2(d), levels.block
-    step = max(1, ELEMENTS.get(x.device.type, 4096) // bd)
+    bd, block, step = pow2(d), levels.block, sums_step(d, x.device)
     for level in range(level, levels.levels + 1):
         (dst_tokens, dst_off), (src_tokens, src_off) = levels.rows[level][:2], levels.rows[level - 1][:2]
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
@@ -146,23 +154,21 @@ def pool_pyramid(x: torch.Tensor, levels: Levels) -> torch.Tensor:
     """Means of levels 1..L: ``x (B, H, N, D)`` (last dim contiguous) -> ``(B, H, T_1 + ... + T_L, D)`` fp32."""
     bsz, heads, n, d = x.shape
     means = x.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
-    up, step, warps = first_pass(levels, d, x.device)
-    sums = _sums(x, levels, up)
-    dst_tokens = levels.rows[1][0]
-    up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if up else (0, 0)
-    launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
+    programs, next_level, (dst_tokens, up_off, up_tokens), constants = first_pass(levels, d, x.device)
+    sums = _sums(x, levels, constants)
+    launcher(_pool_kernel)[(programs, bsz * heads)](
         x, sums, means, x, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n, n, 0,
-        levels.rows[1][1], dst_tokens, levels.block, up_off, up_tokens, D=d, BD=pow2(d), BLOCK=levels.block,
-        TT=pow2(step), STEP=step, FROM_SUMS=False, UP=up, KEEP_SUMS=up and levels.levels > 2, HAS_LOW=False,
-        num_warps=warps)  # x: LOW unused (common.launcher)
-    deeper_levels(x, sums, means, x, levels, 3 if up else 2, False)
+        levels.rows[1][1], dst_tokens, levels.block, up_off, up_tokens, FROM_SUMS=False, HAS_LOW=False,
+        **constants)  # x: LOW unused (common.launcher)
+    deeper_levels(x, sums, means, x, levels, next_level, False)
     return means
 
 
-def _sums(x: torch.Tensor, levels: Levels, up: bool) -> torch.Tensor:
-    """fp32 sums the passes after the first read (a placeholder where there are none)."""
+def _sums(x: torch.Tensor, levels: Levels, constants: dict) -> torch.Tensor:
+    """fp32 sums the passes after the first read (a placeholder where there are none), for ``first_pass``'s
+    ``constants``."""
     bsz, heads, _, d = x.shape
-    rows = levels.pyramid_tokens if (levels.levels > 2 or not up) else 1
+    rows = levels.pyramid_tokens if (constants["KEEP_SUMS"] or not constants["UP"]) else 1
     return x.new_empty(bsz, heads, rows, d, dtype=torch.float32)
 
 
@@ -176,17 +182,12 @@ def pool_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_means = q.new_empty(bsz, heads, levels.pyramid_tokens, d, dtype=torch.float32)
     k_means = q.new_empty(bsz, kv_heads, levels.pyramid_tokens, d, dtype=torch.float32)
     k_low, v_low = torch.empty_like(k_means, dtype=k.dtype), torch.empty_like(k_means, dtype=v.dtype)
-    up, step, warps = first_pass(levels, d, q.device)
-    sums = [_sums(x, levels, up) for x in (q, k, v)]
-    dst_tokens = levels.rows[1][0]
-    up_off, up_tokens = (levels.rows[2][1], levels.rows[2][0]) if up else (0, 0)
-    launcher(_pool_qkv_kernel)[(cdiv(dst_tokens, step), bsz * heads, 3)](
+    programs, next_level, first_args, constants = first_pass(levels, d, q.device)
+    sums = [_sums(x, levels, constants) for x in (q, k, v)]
+    launcher(_pool_qkv_kernel)[(programs, bsz * heads, 3)](
         q, k, v, *sums, q_means, k_means, k_low, v_low, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *q_means.stride()[:2], *k_means.stride()[:2], heads, kv_heads, n, dst_tokens, up_off, up_tokens, D=d,
-        BD=pow2(d), BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up, KEEP_SUMS=up and levels.levels > 2,
-        num_warps=warps)
-    first = 3 if up else 2
-    deeper_levels(q, sums[0], q_means, q, levels, first, False)
-    deeper_levels(k, sums[1], k_means, k_low, levels, first, True)
-    deeper_levels(v, sums[2], v_low, v, levels, first, False)
+        *q_means.stride()[:2], *k_means.stride()[:2], heads, kv_heads, n, *first_args, **constants)
+    deeper_levels(q, sums[0], q_means, q, levels, next_level, False)
+    deeper_levels(k, sums[1], k_means, k_low, levels, next_level, True)
+    deeper_levels(v, sums[2], v_low, v, levels, next_level, False)
     return q_means, k_means, k_low, v_low

@@ -127,10 +127,11 @@ DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys)
 CHILD_PARENTS = 2  # parents per program below the top level, a warp each (H200, B2 H8 N65536 L2: 0.102 ms against
 # 0.111 / 0.110 with 1 / 4, and 0.129 for the former 4-warp program per parent; D128: 0.129 against 0.139 / 0.141)
 HEAD_CHUNK = 16  # head dims per step of the children's scores
-BITONIC_TOP_KEYS = 256  # the searches that ran faster (H200, session 32, us per launch at B2 H8 b16 K8): bitonic
-BITONIC_CHILD_DIMS = 64  # for top levels of <= 256 tokens (D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7
-# -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens 136 -> 160, spilled) and children rows at head dims <= 64 (128
-# candidates: D64 100 -> 90-97, D32 81 -> 65; D128 129 -> 138)
+# The searches that ran faster (H200, session 32, us per launch at B2 H8 b16 K8): bitonic for top levels of <= 256
+# tokens (D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens
+# 136 -> 160, spilled) and children rows of <= 128 candidates at head dims <= 64 (D64 100 -> 90-97, D32 81 -> 65;
+# D128 129 -> 138)
+BITONIC_TOP_KEYS, BITONIC_CHILD_KEYS, BITONIC_CHILD_DIMS = 256, 128, 64
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
 
@@ -139,7 +140,9 @@ def search_bitonic(top: bool, candidates: int, head_dims: int) -> bool:
     """Whether the rows of ``candidates`` keys (a power of two) of a selection kernel at ``head_dims`` (padded) take
     their top K by ``top_tokens`` (bitonic) rather than ``bisect.first_k_rows``: the faster one where measured
     (``BITONIC_TOP_KEYS``). Both give the same selection."""
-    return candidates <= BITONIC_TOP_KEYS if top else head_dims <= BITONIC_CHILD_DIMS and candidates <= 128
+    if top:
+        return candidates <= BITONIC_TOP_KEYS
+    return candidates <= BITONIC_CHILD_KEYS and head_dims <= BITONIC_CHILD_DIMS
 
 
 def top_warps(bitonic: bool, candidates: int, head_dims: int) -> int:
