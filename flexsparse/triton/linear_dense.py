@@ -20,9 +20,13 @@ import torch
 
 
 def keep_map(skipped: torch.Tensor, tk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones."""
+    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones.
+
+    The zeros are scattered from a tensor, not a scalar: torch 2.11's inductor rewrites ``full + scatter`` of a
+    scalar along a dim of size 1 (one skipped block per row) into a ``where`` that yields fp32 under a bf16 type,
+    and the compiled backward's ``bmm`` of that map with bf16 states then fails (fixed in later torch)."""
     keep = torch.ones(*skipped.shape[:3], tk, dtype=dtype, device=skipped.device)
-    return keep.scatter_(-1, skipped.long(), 0.0)
+    return keep.scatter_(-1, skipped.long(), keep.new_zeros(()).expand(skipped.shape))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
