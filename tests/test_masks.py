@@ -95,3 +95,18 @@ def test_csc_is_the_transpose(tq, tk, k):
                 rows = csc.rows[b, h, start:end].tolist()
                 assert rows == sorted(rows)
                 assert rows == dense[b, h, :, j].nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("skipped_per_row", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_keep_map_zeros_the_skipped_blocks_eager_and_compiled(skipped_per_row, dtype):
+    """1 on kept key blocks, 0 on skipped ones, in the dtype asked for, also compiled: torch 2.11's inductor gave an
+    fp32 map typed ``dtype`` for one skipped block per row (``masks.keep_map``)."""
+    from flexsparse.masks import keep_map
+
+    tk = 7
+    skipped = torch.rand(2, 3, 5, tk).argsort(-1)[..., :skipped_per_row].int()
+    want = 1.0 - (skipped.long().unsqueeze(-1) == torch.arange(tk)).any(-2).to(dtype)
+    for fn in (keep_map, torch.compile(keep_map, fullgraph=True)):
+        got = fn(skipped, tk, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)

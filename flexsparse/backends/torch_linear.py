@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import BlockSelection, kv_head_index
+from ..masks import BlockSelection, keep_map, kv_head_index
 from ..masks.pooling import accumulation_dtype
 from ..reference.sla import feature_map_dense
 from .compiled import StaticThenDynamic, grad_flags
@@ -124,8 +124,7 @@ def weighted_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _keep_weighted_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, num_k_blocks: int,
                           block_q: int, block_k: int, feature_map: str, eps: float) -> torch.Tensor:
     """``weighted_linear_attention`` with the 0/1 weights ``1 - M`` of the skipped blocks ``(B, H, Tq, S)``."""
-    keep = torch.ones(*skipped.shape[:3], num_k_blocks, dtype=accumulation_dtype(q.dtype), device=q.device)
-    keep.scatter_(-1, skipped.long(), 0.0)
+    keep = keep_map(skipped, num_k_blocks, accumulation_dtype(q.dtype))
     return weighted_linear_attention(q, k, v, keep, block_q, block_k, feature_map=feature_map, eps=eps)
 
 

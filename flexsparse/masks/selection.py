@@ -72,3 +72,14 @@ class SoftBlockMask(_BlockGrid):
     block_k: int
     n_q: int
     n_k: int
+
+
+def keep_map(skipped: torch.Tensor, num_k_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones ``skipped
+    (B, H, Tq, S)`` (block ids below ``Tk = num_k_blocks``).
+
+    The zeros are scattered from a tensor, not a scalar: torch 2.11's inductor rewrites ``full + scatter`` of a
+    scalar along a dim of size 1 (one skipped block per row) into a ``where`` whose result is fp32 under the full
+    tensor's type (bf16, fp64), which a compiled SLA backward then fed to a ``bmm`` (fixed in later torch)."""
+    keep = torch.ones(*skipped.shape[:3], num_k_blocks, dtype=dtype, device=skipped.device)
+    return keep.scatter_(-1, skipped.long(), keep.new_zeros(()).expand(skipped.shape))

@@ -19,16 +19,6 @@ from __future__ import annotations
 import torch
 
 
-def keep_map(skipped: torch.Tensor, tk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, H, Tq, Tk)`` in ``dtype``: 1 on the key blocks a query block keeps, 0 on its skipped ones.
-
-    The zeros are scattered from a tensor, not a scalar: torch 2.11's inductor rewrites ``full + scatter`` of a
-    scalar along a dim of size 1 (one skipped block per row) into a ``where`` that yields fp32 under a bf16 type,
-    and the compiled backward's ``bmm`` of that map with bf16 states then fails (fixed in later torch)."""
-    keep = torch.ones(*skipped.shape[:3], tk, dtype=dtype, device=skipped.device)
-    return keep.scatter_(-1, skipped.long(), keep.new_zeros(()).expand(skipped.shape))
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` batched (``(C, M, K) @ (C, K, N)``, one dtype) with fp32 (or wider) accumulation, the result in
     ``dtype`` (on CPU, where ``bmm`` has no ``out_dtype``, through inputs cast to ``dtype``)."""
@@ -47,7 +37,7 @@ def _folded_keep(keep: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def query_sums(keep: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept key blocks' states summed per query block: ``H (B, H, Tq, D, D)`` in hs's dtype and ``Z (B, H, Tq,
-    D)`` fp32. keep ``(B, H, Tq, Tk)`` (``keep_map``, hs's dtype); hs ``(B, Hk, Tk, D, D)``, zs
+    D)`` fp32. keep ``(B, H, Tq, Tk)`` (``masks.keep_map``, hs's dtype); hs ``(B, Hk, Tk, D, D)``, zs
     ``(B, Hk, Tk, D)`` (the KV head of each query head), contiguous."""
     bsz, heads, tq = keep.shape[:3]
     kv_heads, tk, d = hs.shape[1], hs.shape[2], hs.shape[-1]
@@ -60,7 +50,7 @@ def query_sums(keep: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor) -> tuple[
 def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_heads: int):
     """Key-block state gradients ``d_h (B, Hk, Tk, D, D)`` in d_hq's dtype and ``d_z (B, Hk, Tk, D)`` fp32: the
     query-block ones ``d_hq (B, H, Tq, D, D)``, ``d_zq (B, H, Tq, D)`` (contiguous, keep's dtype) summed over the
-    query blocks (all query heads of the KV head) that keep each key block. keep: ``keep_map``'s
+    query blocks (all query heads of the KV head) that keep each key block. keep: ``masks.keep_map``'s
     ``(B, H, Tq, Tk)``."""
     bsz, heads, tq, tk = keep.shape
     d = d_hq.shape[-1]

@@ -252,7 +252,8 @@ class Mix(NamedTuple):
 
 def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
     """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``linear_dense``)."""
-    from .linear_dense import keep_map, query_sums
+    from ..masks import keep_map
+    from .linear_dense import query_sums
     return query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
 
 
