@@ -174,6 +174,9 @@ def test_gpu_fuzz_llsa_kernels(case):
 @gpu
 @FUZZ
 @given(case=llsa_cases(), grid=st.booleans())
+# found on an H100 (session 33): rows of 736 candidates (b=32, K_2=23) at D=128 needed 270 KB of shared memory
+# for two parents per program (select.child_parents now takes one, or masks.children_topk)
+@example(case=(33940, 32, (12, 23), 2, 2, 128, "bf16"), grid=False)
 def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
     """LLSA's selection kernels by their bitonic search and by bisection (``select.search_bitonic`` forced either
     way; rows of more than 256 candidates, whose int64 keys would spill heavily, always bisect): the same packed
@@ -231,6 +234,9 @@ def test_gpu_fuzz_fp8_kernel(case):
 @gpu
 @FUZZ_COMPILED
 @given(case=flex_cases())
+# found on an H100 (session 33): under 128 queries inductor took its decoding kernel, which had no config for
+# 16-token key blocks (flex.tile_options now forces the main kernel)
+@example(case=({"method": "vsa", "block_q": 16, "block_k": 16, "topk": 1}, 73, 1, 1, 32, "fp16"))
 def test_gpu_fuzz_flex_methods(case):
     """``backend="flex"`` (compiled FlexAttention, fresh graphs per case) against ``backend="torch"`` (fp32
     arithmetic) on the same inputs, so on the same selection: output, LSE and the gradients of q, k, v and of the

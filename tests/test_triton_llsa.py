@@ -24,7 +24,7 @@ import flexsparse  # noqa: E402
 from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, llsa_topk, pool_pyramid  # noqa: E402
 from flexsparse.triton import ops  # noqa: E402
-from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
+from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack, pow2  # noqa: E402
 from helpers import selections_by_search  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
@@ -184,6 +184,24 @@ def test_select_long_top_level_through_block_topk():
                                        dense_limit=limit)
         for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
             assert torch.equal(a, b)
+
+
+@cpu_only
+@pytest.mark.parametrize("score_bytes", ["two parents", "one parent", "none"])
+def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monkeypatch):
+    """Children rows too wide for two parents per program (``select.child_parents``) run one per program, or, too
+    wide for one, through ``masks.children_topk``: the same selection at every level (L = 3, GQA)."""
+    from flexsparse.triton import select
+    n, block, topk = 1100, 4, (3, 5, 2)
+    one = 4 * 16 * pow2(block * 5, 16)  # one parent's fp32 scores at the widest children rows
+    limit = {"two parents": 2 * one, "one parent": one, "none": one - 1}[score_bytes]
+    monkeypatch.setattr(select, "CHILD_SCORE_BYTES", limit)
+    q, k, _ = _qkv(n, 4, 2, 16, grid=True)
+    q_levels, k_levels = pool_pyramid(q, block, 3), pool_pyramid(k, block, 3)
+    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
+    for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
+        assert torch.equal(a, b)
 
 
 @cpu_only

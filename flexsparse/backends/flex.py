@@ -87,20 +87,24 @@ def _check(q: torch.Tensor, blocks: tuple[int, ...], needs_grad: bool) -> None:
         raise RuntimeError(f"backend 'flex': {reason}")
 
 
-def tile_options(block_q: int, block_kv: int, dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+def tile_options(block_q: int, block_kv: int, dtype: torch.dtype, head_dim: int) -> dict[str, int | bool]:
     """Forward kernel tiles for CUDA: the largest powers of two dividing the sparse blocks, capped
     by the sm90 default tiles of ``(dtype, head_dim)`` (smaller for fp32), 4 warps for small tiles.
 
     Key tiles stay at 64 for bf16 / fp16: torch 2.11's 128 x 128 forward tile (its sm90 default at D = 64)
     needed 240 KB of shared memory on an H200 at N = 65536 (limit 227 KB) and failed to compile; 128 x 64 ran
     the 128 x 128-block case in 4.06 / 10.9 ms fwd / fwd+bwd (B=2 H=8 D=64, 5 %), 2 stages of 128 x 128 4.53 /
-    11.3 (2026-11-26)."""
+    11.3 (2026-11-26).
+
+    Also forces the main kernel (``FORCE_USE_FLEX_ATTENTION``): for fewer than 128 queries inductor takes its
+    decoding kernel, which found no config for 16-token key blocks (``NoValidChoicesError``, torch 2.11, H100:
+    N=73, fp16, D=32)."""
     if dtype == torch.float32:
         cap_m, cap_n = (128, 32) if head_dim <= 64 else (32, 32)
     else:
         cap_m, cap_n = (128, 64) if head_dim <= 128 else (64, 32)
     tile_m, tile_n = min(block_q & -block_q, cap_m), min(block_kv & -block_kv, cap_n)
-    options = {"fwd_BLOCK_M": tile_m, "fwd_BLOCK_N": tile_n}
+    options = {"fwd_BLOCK_M": tile_m, "fwd_BLOCK_N": tile_n, "FORCE_USE_FLEX_ATTENTION": True}
     if tile_m * tile_n <= 64 * 64:
         options["fwd_num_warps"] = 4
     return options

@@ -131,6 +131,8 @@ HEAD_CHUNK = 16  # head dims per step of the children's scores
 # tokens (D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens
 # 136 -> 160, spilled) and children rows of <= 128 candidates at head dims <= 64 (D64 100 -> 90-97, D32 81 -> 65;
 # D128 129 -> 138)
+CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
+# 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
 BITONIC_TOP_KEYS, BITONIC_CHILD_KEYS, BITONIC_CHILD_DIMS = 256, 128, 64
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
@@ -143,6 +145,16 @@ def search_bitonic(top: bool, candidates: int, head_dims: int) -> bool:
     if top:
         return candidates <= BITONIC_TOP_KEYS
     return candidates <= BITONIC_CHILD_KEYS and head_dims <= BITONIC_CHILD_DIMS
+
+
+def child_parents(rows: int, candidates: int) -> int:
+    """Parents per program (a warp each) of the children's selection, rows of ``candidates`` (padded) keys:
+    ``CHILD_PARENTS``, fewer where their fp32 scores exceed ``CHILD_SCORE_BYTES``; 0 where one parent's do (such a
+    level goes through ``masks.children_topk``)."""
+    for parents in range(CHILD_PARENTS, 0, -1):
+        if parents * rows * candidates * 4 <= CHILD_SCORE_BYTES:
+            return parents
+    return 0
 
 
 def top_warps(bitonic: bool, candidates: int, head_dims: int) -> int:
@@ -177,10 +189,23 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
         sel[:, :, start:start + count] = block_topk(q_top, k_top, levels.topk[-1], 0)[0].flatten(2)
     for level in range(top - 1, 0, -1):
-        bc = pow2(levels.topk[level] * block, 16)
-        parents = levels.tokens(level + 1)
-        launcher(_select_children_kernel)[(cdiv(parents, CHILD_PARENTS), bsz * heads)](
-            *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=pow2(block, 16), BC=bc,
-            KSEL=levels.topk[level - 1], W=CHILD_PARENTS, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT,
-            BITONIC=search_bitonic(False, bc, bd), KSEL2=pow2(levels.topk[level - 1]), num_warps=CHILD_PARENTS)
+        bq, bc = pow2(block, 16), pow2(levels.topk[level] * block, 16)
+        parents, per_program = levels.tokens(level + 1), child_parents(bq, bc)
+        if not per_program:
+            wide_children(q_pyr, k_pyr, sel, levels, level)
+            continue
+        launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
+            *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
+            W=per_program, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, BITONIC=search_bitonic(False, bc, bd),
+            KSEL2=pow2(levels.topk[level - 1]), num_warps=per_program)
     return sel
+
+
+def wide_children(q_pyr: torch.Tensor, k_pyr: torch.Tensor, sel: torch.Tensor, levels: Levels, level: int) -> None:
+    """``S_level`` written into the packed ``sel`` by ``masks.children_topk`` (fp32, memory-bounded chunks), for rows
+    of candidates too wide for ``_select_children_kernel`` (``child_parents``)."""
+    from ..masks import children_topk
+    packed = levels.unpack(sel)
+    packed.indices[level - 1].copy_(children_topk(levels.split_pyramid(q_pyr)[level - 1],
+                                                  levels.split_pyramid(k_pyr)[level - 1], packed.indices[level],
+                                                  levels.topk[level - 1], levels.block))
