@@ -257,7 +257,7 @@ def test_gpu_fuzz_flex_methods(case):
 @FUZZ_COMPILED
 @given(case=method_cases(), dtype=st.sampled_from(["bf16", "fp32"]))
 # found on an H100 (session 33): one sparse block per row, so torch 2.11's inductor rewrote the linear branch's
-# keep map into an fp32 tensor typed bf16 (linear_dense.keep_map)
+# keep map into an fp32 tensor typed bf16 (masks.keep_map)
 @example(case=({"method": "sla2", "block_q": 32, "block_k": 32, "topk_ratio": 0.05, "feature_map": "softmax",
                 "deterministic": True}, 623, 4, 2, 128, "bnhd"), dtype="bf16")
 def test_gpu_fuzz_compiled_triton_methods(case, dtype):
