@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..masks import keep_map
 from .common import launcher
 from .csc import block_csc
 from .layout import cdiv, pow2, repeat_rows
@@ -163,7 +164,6 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
         SAVED=o_l is not None, PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
-        from ..masks import keep_map
         from .linear_dense import key_sums
         d_ht, d_zt = key_sums(repeat_rows(keep_map(skipped, tk, dt), parts), d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER

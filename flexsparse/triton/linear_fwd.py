@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..config import FEATURE_MAPS
+from ..masks import keep_map
 from .common import launcher
 from .layout import cdiv, pow2
 from .tiles import overrides
@@ -252,7 +253,6 @@ class Mix(NamedTuple):
 
 def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
     """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``linear_dense``)."""
-    from ..masks import keep_map
     from .linear_dense import query_sums
     return query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
 

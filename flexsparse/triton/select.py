@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..masks import children_topk
 from .bisect import INT_MAX, INT_MIN, first_k_rows, ordered_key, store_taken
 from .block_topk import block_topk
 from .common import KV_OFF, SEL_OFF, T, TOPK, launcher, program_heads
@@ -188,8 +189,9 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
         sel[:, :, start:start + count] = block_topk(q_top, k_top, levels.topk[-1], 0)[0].flatten(2)
+    bq = pow2(block, 16)
     for level in range(top - 1, 0, -1):
-        bq, bc = pow2(block, 16), pow2(levels.topk[level] * block, 16)
+        bc = pow2(levels.topk[level] * block, 16)
         parents, per_program = levels.tokens(level + 1), child_parents(bq, bc)
         if not per_program:
             wide_children(q_pyr, k_pyr, sel, levels, level)
@@ -204,7 +206,6 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
 def wide_children(q_pyr: torch.Tensor, k_pyr: torch.Tensor, sel: torch.Tensor, levels: Levels, level: int) -> None:
     """``S_level`` written into the packed ``sel`` by ``masks.children_topk`` (fp32, memory-bounded chunks), for rows
     of candidates too wide for ``_select_children_kernel`` (``child_parents``)."""
-    from ..masks import children_topk
     packed = levels.unpack(sel)
     packed.indices[level - 1].copy_(children_topk(levels.split_pyramid(q_pyr)[level - 1],
                                                   levels.split_pyramid(k_pyr)[level - 1], packed.indices[level],
