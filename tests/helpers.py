@@ -40,7 +40,7 @@ def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block
     chosen, sels = select.search_bitonic, []
     try:
         for bitonic in (True, False):
-            select.search_bitonic = lambda top, candidates, dims, bitonic=bitonic: bitonic and (
+            select.search_bitonic = lambda top, candidates, bitonic=bitonic: bitonic and (
                 widest is None or candidates <= widest)
             sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
     finally:

@@ -87,6 +87,14 @@ def first_k_rows(key, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: tl.const
     threshold = lo.to(tl.int32)  # a real key's range: padding is never tied
     if SMALLEST:
         threshold = ~threshold
+    return take_from(key, threshold, count, pad, SMALLEST, TIES_BY_SCAN)
+
+
+@triton.jit
+def take_from(key, threshold, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: tl.constexpr):
+    """``first_k_rows``' mask given each row's threshold ``(R,)`` (the ``count``-th largest key, or smallest with
+    ``SMALLEST``): the keys beyond it and the ties at it up to ``count``, ties to the smallest columns (the largest
+    with ``SMALLEST``)."""
     bound = tl.expand_dims(threshold, -1)
     if SMALLEST:
         need = count - tl.sum((key < bound).to(tl.int32), axis=-1) + pad

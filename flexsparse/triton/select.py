@@ -1,16 +1,19 @@
 """Hierarchical top-K selection of LLSA in Triton.
 
 One kernel per level. Top level (``_select_top_kernel``): each program scores 16 pooled query tokens against every
-token of the level (IEEE fp32 dots over all of its keys at once; levels of more than ``DENSE_TOP_TOKENS`` tokens, or
-whose fp32 keys take more than ``DENSE_TOP_ELEMENTS`` elements, take the single-level ``block_topk``). Each finer
-level (``_select_children_kernel``): a warp per parent token scores its ``b`` children against the children of the
-parent's selection only (``K_{l+1} * b`` candidates per query token, O(N)), with three-pass TF32 tensor-core dots
-(``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took 150 of this kernel's 250 us at N=65536 on an H100). Rows are
-selected all at once, by a bitonic top-K of the scores packed with their key ids (``top_tokens``) or by bisection
-(``bisect.first_k_rows``), whichever ran faster for the kernel's shape (``search_bitonic``); ties go to the smallest
+token of the level (fp32 dots over all of its keys at once: tf32x3 up to ``BITONIC_TOP_KEYS`` tokens, else
+IEEE; levels of more than ``DENSE_TOP_TOKENS`` tokens, or whose fp32 keys take more than ``DENSE_TOP_ELEMENTS``
+elements, take the single-level ``block_topk``). Each finer level (``_select_children_kernel``): a warp per parent
+token scores its ``b`` children against the children of the parent's selection only (``K_{l+1} * b`` candidates
+per query token, O(N)), with three-pass TF32 tensor-core dots (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took
+150 of this kernel's 250 us at N=65536 on an H100). Rows are selected all at once, bitonically or by bisection
+(``bisect.first_k_rows``), whichever ran faster for the kernel's shape (``search_bitonic``): at the top level a
+bitonic top-K of the scores packed with their key ids (``top_tokens``), below it the K-th largest score by a
+bitonic top-K of the scores alone and then ``first_k_rows``' cut at it (``top_mask``); ties go to the smallest
 key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The
 result equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as
-on the tests' grid values).
+on the tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
+``top_warps`` (``top_warps``), ``top_precision``.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import triton
 import triton.language as tl
 
 from ..masks import children_topk
-from .bisect import INT_MAX, INT_MIN, first_k_rows, ordered_key, store_taken
+from .bisect import INT_MAX, INT_MIN, first_k_rows, ordered_key, store_taken, take_from
 from .block_topk import block_topk
 from .common import KV_OFF, SEL_OFF, T, TOPK, launcher, program_heads
 from . import layout
 from .layout import Levels, cdiv, pow2
+from .tiles import overrides
 
 
 @triton.jit
@@ -47,6 +51,15 @@ def top_tokens(key, tok, KSEL: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def top_mask(key, KSEL: tl.constexpr, KP: tl.constexpr):
+    """``bisect.first_k_rows``' mask of the ``KSEL`` largest keys of each row of ``key (..., C)`` (ties to the
+    smallest column), its threshold found by a bitonic top-K of the int32 keys alone (``KP = pow2(KSEL)``)."""
+    best = tl.topk(key, KP)  # descending
+    threshold = tl.min(tl.where(tl.arange(0, KP) < KSEL, best, INT_MAX), axis=-1)
+    return take_from(key, threshold, KSEL, 0, False, True)
+
+
+@triton.jit
 def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr):
     """Store the first ``KSEL`` of ``tokens (..., KP)`` at ``out_rows (...)`` where ``row_ok``."""
     slot = tl.arange(0, KP)
@@ -56,10 +69,11 @@ def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr)
 @triton.jit
 def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                        D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BC: tl.constexpr, KSEL: tl.constexpr,
-                       SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr):
-    """``S_LEVEL`` rows of the top level: query tokens ``pid * BQ ...`` against every token of the level (IEEE fp32
-    dots). The top ``KSEL`` of each row, ascending: by ``top_tokens`` with ``BITONIC`` (``KSEL2 = pow2(KSEL)``), else
-    by bisection, ``SCAN``: ties cut by a prefix sum (``bisect.first_k_rows``'s ``TIES_BY_SCAN``)."""
+                       SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr, PRECISION: tl.constexpr):
+    """``S_LEVEL`` rows of the top level: query tokens ``pid * BQ ...`` against every token of the level (fp32
+    dots: ``PRECISION`` "ieee" or "tf32x3"). The top ``KSEL`` of each row, ascending: by ``top_tokens`` with
+    ``BITONIC`` (``KSEL2 = pow2(KSEL)``), else by bisection, ``SCAN``: ties cut by a prefix sum
+    (``bisect.first_k_rows``'s ``TIES_BY_SCAN``)."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     q_base, k_base, tokens, off = level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL)
@@ -73,7 +87,7 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
                 mask=row_ok[:, None] & (dim[None, :] < D), other=0.0)
     k = tl.load(k_base + (off + cand).to(tl.int64)[:, None] * D + dim[None, :],
                 mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
-    key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision="ieee")), INT_MIN)
+    key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision=PRECISION)), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
     if BITONIC:
         store_tokens(out, top_tokens(key, cand[None, :] + tl.zeros_like(key), KSEL, KSEL2), row_ok, KSEL, KSEL2)
@@ -116,7 +130,7 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
     if BITONIC:
-        store_tokens(out, top_tokens(key, cand[:, None, :] + tl.zeros_like(key), KSEL, KSEL2), row_ok, KSEL, KSEL2)
+        store_taken(out, top_mask(key, KSEL, KSEL2) & row_ok[:, :, None], cand)
     else:
         store_taken(out, first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, :, None], cand)
 
@@ -125,44 +139,44 @@ DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tok
 DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys): the dense kernel holds the level's
 # fp32 keys in shared memory, 128 KB here (1024 x 64 needed 260 KB, over sm_90's 227 KB, and failed to launch:
 # benchmarks/sm90_fit.py)
-CHILD_PARENTS = 2  # parents per program below the top level, a warp each (H200, B2 H8 N65536 L2: 0.102 ms against
-# 0.111 / 0.110 with 1 / 4, and 0.129 for the former 4-warp program per parent; D128: 0.129 against 0.139 / 0.141)
-HEAD_CHUNK = 16  # head dims per step of the children's scores
-# The searches that ran faster (H200, session 32, us per launch at B2 H8 b16 K8): bitonic for top levels of <= 256
-# tokens (D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens
-# 136 -> 160, spilled) and children rows of <= 128 candidates at head dims <= 64 (D64 100 -> 90-97, D32 81 -> 65;
-# D128 129 -> 138)
+CHILD_PARENTS = 1  # parents per program below the top level, a warp each (H100, session 34, B2 H8 b16 K8, us:
+# N65536 D64 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186; D128 with top_mask 119-122 against
+# 125-127. Session 17, H200, bisection: 2 parents 102 against 111 with 1 and 110 with 4)
+HEAD_CHUNK = 16  # head dims per step of the children's scores (32 and 64 spilled: 134 and 215 us against 97)
+# The searches that ran faster (us per launch at B2 H8 b16 K8): bitonic for top levels of <= 256 tokens (H200,
+# session 32: D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512
+# tokens 136 -> 160, spilled), there with tf32x3 dots instead of IEEE (H100, session 34: D64 31.0 -> 28.2 on 4 warps,
+# D128 66-67 -> 46-47 on 8), and top_mask for children rows of <= 128 candidates (H100, session 34, one parent per
+# program: D128 136 -> 119-122; D64 85-86 either way; the packed search of session 32 needed D <= 64)
 CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
 # 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
-BITONIC_TOP_KEYS, BITONIC_CHILD_KEYS, BITONIC_CHILD_DIMS = 256, 128, 64
+BITONIC_TOP_KEYS, BITONIC_CHILD_KEYS = 256, 128
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
 
 
-def search_bitonic(top: bool, candidates: int, head_dims: int) -> bool:
-    """Whether the rows of ``candidates`` keys (a power of two) of a selection kernel at ``head_dims`` (padded) take
-    their top K by ``top_tokens`` (bitonic) rather than ``bisect.first_k_rows``: the faster one where measured
-    (``BITONIC_TOP_KEYS``). Both give the same selection."""
-    if top:
-        return candidates <= BITONIC_TOP_KEYS
-    return candidates <= BITONIC_CHILD_KEYS and head_dims <= BITONIC_CHILD_DIMS
+def search_bitonic(top: bool, candidates: int) -> bool:
+    """Whether the rows of ``candidates`` keys (a power of two) of a selection kernel take their top K bitonically
+    (``top_tokens`` at the top level, ``top_mask`` below) rather than by ``bisect.first_k_rows``: the faster one
+    where measured (``BITONIC_TOP_KEYS``). All give the same selection."""
+    return candidates <= (BITONIC_TOP_KEYS if top else BITONIC_CHILD_KEYS)
 
 
-def child_parents(rows: int, candidates: int) -> int:
+def child_parents(rows: int, candidates: int, most: int = CHILD_PARENTS) -> int:
     """Parents per program (a warp each) of the children's selection, rows of ``candidates`` (padded) keys:
-    ``CHILD_PARENTS``, fewer where their fp32 scores exceed ``CHILD_SCORE_BYTES``; 0 where one parent's do (such a
+    ``most``, fewer where their fp32 scores exceed ``CHILD_SCORE_BYTES``; 0 where one parent's do (such a
     level goes through ``masks.children_topk``)."""
-    for parents in range(CHILD_PARENTS, 0, -1):
+    for parents in range(most, 0, -1):
         if parents * rows * candidates * 4 <= CHILD_SCORE_BYTES:
             return parents
     return 0
 
 
 def top_warps(bitonic: bool, candidates: int, head_dims: int) -> int:
-    """Warps of a top-level program (16 query rows x ``candidates`` keys of ``head_dims``): the bitonic search holds
-    int64 keys and spilled on 4 warps at 256 x 64 (40 us against 30 on 8)."""
+    """Warps of a top-level program (16 query rows x ``candidates`` keys of ``head_dims``): with the bitonic search
+    (and tf32x3 dots) 4 up to 256 x 64 (28 us against 37 on 8), 8 above (256 x 128: 46 against 60)."""
     size = candidates * head_dims
-    return (8 if size >= 256 * 64 else 4) if bitonic else (4 if size <= 256 * 64 else 8)
+    return (8 if size > 256 * 64 else 4) if bitonic else (4 if size <= 256 * 64 else 8)
 
 
 def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
@@ -179,12 +193,14 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     top, block = levels.levels, levels.block
     args = (q_pyr, k_pyr, sel, meta, q_pyr.stride(0), q_pyr.stride(1), k_pyr.stride(0), k_pyr.stride(1),
             heads, heads // k_pyr.shape[1], levels.selection_size)
-    bc, bd = pow2(levels.tokens(top), 16), pow2(d, 16)
+    bc, bd, tiles = pow2(levels.tokens(top), 16), pow2(d, 16), overrides("select")
     if bc <= DENSE_TOP_TOKENS and bc * bd <= dense_limit:
-        bitonic = search_bitonic(True, bc, bd)
+        bitonic = search_bitonic(True, bc)
         launcher(_select_top_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
             *args, top, D=d, BD=bd, BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT, BITONIC=bitonic,
-            KSEL2=pow2(levels.topk[-1]), num_warps=top_warps(bitonic, bc, bd))
+            KSEL2=pow2(levels.topk[-1]),
+            PRECISION=tiles.get("top_precision", "tf32x3" if bc <= BITONIC_TOP_KEYS else "ieee"),
+            num_warps=tiles.get("top_warps", top_warps(bitonic, bc, bd)))
     else:
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
@@ -192,13 +208,13 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     bq = pow2(block, 16)
     for level in range(top - 1, 0, -1):
         bc = pow2(levels.topk[level] * block, 16)
-        parents, per_program = levels.tokens(level + 1), child_parents(bq, bc)
+        parents, per_program = levels.tokens(level + 1), child_parents(bq, bc, tiles.get("parents", CHILD_PARENTS))
         if not per_program:
             wide_children(q_pyr, k_pyr, sel, levels, level)
             continue
         launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
             *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
-            W=per_program, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, BITONIC=search_bitonic(False, bc, bd),
+            W=per_program, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, BITONIC=search_bitonic(False, bc),
             KSEL2=pow2(levels.topk[level - 1]), num_warps=per_program)
     return sel
 

@@ -6,7 +6,9 @@ Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``lls
 ``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg``),
 ``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
 ``SELECT_WARPS`` per row),
-``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys).
+``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys),
+``select`` (LLSA's selection: ``parents``, ``top_warps``, ``top_precision``; ``select`` module docstring),
+``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pool.warps_for``).
 Read at every call.
 """
 from __future__ import annotations
@@ -23,5 +25,5 @@ def overrides(kind: str) -> dict:
     table = json.loads(text)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
         raise ValueError("FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', "
-                         f"'linear', 'block_topk', 'block_fwd_fp8') to dicts, got {text!r}")
+                         f"'linear', 'block_topk', 'block_fwd_fp8', 'select', 'pool') to dicts, got {text!r}")
     return table.get(kind, {})
