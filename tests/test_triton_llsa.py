@@ -189,13 +189,15 @@ def test_select_long_top_level_through_block_topk():
 @cpu_only
 @pytest.mark.parametrize("score_bytes", ["two parents", "one parent", "none"])
 def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monkeypatch):
-    """Children rows too wide for two parents per program (``select.child_parents``) run one per program, or, too
-    wide for one, through ``masks.children_topk``: the same selection at every level (L = 3, GQA)."""
+    """With two parents per program asked for (the ``select`` tile override ``parents``), children rows too wide for
+    two (``select.child_parents``) run one per program, or, too wide for one, through ``masks.children_topk``: the
+    same selection at every level (L = 3, GQA; two parents: a partial last program repeats its last parent)."""
     from flexsparse.triton import select
     n, block, topk = 1100, 4, (3, 5, 2)
     one = 4 * 16 * pow2(block * 5, 16)  # one parent's fp32 scores at the widest children rows
     limit = {"two parents": 2 * one, "one parent": one, "none": one - 1}[score_bytes]
     monkeypatch.setattr(select, "CHILD_SCORE_BYTES", limit)
+    monkeypatch.setattr(select, "CHILD_PARENTS", 2)
     q, k, _ = _qkv(n, 4, 2, 16, grid=True)
     q_levels, k_levels = pool_pyramid(q, block, 3), pool_pyramid(k, block, 3)
     sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))

@@ -162,7 +162,7 @@ def search_bitonic(top: bool, candidates: int) -> bool:
     return candidates <= (BITONIC_TOP_KEYS if top else BITONIC_CHILD_KEYS)
 
 
-def child_parents(rows: int, candidates: int, most: int = CHILD_PARENTS) -> int:
+def child_parents(rows: int, candidates: int, most: int) -> int:
     """Parents per program (a warp each) of the children's selection, rows of ``candidates`` (padded) keys:
     ``most``, fewer where their fp32 scores exceed ``CHILD_SCORE_BYTES``; 0 where one parent's do (such a
     level goes through ``masks.children_topk``)."""
