@@ -33,18 +33,18 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
 
 def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
                          widest: int | None = None) -> list[torch.Tensor]:
-    """LLSA's packed selections from pooled pyramids by the selection kernels' bitonic search and by bisection
-    (``flexsparse.triton.select.search_bitonic`` forced each way; rows of more than ``widest`` candidates always
-    bisect): ``[bitonic, bisection]``."""
+    """LLSA's packed selections from pooled pyramids by each search of the selection kernels
+    (``flexsparse.triton.select.search`` forced to each ``SEARCH_*``; rows of more than ``widest`` candidates always
+    bisect): ``[packed, threshold, bisection]``."""
     from flexsparse.triton import ops, select  # not at import: the interpreter tests set TRITON_INTERPRET first
-    chosen, sels = select.search_bitonic, []
+    chosen, sels = select.search, []
     try:
-        for bitonic in (True, False):
-            select.search_bitonic = lambda top, candidates, bitonic=bitonic: bitonic and (
-                widest is None or candidates <= widest)
+        for how in (select.SEARCH_PACKED, select.SEARCH_THRESHOLD, select.SEARCH_BISECT):
+            select.search = lambda top, candidates, dims, how=how: (
+                how if widest is None or candidates <= widest else select.SEARCH_BISECT)
             sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
     finally:
-        select.search_bitonic = chosen
+        select.search = chosen
     return sels
 
 

@@ -178,15 +178,15 @@ def test_gpu_fuzz_llsa_kernels(case):
 # for two parents per program (select.child_parents now takes one, or masks.children_topk)
 @example(case=(33940, 32, (12, 23), 2, 2, 128, "bf16"), grid=False)
 def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
-    """LLSA's selection kernels by their bitonic search and by bisection (``select.search_bitonic`` forced either
-    way; rows of more than 256 candidates, whose int64 keys would spill heavily, always bisect): the same packed
-    selection, on random or grid (tie-rich) inputs."""
+    """LLSA's selection kernels by each of their searches (``select.search`` forced each way; rows of more than 256
+    candidates, whose int64 keys would spill heavily, always bisect): the same packed selection, on random or grid
+    (tie-rich) inputs."""
     from flexsparse.triton import ops
     n, block, topk, heads, kv_heads, d, dtype = case
     q, k, _ = method_leaves(n, heads, kv_heads, d, LOW[dtype], "bhnd", grid)
     q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
-    bitonic, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
-    assert torch.equal(bitonic, bisection)
+    packed, threshold, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
+    assert torch.equal(packed, bisection) and torch.equal(threshold, bisection)
 
 
 @gpu

@@ -161,14 +161,14 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [(300, 4, (3, 2, 2), 2, 1, 16), (1100, 4, (1, 5), 4, 2, 8),
                                                            (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16),
                                                            (250, 16, (16,), 2, 1, 16)])
-def test_select_bitonic_and_bisection_agree(n, block, topk, heads, kv_heads, d, grid):
-    """The two searches of the selection kernels (``select.search_bitonic``) pick the same keys in the same order,
+def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
+    """The three searches of the selection kernels (``select.search``) pick the same keys in the same order,
     ties included (grid values: many), for K that are no power of two, K = 1, K = every token of a ragged level
     (a full bitonic sort), wide rows (the 275-token top level) and GQA."""
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
     q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
-    bitonic, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
-    assert torch.equal(bitonic, bisection)
+    packed, threshold, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
+    assert torch.equal(packed, bisection) and torch.equal(threshold, bisection)
 
 
 @cpu_only
@@ -399,12 +399,13 @@ def test_gpu_selection_matches_masks(n, block, topk):
 
 @gpu
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_gpu_select_bitonic_and_bisection_agree(d):
-    """The selection kernels' two searches give the same selection on the GPU at a realistic size."""
+def test_gpu_select_searches_agree(d):
+    """The selection kernels' three searches give the same selection on the GPU at a realistic size."""
     n, block, topk = 65536, 16, [8, 8]
     q, k, _ = _gpu_inputs(n, 4, 2, d)
-    bitonic, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n, block, topk)
-    assert torch.equal(bitonic, bisection)
+    packed, threshold, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
+                                                        block, topk)
+    assert torch.equal(packed, bisection) and torch.equal(threshold, bisection)
 
 
 @gpu

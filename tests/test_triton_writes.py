@@ -45,10 +45,11 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
 ]
 
 
-# Kernels whose store addresses come from the data they read: the selection kernels searching by bisection
-# (``BITONIC`` off) pack each row's taken columns by rank, a scatter whose address depends on the scores and so on
-# the pyramids and the level table. The analysis cannot tell that from writing them; compiled graphs copy these
-# (intermediate) tensors before the launch. Their bitonic search stores each row's tokens in place.
+# Kernels whose store addresses come from the data they read: the selection kernels searching by bisection or by
+# threshold (``SEARCH`` other than ``select.SEARCH_PACKED``) pack each row's taken columns by rank, a scatter whose
+# address depends on the scores and so on the pyramids and the level table. The analysis cannot tell that from
+# writing them; compiled graphs copy these (intermediate) tensors before the launch. Their packed search stores each
+# row's tokens in place.
 DATA_ADDRESSED = {("flexsparse.triton.select", "_select_top_kernel"): {"QP", "KP", "META"},
                   ("flexsparse.triton.select", "_select_children_kernel"): {"QP", "KP", "META"}}
 
@@ -155,7 +156,8 @@ def record(out: str) -> None:
     sla_ops.block_topk(pooled_q, pooled_k, 4, 2)  # the methods select on CPU without the kernels
     sla_ops.center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
     from flexsparse.triton import layout, ops, select
-    for n, block, d in ((8192, 4, 64), (512, 16, 128)):  # bisection: a top level of 512 tokens; children at D > 64
+    # bisection: a top level of 512 tokens; threshold: children at D > 64
+    for n, block, d in ((8192, 4, 64), (512, 16, 128)):
         levels = layout.level_table(n, block, [2, 2])
         select.hierarchical_topk(*(torch.randn(1, 1, levels.pyramid_tokens, d) for _ in range(2)), levels)
     ops.contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
@@ -258,7 +260,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         if scalar_methods:
             wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
                          "write analysis has no such attribute (use tl.cast)")
-        extra = set() if spec.get("BITONIC") else DATA_ADDRESSED.get((module, name), set())
+        extra = set() if spec.get("SEARCH") == 1 else DATA_ADDRESSED.get((module, name), set())  # SEARCH_PACKED
         if extra:
             scattered.add((module, name))
         if not extra <= written:
@@ -273,7 +275,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
                 wrong.append(f"{module}.{name}: {'/'.join(group)} {'is' if stored else 'is not'} stored into, "
                              f"the analysis says it writes {sorted(written)}")
     assert len({(m, n) for m, n, _, _ in launches}) >= 26  # every kernel the interpreter runs
-    assert scattered == set(DATA_ADDRESSED), "a selection kernel never searched by bisection here"
+    assert scattered == set(DATA_ADDRESSED), "a selection kernel never searched by bisection or threshold here"
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,15 +1,18 @@
 """Hierarchical top-K selection of LLSA in Triton.
 
 One kernel per level. Top level (``_select_top_kernel``): each program scores 16 pooled query tokens against every
-token of the level (fp32 dots over all of its keys at once: tf32x3 up to ``BITONIC_TOP_KEYS`` tokens, else
+token of the level (fp32 dots over all of its keys at once: tf32x3 up to ``PACKED_TOP_KEYS`` tokens, else
 IEEE; levels of more than ``DENSE_TOP_TOKENS`` tokens, or whose fp32 keys take more than ``DENSE_TOP_ELEMENTS``
 elements, take the single-level ``block_topk``). Each finer level (``_select_children_kernel``): a warp per parent
 token scores its ``b`` children against the children of the parent's selection only (``K_{l+1} * b`` candidates
 per query token, O(N)), with three-pass TF32 tensor-core dots (``tf32x3``, fp32 accuracy; an IEEE fp32 FMA dot took
-150 of this kernel's 250 us at N=65536 on an H100). Rows are selected all at once, bitonically or by bisection
-(``bisect.first_k_rows``), whichever ran faster for the kernel's shape (``search_bitonic``): at the top level a
-bitonic top-K of the scores packed with their key ids (``top_tokens``), below it the K-th largest score by a
-bitonic top-K of the scores alone and then ``first_k_rows``' cut at it (``top_mask``); ties go to the smallest
+150 of this kernel's 250 us at N=65536 on an H100). Rows are selected all at once (``store_top``), by one of three
+searches, whichever ran faster for the kernel's shape (``search``): a bitonic top-K of the scores packed with their
+key ids (``top_tokens``, ``SEARCH_PACKED``), the K-th largest score by a bitonic top-K of the scores alone and then
+``first_k_rows``' cut at it (``top_mask``, ``SEARCH_THRESHOLD``), or bisection (``bisect.first_k_rows``,
+``SEARCH_BISECT``). The packed search stores each row's tokens at fixed addresses; the other two pack the taken
+columns by rank, a store whose address ``torch.compile``'s write analysis sees as depending on the pyramids, so
+compiled graphs copy them before such a launch (``tests/test_triton_writes.py``). Ties go to the smallest
 key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The
 result equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as
 on the tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
@@ -67,13 +70,27 @@ def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
+def store_top(out_rows, key, tok, values, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SCAN: tl.constexpr,
+              SEARCH: tl.constexpr):
+    """The ``KSEL`` tokens of the largest keys of each row of ``key (..., C)`` (``tok``: each key's token, the same
+    shape; ``values``: ``bisect.store_taken``'s) stored ascending at ``out_rows (...)`` where ``row_ok``, found by
+    ``SEARCH`` (module docstring; ``KP = pow2(KSEL)``, ``SCAN``: ``first_k_rows``' ``TIES_BY_SCAN``)."""
+    if SEARCH == 1:
+        store_tokens(out_rows, top_tokens(key, tok, KSEL, KP), row_ok, KSEL, KP)
+    else:
+        if SEARCH == 2:
+            taken = top_mask(key, KSEL, KP)
+        else:
+            taken = first_k_rows(key, KSEL, 0, False, SCAN)
+        store_taken(out_rows, taken & tl.expand_dims(row_ok, -1), values)
+
+
+@triton.jit
 def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL,
                        D: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BC: tl.constexpr, KSEL: tl.constexpr,
-                       SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr, PRECISION: tl.constexpr):
+                       SCAN: tl.constexpr, SEARCH: tl.constexpr, KSEL2: tl.constexpr, PRECISION: tl.constexpr):
     """``S_LEVEL`` rows of the top level: query tokens ``pid * BQ ...`` against every token of the level (fp32
-    dots: ``PRECISION`` "ieee" or "tf32x3"). The top ``KSEL`` of each row, ascending: by ``top_tokens`` with
-    ``BITONIC`` (``KSEL2 = pow2(KSEL)``), else by bisection, ``SCAN``: ties cut by a prefix sum
-    (``bisect.first_k_rows``'s ``TIES_BY_SCAN``)."""
+    dots: ``PRECISION`` "ieee" or "tf32x3"). The top ``KSEL`` of each row, ascending (``store_top``)."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     q_base, k_base, tokens, off = level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL)
@@ -89,17 +106,14 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
                 mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
     key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision=PRECISION)), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
-    if BITONIC:
-        store_tokens(out, top_tokens(key, cand[None, :] + tl.zeros_like(key), KSEL, KSEL2), row_ok, KSEL, KSEL2)
-    else:
-        store_taken(out, first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, None], cand)
+    store_top(out, key, cand[None, :] + tl.zeros_like(key), cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
 
 
 @triton.jit
 def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL, PARENTS,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BQ: tl.constexpr,
                             BC: tl.constexpr, KSEL: tl.constexpr, W: tl.constexpr, DC: tl.constexpr,
-                            SCAN: tl.constexpr, BITONIC: tl.constexpr, KSEL2: tl.constexpr):
+                            SCAN: tl.constexpr, SEARCH: tl.constexpr, KSEL2: tl.constexpr):
     """``S_LEVEL`` rows below the top: ``W`` parents (level LEVEL+1) per program, one per warp (batched 3-d
     products and searches: each warp's row reductions stay in the warp), the ``BLOCK`` query tokens under each
     against the children of ``S_{LEVEL+1}[parent]`` (tf32x3 dots). A partial last program repeats the last parent
@@ -129,10 +143,7 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
         scores = tl.dot(q, tl.trans(k), scores, input_precision="tf32x3")
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
-    if BITONIC:
-        store_taken(out, top_mask(key, KSEL, KSEL2) & row_ok[:, :, None], cand)
-    else:
-        store_taken(out, first_k_rows(key, KSEL, 0, False, SCAN) & row_ok[:, :, None], cand)
+    store_top(out, key, cand[:, None, :] + tl.zeros_like(key), cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
@@ -146,20 +157,26 @@ HEAD_CHUNK = 16  # head dims per step of the children's scores (32 and 64 spille
 # The searches that ran faster (us per launch at B2 H8 b16 K8): bitonic for top levels of <= 256 tokens (H200,
 # session 32: D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512
 # tokens 136 -> 160, spilled), there with tf32x3 dots instead of IEEE (H100, session 34: D64 31.0 -> 28.2 on 4 warps,
-# D128 66-67 -> 46-47 on 8), and top_mask for children rows of <= 128 candidates (H100, session 34, one parent per
-# program: D128 136 -> 119-122; D64 85-86 either way; the packed search of session 32 needed D <= 64)
+# D128 66-67 -> 46-47 on 8); for children rows of <= 128 candidates packed at D <= 64 (session 32: D64 100 -> 90-97,
+# D32 81 -> 65, but D128 129 -> 138) and there top_mask (H100, session 34, one parent per program: D128 bisection 136
+# -> 119-122; D64 85-86 with either bitonic search)
 CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
 # 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
-BITONIC_TOP_KEYS, BITONIC_CHILD_KEYS = 256, 128
+SEARCH_BISECT, SEARCH_PACKED, SEARCH_THRESHOLD = 0, 1, 2  # store_top's searches
+PACKED_TOP_KEYS, BITONIC_CHILD_KEYS, PACKED_CHILD_DIMS = 256, 128, 64
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
 
 
-def search_bitonic(top: bool, candidates: int) -> bool:
-    """Whether the rows of ``candidates`` keys (a power of two) of a selection kernel take their top K bitonically
-    (``top_tokens`` at the top level, ``top_mask`` below) rather than by ``bisect.first_k_rows``: the faster one
-    where measured (``BITONIC_TOP_KEYS``). All give the same selection."""
-    return candidates <= (BITONIC_TOP_KEYS if top else BITONIC_CHILD_KEYS)
+def search(top: bool, candidates: int, head_dims: int) -> int:
+    """The search (``SEARCH_*``) of a selection kernel's rows of ``candidates`` keys (a power of two) at ``head_dims``
+    (padded): the fastest measured (``PACKED_TOP_KEYS``), packed where it was as fast (the store compile sees). All
+    give the same selection."""
+    if top:
+        return SEARCH_PACKED if candidates <= PACKED_TOP_KEYS else SEARCH_BISECT
+    if candidates > BITONIC_CHILD_KEYS:
+        return SEARCH_BISECT
+    return SEARCH_PACKED if head_dims <= PACKED_CHILD_DIMS else SEARCH_THRESHOLD
 
 
 def child_parents(rows: int, candidates: int, most: int) -> int:
@@ -195,12 +212,12 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
             heads, heads // k_pyr.shape[1], levels.selection_size)
     bc, bd, tiles = pow2(levels.tokens(top), 16), pow2(d, 16), overrides("select")
     if bc <= DENSE_TOP_TOKENS and bc * bd <= dense_limit:
-        bitonic = search_bitonic(True, bc)
+        how = search(True, bc, bd)
         launcher(_select_top_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
-            *args, top, D=d, BD=bd, BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT, BITONIC=bitonic,
+            *args, top, D=d, BD=bd, BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT, SEARCH=how,
             KSEL2=pow2(levels.topk[-1]),
-            PRECISION=tiles.get("top_precision", "tf32x3" if bc <= BITONIC_TOP_KEYS else "ieee"),
-            num_warps=tiles.get("top_warps", top_warps(bitonic, bc, bd)))
+            PRECISION=tiles.get("top_precision", "tf32x3" if bc <= PACKED_TOP_KEYS else "ieee"),
+            num_warps=tiles.get("top_warps", top_warps(how != SEARCH_BISECT, bc, bd)))
     else:
         q_top, k_top = levels.split_pyramid(q_pyr)[-1], levels.split_pyramid(k_pyr)[-1]
         start, count = levels.rows[top - 1][layout.SEL_OFF], levels.tokens(top) * levels.topk[-1]
@@ -214,7 +231,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
             continue
         launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
             *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
-            W=per_program, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, BITONIC=search_bitonic(False, bc),
+            W=per_program, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, SEARCH=search(False, bc, bd),
             KSEL2=pow2(levels.topk[level - 1]), num_warps=per_program)
     return sel
 
