@@ -158,8 +158,8 @@ HEAD_CHUNK = 16  # head dims per step of the children's scores (32 and 64 spille
 # session 32: D64 34.7 -> 30.2 on 8 warps, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512
 # tokens 136 -> 160, spilled), there with tf32x3 dots instead of IEEE (H100, session 34: D64 31.0 -> 28.2 on 4 warps,
 # D128 66-67 -> 46-47 on 8); for children rows of <= 128 candidates packed at D <= 64 (session 32: D64 100 -> 90-97,
-# D32 81 -> 65, but D128 129 -> 138) and there top_mask (H100, session 34, one parent per program: D128 bisection 136
-# -> 119-122; D64 85-86 with either bitonic search)
+# D32 81 -> 65, but D128 129 -> 138), top_mask above D=64 (H100, session 34, one parent per program: D128 bisection
+# 136 -> 119-122; D64 85-86 with either bitonic search)
 CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
 # 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
 SEARCH_BISECT, SEARCH_PACKED, SEARCH_THRESHOLD = 0, 1, 2  # store_top's searches
