@@ -238,6 +238,7 @@ def _scalar_methods(kernel, kwargs: dict) -> list[str]:
                                            fromlist=["x"]), "identify_accessed_tensors"),
                     reason="this torch has no identify_accessed_tensors")
 def test_compile_sees_exactly_the_written_tensors(tmp_path):
+    from flexsparse.triton import select  # this process compiles TTIR: no interpreter here
     out = tmp_path / "launches.pkl"
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ts.ROOT, os.path.dirname(__file__),
@@ -260,7 +261,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         if scalar_methods:
             wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
                          "write analysis has no such attribute (use tl.cast)")
-        extra = set() if spec.get("SEARCH") == 1 else DATA_ADDRESSED.get((module, name), set())  # SEARCH_PACKED
+        extra = set() if spec.get("SEARCH") == select.SEARCH_PACKED else DATA_ADDRESSED.get((module, name), set())
         if extra:
             scattered.add((module, name))
         if not extra <= written:

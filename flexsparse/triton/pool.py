@@ -120,9 +120,9 @@ def sums_step(d: int, device: torch.device) -> int:
 
 
 def warps_for(step: int, bd: int) -> int:
-    """Warps of a pass of ``step`` tokens per program: 8 elements (16 bytes of bf16) per thread and load, on at
-    least 2 warps (the first pass at b=16, D=64, B2 H8 N65536: 153 us against 164 on one warp, H100, session 34;
-    4 warps 155; D=128 already takes 2, where 4 measured 338 against 311)."""
+    """Warps of a pass of ``step`` tokens per program: 8 elements (16 bytes of bf16) per thread and load, but at
+    least 2 warps (4 elements per thread on the first pass at b=16, D=64; B2 H8 N65536: 153 us against 164 on one
+    warp, H100, session 34; 4 warps 155; D=128 already takes 2, where 4 measured 338 against 311)."""
     return max(2, min(8, pow2(step) * bd // 1024))
 
 

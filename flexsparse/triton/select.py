@@ -32,6 +32,9 @@ from . import layout
 from .layout import Levels, cdiv, pow2
 from .tiles import overrides
 
+SEARCH_BISECT, SEARCH_PACKED, SEARCH_THRESHOLD = 0, 1, 2  # store_top's searches (module docstring)
+PACKED, THRESHOLD = tl.constexpr(SEARCH_PACKED), tl.constexpr(SEARCH_THRESHOLD)  # the same, in the kernels
+
 
 @triton.jit
 def level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL):
@@ -75,10 +78,10 @@ def store_top(out_rows, key, tok, values, row_ok, KSEL: tl.constexpr, KP: tl.con
     """The ``KSEL`` tokens of the largest keys of each row of ``key (..., C)`` (``tok``: each key's token, the same
     shape; ``values``: ``bisect.store_taken``'s) stored ascending at ``out_rows (...)`` where ``row_ok``, found by
     ``SEARCH`` (module docstring; ``KP = pow2(KSEL)``, ``SCAN``: ``first_k_rows``' ``TIES_BY_SCAN``)."""
-    if SEARCH == 1:
+    if SEARCH == PACKED:
         store_tokens(out_rows, top_tokens(key, tok, KSEL, KP), row_ok, KSEL, KP)
     else:
-        if SEARCH == 2:
+        if SEARCH == THRESHOLD:
             taken = top_mask(key, KSEL, KP)
         else:
             taken = first_k_rows(key, KSEL, 0, False, SCAN)
@@ -162,7 +165,6 @@ HEAD_CHUNK = 16  # head dims per step of the children's scores (32 and 64 spille
 # 136 -> 119-122; D64 85-86 with either bitonic search)
 CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
 # 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
-SEARCH_BISECT, SEARCH_PACKED, SEARCH_THRESHOLD = 0, 1, 2  # store_top's searches
 PACKED_TOP_KEYS, BITONIC_CHILD_KEYS, PACKED_CHILD_DIMS = 256, 128, 64
 SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
 # wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
