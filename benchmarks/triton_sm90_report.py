@@ -98,8 +98,8 @@ def main():
         ("fused fwd", llsa_fwd._fused_fwd_kernel,
          dict(Q=q, K=q, V=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", SEL="*i32", META="*i32", O=q, LSE="*fp32"),
          dict(BLOCK=block, TB=ft["fused_BM"] // block, N_SPARSE=128, BM=ft["fused_BM"], BN=ft["BN"], EVEN=True,
-              STAGES=ft["stages"], WN=ft["WN"], KEYS=128, W_STAGES=ft["w_stages"], KV_ROWS=True,
-              **common), ft["fused_warps"], ft["stages"]),
+              STAGES=ft["hoist_stages"], WN=ft["WN"], KEYS=128, W_STAGES=ft["w_stages"], KV_ROWS=True, HOIST=True,
+              RUNS=8, TOPK1P=8, **common), ft["fused_warps"], ft["hoist_stages"]),
     ]
     for levels, listed in ((2, 128), (3, 256)):  # keys listed per ancestor at K = 8: the loop's length differs
         jobs.append((f"coarse dq (L={levels})", llsa_bwd._coarse_dq_kernel,

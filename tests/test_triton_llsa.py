@@ -229,6 +229,7 @@ def test_csc_is_transpose(deterministic):
             assert torch.equal(got, csr_to_csc(s, keys).rows)
 
 
+HOISTED = (4096, 16, (2, 2), 2, 1, 16)  # even, L = 2, batched: the fused forward hoists its key rows (llsa_fwd)
 ENTRY = {"fuse_dq": False, "entry_memory": 1e9}                    # every coarse level's dK/dV ancestor-major
 KEY_MAJOR = {"fuse_dq": False, "entry_memory": 0.0}                 # ... key-major
 FUSED = {"fuse_dq": True, "dkv_slots": 2, "entry_memory": 0.0}      # ... and dQ in one kernel, lists in rounds
@@ -236,7 +237,7 @@ FUSED = {"fuse_dq": True, "dkv_slots": 2, "entry_memory": 0.0}      # ... and dQ
 
 @cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,tiles",
-                         [case + (ENTRY,) for case in CASES] + [case + (KEY_MAJOR,) for case in CASES[2:6]]
+                         [case + (ENTRY,) for case in CASES + [HOISTED]] + [case + (KEY_MAJOR,) for case in CASES[2:6]]
                          + [case + (FUSED,) for case in CASES[6:]])
 def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, tiles, monkeypatch):
     """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level. The coarse levels'

@@ -550,8 +550,10 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             part_k = dkc.new_empty(splits, bsz, kv_heads, count, d)
             part_v = torch.empty_like(part_k)
             part_off = 0
+        pooled = (dkc, dvc) if fine else (kc, vc)  # read at the fine level only; elsewhere inputs as the unused
+        # pointers, never the stored part_k, part_v (common.launcher; tests/test_triton_writes.py)
         launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
-            q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, dkc, dvc, part_k, part_v,
+            q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, *pooled, part_k, part_v,
             *q_strides, *do_strides, *kv_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,
             part_k.stride(-4), part_k.stride(-3), part_off,
             heads, kv_heads, group, n, top, level, levels.selection_size, levels.csc_size, splits,

@@ -19,6 +19,16 @@ The fine products have ``b`` rows (``mma.sync`` on Hopper). A transposed form (k
 needs a transposed shared-memory A operand, which triton 3.6 miscompiles (out-of-bounds wgmma reads on an H200).
 The coarse pass has an ``EVEN`` specialisation (N a multiple of ``b^L``, whole key chunks per level: no masks).
 Everything runs in the log2 domain (``SCALE2 = scale * log2(e)``); padding logits are -inf.
+
+**Hoisted key rows** (``HOIST``; ``EVEN`` lists of at most ``HOIST_RUNS`` runs, i.e. ``K_2 + ... + K_L`` selected
+tokens). Each chunk's key rows come from an index load (the ancestor's list, the blocks' ``S_1``), and Triton's
+pipeliner puts that load and the dependent ``cp.async`` of the chunk in one stage, so every iteration waits for all
+of its copies: a CTA never overlaps its own gathers with its products. ``_fused_fwd_kernel`` with ``HOIST`` reads
+the list once as runs of ``b`` rows (``listed_runs``) and the tile's ``S_1`` once, and computes each chunk's rows in
+registers (a compare-and-sum over the runs or ids). The coarse loop then keeps the next chunk's copies in flight on
+3 stages (``DEPBAR.LE SB0, 0x2`` in the SASS, against ``0x0``). H100, B2 H8 b16 K8, session 35: the kernel 700-703
+-> 673-678 us at N65536 D64, 1300-1303 -> 1185-1195 at D128; but 16 runs (N262144 L3) took 160 registers instead
+of 128 and 2726 -> 2844-2848 us, hence the cap.
 """
 from __future__ import annotations
 
@@ -31,6 +41,9 @@ from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, T, TOPK, launcher, load_rows, 
                      program_heads, softmax_step, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, coarse_tile_blocks, pow2
 from .tiles import overrides
+
+
+HOIST_RUNS = 8  # most runs (selected coarse tokens) in a list that the fused forward hoists (module docstring)
 
 
 @triton.jit
@@ -88,17 +101,48 @@ def coarse_keys(lst, LOG2C, c, BN: tl.constexpr, N_SPARSE: tl.constexpr, n_total
 
 
 @triton.jit
+def listed_runs(lst, LOG2C, N_SPARSE: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
+    """An ``EVEN`` ancestor's listed keys as runs of ``BLOCK`` consecutive pyramid rows (one per selected token):
+    the runs' first rows ``(RUNS,)`` and their logit biases ``log2(count)``, for ``coarse_keys_from_runs``."""
+    run = tl.arange(0, RUNS)
+    ok = run * BLOCK < N_SPARSE
+    starts = tl.load(lst + run * BLOCK, mask=ok, other=0)
+    return starts, tl.load(LOG2C + starts, mask=ok, other=0.0)
+
+
+@triton.jit
+def coarse_keys_from_runs(starts, run_bias, top_bias, c, BN: tl.constexpr, N_SPARSE: tl.constexpr,
+                          BLOCK: tl.constexpr, RUNS: tl.constexpr, top_off):
+    """``coarse_keys`` of an ``EVEN`` chunk without a load: its rows from ``listed_runs``' runs (or the top level's
+    tokens) and its bias (a chunk lies in one level), the top level's ``top_bias``."""
+    e = c + tl.arange(0, BN)
+    run = tl.arange(0, RUNS)
+    listed = tl.sum(tl.where(run[None, :] == (e // BLOCK)[:, None], starts[None, :], 0), axis=1) + e % BLOCK
+    rows = tl.where(e < N_SPARSE, listed, top_off + e - N_SPARSE)
+    bias = tl.where(c < N_SPARSE, tl.sum(tl.where(run == c // BLOCK, run_bias, 0.0)), top_bias)
+    return rows, bias
+
+
+@triton.jit
 def coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D: tl.constexpr, BD: tl.constexpr,
                    N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                   EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr,
+                   BLOCK: tl.constexpr, RUNS: tl.constexpr):
     """Online-softmax state ``(m, l, acc)`` (log2 units; ``(BM,)``, ``(BM,)``, ``(BM, BD)`` fp32) of query rows
-    ``q (BM, BD)`` over their ancestor's key list ``lst`` and every top-level token, in chunks of ``BN``."""
+    ``q (BM, BD)`` over their ancestor's key list ``lst`` and every top-level token, in chunks of ``BN``. With
+    ``HOIST`` (``EVEN`` only) the list is read once, as ``RUNS`` runs of ``BLOCK`` rows (module docstring)."""
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     n_total = N_SPARSE + TOP_T
+    if HOIST:
+        starts, run_bias = listed_runs(lst, LOG2C, N_SPARSE, BLOCK, RUNS)
+        top_bias = tl.load(LOG2C + TOP_OFF)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
-        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)
+        if HOIST:
+            key_rows, bias = coarse_keys_from_runs(starts, run_bias, top_bias, c, BN, N_SPARSE, BLOCK, RUNS, TOP_OFF)
+        else:
+            key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)
         k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
         v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
         if EVEN:
@@ -132,7 +176,7 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, o_b, o_h, 
     dim = tl.arange(0, BD)
     q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
     m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
-                               STAGES, IEEE)
+                               STAGES, IEEE, False, BLOCK, 1)
     store_rows(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, None], rows, o_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
 
@@ -143,11 +187,14 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
-                      W_STAGES: tl.constexpr, KV_ROWS: tl.constexpr, IEEE: tl.constexpr):
+                      W_STAGES: tl.constexpr, KV_ROWS: tl.constexpr, HOIST: tl.constexpr, RUNS: tl.constexpr,
+                      TOPK1P: tl.constexpr, IEEE: tl.constexpr):
     """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the coarse pass
     as ``_coarse_fwd_kernel`` on ``TB * b`` rows, then the state reshaped to ``(TB, b, ...)``, one block per warp
     where ``TB`` is the warp count, adds each block's ``K_1 * b`` fine keys (batched 3-d products, chunks of
-    ``WN``; ``KV_ROWS``: v's token stride is ``k_n``) and stores the output and the natural-log LSE."""
+    ``WN``; ``KV_ROWS``: v's token stride is ``k_n``) and stores the output and the natural-log LSE. ``HOIST``
+    (``EVEN`` only): both loops take their key rows from registers (module docstring; ``RUNS`` runs in the list,
+    ``TOPK1P = pow2(K_1)``)."""
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
@@ -155,15 +202,21 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
     q = load_rows(Q + head, rows, q_n, dim, rows < N, D)
     m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
-                               STAGES, IEEE)
+                               STAGES, IEEE, HOIST, BLOCK, RUNS)
     real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
     q = tl.reshape(q, (TB, BLOCK, BD))
     m = tl.reshape(m, (TB, BLOCK))
     l = tl.reshape(l, (TB, BLOCK))
     acc = tl.reshape(acc, (TB, BLOCK, BD))
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
+    if HOIST:
+        ids = tl.load(sel + blk[:, None] * (KEYS // BLOCK) + tl.arange(0, TOPK1P)[None, :],
+                      mask=tl.arange(0, TOPK1P)[None, :] < KEYS // BLOCK, other=0)  # (TB, TOPK1P): S_1 of the blocks
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
-        tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        if HOIST:
+            tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
+        else:
+            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
         if KV_ROWS:  # v's token stride is k's: one address computation for both gathers (H200, session 32: the
             # kernel 693-695 against 698 us at B2 H8 N65536 D64, 1253-1266 against 1274-1282 at D128)
@@ -199,6 +252,14 @@ def fine_tokens(sel, blk, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.co
     (``TOPK1`` ids per row at ``sel``, ``BLOCK`` children per id)."""
     e = c + tl.arange(0, WN)
     return tl.load(sel + blk[:, None] * TOPK1 + (e // BLOCK)[None, :]) * BLOCK + (e % BLOCK)[None, :]
+
+
+@triton.jit
+def fine_tokens_from_ids(ids, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1P: tl.constexpr):
+    """``fine_tokens`` from the blocks' selections held in registers, ``ids (W, TOPK1P)``."""
+    e = c + tl.arange(0, WN)
+    hit = tl.arange(0, TOPK1P)[None, None, :] == (e // BLOCK)[None, :, None]
+    return tl.sum(tl.where(hit, ids[:, None, :], 0), axis=2) * BLOCK + (e % BLOCK)[None, :]
 
 
 @triton.jit
@@ -272,18 +333,20 @@ def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
 def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile sizes of the forward kernels (see module docstring and ``fine_launch``), with
     ``tiles.overrides("fwd")``. The fused kernel's tiles hold at most ``fused_BM`` rows (whole query blocks that
-    share their ancestors) on ``fused_warps`` warps, ``BN`` coarse keys per step on ``stages`` stages, ``WN``
-    fine keys per step on ``w_stages``; the ragged path's coarse tiles ``BM`` rows on ``warps`` warps. fp32 on a GPU
-    (tuned for fit, not speed) takes key chunks of a quarter the bytes: the bf16 ragged fine chunks of 256 keys
-    needed 283 KB of shared memory at D=64 in fp32 (``benchmarks/sm90_fit.py``)."""
+    share their ancestors) on ``fused_warps`` warps, ``BN`` coarse keys per step on ``stages`` stages (on
+    ``hoist_stages`` where it hoists: ``EVEN`` and at most ``hoist_runs`` runs in the list), ``WN`` fine keys per
+    step on ``w_stages``; the ragged path's coarse tiles ``BM`` rows on ``warps`` warps. fp32 on a GPU (tuned for
+    fit, not speed) takes key chunks of a quarter the bytes (the bf16 ragged fine chunks of 256 keys needed 283 KB
+    of shared memory at D=64 in fp32, ``benchmarks/sm90_fit.py``) and does not hoist."""
     if device.type == "cpu":
         base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
-                    fine_warps=4, fine_stages=1)
+                    fine_warps=4, fine_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1)
     else:
         base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=32, w_stages=2, FN=256, SUB=8, warps=8, stages=2,
-                    fine_warps=4, fine_stages=2 if d > 64 else 3)
+                    fine_warps=4, fine_stages=2 if d > 64 else 3, hoist_runs=HOIST_RUNS if d <= 128 else 0,
+                    hoist_stages=3)
         if dtype.itemsize > 2:
-            base.update(BM=64, BN=32, WN=16, FN=64, warps=4, fine_stages=2)
+            base.update(BM=64, BN=32, WN=16, FN=64, warps=4, fine_stages=2, hoist_runs=0)
     return {**base, **overrides("fwd")}
 
 
@@ -334,12 +397,15 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
+        runs = levels.coarse_keys // levels.block
+        hoist = fused["EVEN"] and runs <= tiles["hoist_runs"]
+        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
             *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
-            S_TOTAL=levels.selection_size, STAGES=tiles["stages"], W_STAGES=tiles["w_stages"],
-            KV_ROWS=k.stride(2) == v.stride(2), num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused,
-            **common)
+            S_TOTAL=levels.selection_size, STAGES=stages, W_STAGES=tiles["w_stages"],
+            KV_ROWS=k.stride(2) == v.stride(2), RUNS=pow2(runs), TOPK1P=pow2(levels.topk[0]), HOIST=hoist,
+            num_warps=tiles["fused_warps"], num_stages=stages, **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](

@@ -12,7 +12,8 @@ key ids (``top_tokens``, ``SEARCH_PACKED``), the K-th largest score by a bitonic
 ``first_k_rows``' cut at it (``top_mask``, ``SEARCH_THRESHOLD``), or bisection (``bisect.first_k_rows``,
 ``SEARCH_BISECT``). The packed search stores each row's tokens at fixed addresses; the other two pack the taken
 columns by rank, a store whose address ``torch.compile``'s write analysis sees as depending on the pyramids, so
-compiled graphs copy them before such a launch (``tests/test_triton_writes.py``). Ties go to the smallest
+it takes them as written (``tests/test_triton_writes.py``); compiled graphs copy them only where something reads
+them after the launch, which LLSA's calls do not. Ties go to the smallest
 key id (candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The
 result equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as
 on the tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
