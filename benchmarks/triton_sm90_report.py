@@ -102,16 +102,19 @@ def main():
               RUNS=8, TOPK1P=8, **common), ft["fused_warps"], ft["hoist_stages"]),
     ]
     for levels, listed in ((2, 128), (3, 256)):  # keys listed per ancestor at K = 8: the loop's length differs
+        hoist = listed // block <= llsa_fwd.HOIST_RUNS  # L=2 hoists its key rows, L=3 does not
+        stages = bt["hoist_stages"] if hoist else bt["stages"]
         jobs.append((f"coarse dq (L={levels})", llsa_bwd._coarse_dq_kernel,
                      dict(Q=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", O=q, DO=q, LSE="*fp32", DLSE="*fp32",
                           DELTA="*fp32", DQ=q),
                      dict(BLOCK=block, TB=bt["BM"] // block, N_SPARSE=listed, SCALE=0.125, BM=bt["BM"], BN=bt["BN"],
-                          EVEN=True, STAGES=bt["stages"], HAS_DLSE=True, **common), bt["warps"], bt["stages"]))
+                          EVEN=True, STAGES=stages, HAS_DLSE=True, HOIST=hoist, RUNS=listed // block, **common),
+                     bt["warps"], stages))
     jobs += [
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
-         dict(BLOCK=block, SCALE=0.125, W=bt["W"], WN=bt["WN"], WSUB=bt["WSUB"], KEYS=128, STAGES=bt["w_stages"],
-              FULL=True, **common), bt["W"], 1),
+         dict(BLOCK=block, SCALE=0.125, W=bt["W"], WN=bt["WN"], WSUB=bt["WSUB"], KEYS=128,
+              STAGES=bt["fine_hoist_stages"], FULL=True, HOIST=True, TOPK1P=8, **common), bt["W"], 1),
     ]
     dkv_ptrs = dict(Q=q, K=q, V=q, KC=q, VC=q, DO=q, LSE="*fp32", DELTA="*fp32", OFFSETS="*i32",
                     ROWS="*i32", META="*i32", DK=q, DV=q, DKC="*fp32", DVC="*fp32", PART_K="*fp32", PART_V="*fp32")

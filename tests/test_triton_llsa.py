@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 import flexsparse  # noqa: E402
 from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
 from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, llsa_topk, pool_pyramid  # noqa: E402
-from flexsparse.triton import ops  # noqa: E402
+from flexsparse.triton import llsa_fwd, ops  # noqa: E402
 from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack, pow2  # noqa: E402
 from helpers import selections_by_search  # noqa: E402
 
@@ -233,18 +233,21 @@ HOISTED = (4096, 16, (2, 2), 2, 1, 16)  # even, L = 2, batched: the fused forwar
 ENTRY = {"fuse_dq": False, "entry_memory": 1e9}                    # every coarse level's dK/dV ancestor-major
 KEY_MAJOR = {"fuse_dq": False, "entry_memory": 0.0}                 # ... key-major
 FUSED = {"fuse_dq": True, "dkv_slots": 2, "entry_memory": 0.0}      # ... and dQ in one kernel, lists in rounds
+NOT_HOISTED = {"fuse_dq": False, "entry_memory": 1e9, "hoist_runs": 0, "fine_hoist": False}  # the loops' index loads
 
 
 @cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,tiles",
                          [case + (ENTRY,) for case in CASES + [HOISTED]] + [case + (KEY_MAJOR,) for case in CASES[2:6]]
-                         + [case + (FUSED,) for case in CASES[6:]])
+                         + [case + (FUSED,) for case in CASES[6:]] + [HOISTED + (NOT_HOISTED,)])
 def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, tiles, monkeypatch):
     """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level. The coarse levels'
     dK/dV ancestor-major (with rows split over programs: the CPU tiles' ``entry_rows``) or key-major; dQ in one
     kernel (``fuse_dq``, where the fine level runs batched) or in two; with ``fuse_dq`` the batched fine dK/dV also
-    reads its lists 2 ids at a time (several rounds per list)."""
-    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles}))
+    reads its lists 2 ids at a time (several rounds per list). The forward hoists its key rows where the backward
+    does (``hoist_runs``)."""
+    hoist_runs = tiles.get("hoist_runs", llsa_fwd.HOIST_RUNS)
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles, "fwd": {"hoist_runs": hoist_runs}}))
     q, k, v = _qkv(n, heads, kv_heads, d)
     levels = len(topk)
     selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)

@@ -42,8 +42,9 @@ from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, backward_ro
                      load_slab, load_tile, log2_count, mm, program_heads, sparse_keys, store_rows, store_slab)
 from .layout import Levels, cdiv, pow2
 from .llsa_entry_dkv import entry_dkv, entry_scratch
-from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_launch, coarse_rows, fine_bases,
-                       fine_launch, fine_tokens, fused_launch, step_blocks)
+from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_keys_from_runs, coarse_launch, coarse_rows,
+                       fine_bases, fine_ids, fine_launch, fine_tokens, fine_tokens_from_ids, fused_launch, hoisted,
+                       HOIST_RUNS, list_runs, listed_runs, step_blocks)
 from .tiles import overrides
 
 
@@ -60,7 +61,7 @@ def _dq_step(s, lse2, do, delta, k, v, dq, IEEE: tl.constexpr):
 def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, q_head, o_head, do_head, bh, rows, row_ok, q_n, o_n,
               do_n, N, TOP_OFF, TOP_T, D: tl.constexpr, BD: tl.constexpr, N_SPARSE: tl.constexpr, SCALE2: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, HOIST: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
     """The coarse levels' dQ (unscaled, ``(BM, BD)`` fp32) of query rows ``rows`` of one head (its q, o, dO at
     offsets ``q_head``, ``o_head``, ``do_head``, row strides ``q_n``, ``o_n``, ``do_n``), over the ancestor's key
     list ``lst`` and the top level; stores ``Delta`` of those rows. Returns ``(q, do, lse2, delta, dq)`` for the fine
@@ -77,8 +78,14 @@ def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, q_head, o_head, do
     n_total = N_SPARSE + TOP_T
     # the forward's chunk loading, written out: a helper shared with the forward ran 3-4 % slower
     # (docs/triton_llsa.md)
+    if HOIST:
+        starts, run_bias = listed_runs(lst, LOG2C, N_SPARSE, BLOCK, RUNS)
+        top_bias = tl.load(LOG2C + TOP_OFF)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
-        key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
+        if HOIST:
+            key_rows, bias = coarse_keys_from_runs(starts, run_bias, top_bias, c, BN, N_SPARSE, BLOCK, RUNS, TOP_OFF)
+        else:
+            key_rows, bias = coarse_keys(lst, LOG2C, c, BN, N_SPARSE, n_total, TOP_OFF, EVEN)  # -inf bias: p = 0
         k = load_tile(kc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
         v = load_tile(vc, key_rows, D, dim, key_rows >= 0, D, BD, not EVEN).to(q.dtype)
         if EVEN:
@@ -95,7 +102,7 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                       N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, HAS_DLSE: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      HOIST: tl.constexpr, RUNS: tl.constexpr, IEEE: tl.constexpr):
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
     local = tl.arange(0, BM)
@@ -104,7 +111,7 @@ def _coarse_dq_kernel(Q, KC, VC, LIST, LOG2C, O, DO, LSE, DLSE, DELTA, DQ, q_b, 
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
     dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, b64 * q_b + h64 * q_h, b64 * o_b + h64 * o_h,
                    b64 * do_b + h64 * do_h, bh, rows, row_ok, q_n, o_n, do_n, N, TOP_OFF, TOP_T, D, BD, N_SPARSE,
-                   SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE)[4]
+                   SCALE2, BM, BN, EVEN, STAGES, HAS_DLSE, IEEE, HOIST, BLOCK, RUNS)[4]
     store_rows(DQ + bh.to(tl.int64) * N * D, dq * SCALE, rows, D, tl.arange(0, BD), row_ok, D)
 
 
@@ -115,7 +122,8 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                      N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr,
-                     KEYS: tl.constexpr, W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, IEEE: tl.constexpr):
+                     KEYS: tl.constexpr, W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, HOIST: tl.constexpr,
+                     RUNS: tl.constexpr, TOPK1P: tl.constexpr, IEEE: tl.constexpr):
     """The whole dQ of a tile of ``TB`` query blocks (``llsa_fwd._fused_fwd_kernel``'s tiles): ``_coarse_dq_kernel``
     on ``TB * b`` rows, then, reshaped to ``(TB, b, ...)``, the fine level's batched steps; dQ is stored once."""
     bh, b, h = program_heads(H)
@@ -125,7 +133,7 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     q, do, lse2, delta, dq = coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, b64 * q_b + h64 * q_h,
                                        b64 * o_b + h64 * o_h, b64 * do_b + h64 * do_h, bh, rows, rows < N, q_n, o_n,
                                        do_n, N, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES,
-                                       HAS_DLSE, IEEE)
+                                       HAS_DLSE, IEEE, HOIST, BLOCK, RUNS)
     real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
     q = tl.reshape(q, (TB, BLOCK, BD))
     do = tl.reshape(do, (TB, BLOCK, BD))
@@ -134,8 +142,13 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     dq = tl.reshape(dq, (TB, BLOCK, BD))
     dim = tl.arange(0, BD)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
+    if HOIST:
+        ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
-        tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        if HOIST:
+            tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
+        else:
+            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
         k = load_slab(kb, tok, k_n, dim, D, BD)
         dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, v_n, dim, D, BD), dq,
                       IEEE)
@@ -147,7 +160,8 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
                     v_n, H, GROUP, N, S_TOTAL,
                     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
-                    KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
+                    KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, HOIST: tl.constexpr,
+                    TOPK1P: tl.constexpr, IEEE: tl.constexpr):
     """The fine level's dQ, batched like the fine part of ``llsa_fwd._fused_fwd_kernel`` (``W`` query blocks per
     step, one per warp), added to the coarse dQ in ``DQ``."""
     pid = tl.program_id(0)
@@ -162,8 +176,13 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows)
         dq = tl.zeros([W, BLOCK, BD], tl.float32)
+        if HOIST:
+            ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
         for c in tl.range(0, KEYS, WN, num_stages=STAGES):
-            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+            if HOIST:
+                tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
+            else:
+                tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
             k = load_slab(kb, tok, k_n, dim, D, BD)
             dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
                           load_slab(vb, tok, v_n, dim, D, BD), dq, IEEE)
@@ -424,7 +443,9 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
     ``programs``: target grid of the top level; ``dkv_programs``: of the coarse sparse levels (lists split);
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
     in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
-    ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels;
+    ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels; ``hoist_runs``,
+    ``hoist_stages``: the coarse (or fused) dQ hoists its key rows as the forward does (``llsa_fwd.hoisted``), on
+    that many stages; ``fine_hoist``: the batched fine dQ reads its blocks' ids once, on ``fine_hoist_stages``;
     ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
     at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched; ``entry_memory``: a coarse level's
     dK/dV runs ancestor-major (``llsa_entry_dkv``: keys in chunks of ``entry_TK``, ``entry_QR`` rows per step, at
@@ -437,7 +458,7 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
                     TOP_QR=32, warps=4, stages=1, fine_warps=4, fine_stages=1, dkv_warps=4, top_warps=4, top_stages=1,
                     programs=4, dkv_programs=4, dkv_coarse_stages=1, batched_dkv=True, dkv_W=2, dkv_slots=16,
                     dkv_stages=1, entry_memory=0.5, entry_TK=32, entry_QR=16, entry_rows=48, entry_warps=4,
-                    entry_stages=1)
+                    entry_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1, fine_hoist=True, fine_hoist_stages=1)
     else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
         # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
         # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
@@ -445,7 +466,10 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
         # H100 (whole backward, same shape): D128 5.42 -> 4.55 ms (top_warps 8 -> 4, TOP_QR 64 -> 32, QR 64 -> 128),
         # D64 2.43 -> 2.35 (TOP_QR 64 -> 32, programs 4 -> 8 per SM; N262144 L3 11.56 -> 11.58, N16384 0.59 -> 0.60).
         # Coarse dK/dV at D64 on 64-row steps and 3 stages (its own key, dkv_coarse_stages): 2.36-2.39 -> 2.32 ms,
-        # N262144 L3 11.48-11.79 -> 11.26, N16384 0.597-0.602 -> 0.577 (3 stages at D128: 4.57 -> 4.81)
+        # N262144 L3 11.48-11.79 -> 11.26, N16384 0.597-0.602 -> 0.577 (3 stages at D128: 4.57 -> 4.81). Key rows
+        # hoisted (llsa_fwd's module docstring), H100, session 35, us per kernel at N65536: coarse dQ (D64, 3
+        # stages) 423-428 -> 405-406, fine dQ (3 stages) 376-377 -> 359-361, fused dQ (D128, 2 stages; 3: 2105)
+        # 1651 -> 1613-1616
         wide = d > 64
         base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
@@ -453,10 +477,11 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
                     fine_stages=2 if wide else 3, dkv_warps=4, top_warps=4, top_stages=3,
                     programs=(4 if wide else 8) * 132, dkv_programs=16 * 132, dkv_coarse_stages=2 if wide else 3,
                     batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3, entry_memory=0.5, entry_TK=64, entry_QR=32,
-                    entry_rows=4096, entry_warps=4, entry_stages=3)
+                    entry_rows=4096, entry_warps=4, entry_stages=3, hoist_runs=HOIST_RUNS,
+                    hoist_stages=2 if wide else 3, fine_hoist=True, fine_hoist_stages=3)
         if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see llsa_fwd.forward_tiles)
             base.update(BM=max(64, fq), BN=32, FN=64, QR=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
-                        dkv_coarse_stages=2, dkv_stages=2, entry_stages=2)
+                        dkv_coarse_stages=2, dkv_stages=2, entry_stages=2, hoist_runs=0, fine_hoist=False)
     return {**base, **overrides("bwd")}
 
 
@@ -487,20 +512,29 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
+        hoist = hoisted(levels, fused["EVEN"], tiles)
+        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
             dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides,
             *kv_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
-            STAGES=tiles["stages"], W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None,
-            num_warps=tiles["fused_warps"], num_stages=tiles["stages"], **fused, **common)
+            STAGES=stages, W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, HOIST=hoist,
+            RUNS=list_runs(levels), TOPK1P=pow2(levels.topk[0]), num_warps=tiles["fused_warps"], num_stages=stages,
+            **fused, **common)
     else:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
+        hoist = hoisted(levels, coarse["EVEN"], tiles)
+        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
         launcher(_coarse_dq_kernel)[grid](
             q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
             *q_strides, *o_strides, *do_strides, *c_strides, list_stride, heads, group, n,
-            STAGES=tiles["stages"], HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=tiles["stages"],
-            **coarse, **common)
+            STAGES=stages, HAS_DLSE=dlse is not None, HOIST=hoist, RUNS=list_runs(levels), num_warps=tiles["warps"],
+            num_stages=stages, **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
+        if batched:
+            fine.update(HOIST=tiles["fine_hoist"], TOPK1P=pow2(levels.topk[0]))
+            if tiles["fine_hoist"]:
+                fine["STAGES"] = tiles["fine_hoist_stages"]
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
             q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *kv_strides, heads, group,
             n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)

@@ -28,7 +28,7 @@ the list once as runs of ``b`` rows (``listed_runs``) and the tile's ``S_1`` onc
 registers (a compare-and-sum over the runs or ids). The coarse loop then keeps the next chunk's copies in flight on
 3 stages (``DEPBAR.LE SB0, 0x2`` in the SASS, against ``0x0``). H100, B2 H8 b16 K8, session 35: the kernel 700-703
 -> 673-678 us at N65536 D64, 1300-1303 -> 1185-1195 at D128; but 16 runs (N262144 L3) took 160 registers instead
-of 128 and 2726 -> 2844-2848 us, hence the cap.
+of 128 and 2726 -> 2844-2848 us, hence the cap. The dQ kernels (``llsa_bwd``) hoist theirs the same way.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from .layout import Levels, cdiv, coarse_tile_blocks, pow2
 from .tiles import overrides
 
 
-HOIST_RUNS = 8  # most runs (selected coarse tokens) in a list that the fused forward hoists (module docstring)
+HOIST_RUNS = 8  # most runs (selected coarse tokens) in a list whose loops hoist their key rows (module docstring)
 
 
 @triton.jit
@@ -210,8 +210,7 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     acc = tl.reshape(acc, (TB, BLOCK, BD))
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     if HOIST:
-        ids = tl.load(sel + blk[:, None] * (KEYS // BLOCK) + tl.arange(0, TOPK1P)[None, :],
-                      mask=tl.arange(0, TOPK1P)[None, :] < KEYS // BLOCK, other=0)  # (TB, TOPK1P): S_1 of the blocks
+        ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         if HOIST:
             tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
@@ -252,6 +251,14 @@ def fine_tokens(sel, blk, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.co
     (``TOPK1`` ids per row at ``sel``, ``BLOCK`` children per id)."""
     e = c + tl.arange(0, WN)
     return tl.load(sel + blk[:, None] * TOPK1 + (e // BLOCK)[None, :]) * BLOCK + (e % BLOCK)[None, :]
+
+
+@triton.jit
+def fine_ids(sel, blk, TOPK1: tl.constexpr, TOPK1P: tl.constexpr):
+    """``S_1`` of query blocks ``blk (W,)`` (``TOPK1`` ids per row at ``sel``): ``(W, TOPK1P)``, zeros past
+    ``TOPK1``; for ``fine_tokens_from_ids``."""
+    slot = tl.arange(0, TOPK1P)
+    return tl.load(sel + blk[:, None] * TOPK1 + slot[None, :], mask=slot[None, :] < TOPK1, other=0)
 
 
 @triton.jit
@@ -350,6 +357,18 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     return {**base, **overrides("fwd")}
 
 
+def list_runs(levels: Levels) -> int:
+    """``RUNS`` of the hoisting kernels: the runs of b rows in an ancestor's key list (``K_2 + ... + K_L``), padded to
+    a power of two."""
+    return pow2(levels.coarse_keys // levels.block)
+
+
+def hoisted(levels: Levels, even: bool, tiles: dict) -> bool:
+    """Whether a coarse loop hoists its key rows (module docstring): ``EVEN`` and at most ``tiles["hoist_runs"]``
+    runs in the list."""
+    return even and levels.coarse_keys // levels.block <= tiles["hoist_runs"]
+
+
 def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int) -> tuple[tuple[int, int], dict]:
     """Grid and tile constants of the coarse kernels: tiles of ``TB`` whole query blocks (``BM`` rows), key
     chunks of ``BN <= keys_cap``. ``EVEN``: no ragged token (N a multiple of ``b^L``) and every level's keys
@@ -397,14 +416,13 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
-        runs = levels.coarse_keys // levels.block
-        hoist = fused["EVEN"] and runs <= tiles["hoist_runs"]
+        hoist = hoisted(levels, fused["EVEN"], tiles)
         stages = tiles["hoist_stages"] if hoist else tiles["stages"]
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
             *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
             S_TOTAL=levels.selection_size, STAGES=stages, W_STAGES=tiles["w_stages"],
-            KV_ROWS=k.stride(2) == v.stride(2), RUNS=pow2(runs), TOPK1P=pow2(levels.topk[0]), HOIST=hoist,
+            KV_ROWS=k.stride(2) == v.stride(2), RUNS=list_runs(levels), TOPK1P=pow2(levels.topk[0]), HOIST=hoist,
             num_warps=tiles["fused_warps"], num_stages=stages, **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
