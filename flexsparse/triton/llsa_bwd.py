@@ -43,8 +43,8 @@ from .common import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, backward_ro
 from .layout import Levels, cdiv, pow2
 from .llsa_entry_dkv import entry_dkv, entry_scratch
 from .llsa_fwd import (batched_blocks, coarse_bases, coarse_keys, coarse_keys_from_runs, coarse_launch, coarse_rows,
-                       fine_bases, fine_ids, fine_launch, fine_tokens, fine_tokens_from_ids, fused_launch, hoisted,
-                       HOIST_RUNS, list_runs, listed_runs, step_blocks)
+                       fine_bases, fine_ids, fine_launch, fine_tokens, fused_launch, hoisting,
+                       HOIST_RUNS, listed_runs, step_blocks)
 from .tiles import overrides
 
 
@@ -79,8 +79,7 @@ def coarse_dq(Q, O, DO, LSE, DLSE, DELTA, kc, vc, lst, LOG2C, q_head, o_head, do
     # the forward's chunk loading, written out: a helper shared with the forward ran 3-4 % slower
     # (docs/triton_llsa.md)
     if HOIST:
-        starts, run_bias = listed_runs(lst, LOG2C, N_SPARSE, BLOCK, RUNS)
-        top_bias = tl.load(LOG2C + TOP_OFF)
+        starts, run_bias, top_bias = listed_runs(lst, LOG2C, TOP_OFF, N_SPARSE, BLOCK, RUNS)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
         if HOIST:
             key_rows, bias = coarse_keys_from_runs(starts, run_bias, top_bias, c, BN, N_SPARSE, BLOCK, RUNS, TOP_OFF)
@@ -142,13 +141,9 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
     dq = tl.reshape(dq, (TB, BLOCK, BD))
     dim = tl.arange(0, BD)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
-    if HOIST:
-        ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
+    ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P, HOIST)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
-        if HOIST:
-            tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
-        else:
-            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        tok = fine_tokens(sel, blk, ids, c, WN, BLOCK, KEYS // BLOCK, TOPK1P, HOIST)
         k = load_slab(kb, tok, k_n, dim, D, BD)
         dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k, load_slab(vb, tok, v_n, dim, D, BD), dq,
                       IEEE)
@@ -176,13 +171,9 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + rows) * LOG2E
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows)
         dq = tl.zeros([W, BLOCK, BD], tl.float32)
-        if HOIST:
-            ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
+        ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P, HOIST)
         for c in tl.range(0, KEYS, WN, num_stages=STAGES):
-            if HOIST:
-                tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
-            else:
-                tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+            tok = fine_tokens(sel, blk, ids, c, WN, BLOCK, KEYS // BLOCK, TOPK1P, HOIST)
             k = load_slab(kb, tok, k_n, dim, D, BD)
             dq = _dq_step(mm(q, tl.trans(k), IEEE) * SCALE2, lse2, do, delta, k,
                           load_slab(vb, tok, v_n, dim, D, BD), dq, IEEE)
@@ -444,7 +435,7 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
     in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
     ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels; ``hoist_runs``,
-    ``hoist_stages``: the coarse (or fused) dQ hoists its key rows as the forward does (``llsa_fwd.hoisted``), on
+    ``hoist_stages``: the coarse (or fused) dQ hoists its key rows as the forward does (``llsa_fwd.hoisting``), on
     that many stages; ``fine_hoist``: the batched fine dQ reads its blocks' ids once, on ``fine_hoist_stages``;
     ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
     at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched; ``entry_memory``: a coarse level's
@@ -512,29 +503,21 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
-        hoist = hoisted(levels, fused["EVEN"], tiles)
-        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
+        coarse_loop, stages = hoisting(levels, fused["EVEN"], tiles)
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
             dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides,
             *kv_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
-            STAGES=stages, W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, HOIST=hoist,
-            RUNS=list_runs(levels), TOPK1P=pow2(levels.topk[0]), num_warps=tiles["fused_warps"], num_stages=stages,
-            **fused, **common)
+            W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"], num_stages=stages,
+            **coarse_loop, **fused, **common)
     else:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
-        hoist = hoisted(levels, coarse["EVEN"], tiles)
-        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
+        coarse_loop, stages = hoisting(levels, coarse["EVEN"], tiles)
         launcher(_coarse_dq_kernel)[grid](
             q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
             *q_strides, *o_strides, *do_strides, *c_strides, list_stride, heads, group, n,
-            STAGES=stages, HAS_DLSE=dlse is not None, HOIST=hoist, RUNS=list_runs(levels), num_warps=tiles["warps"],
-            num_stages=stages, **coarse, **common)
+            HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=stages, **coarse_loop, **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
-        if batched:
-            fine.update(HOIST=tiles["fine_hoist"], TOPK1P=pow2(levels.topk[0]))
-            if tiles["fine_hoist"]:
-                fine["STAGES"] = tiles["fine_hoist_stages"]
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
             q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *kv_strides, heads, group,
             n, levels.selection_size, BLOCK=levels.block, **options, **fine, **common)

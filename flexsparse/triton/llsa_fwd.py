@@ -101,13 +101,14 @@ def coarse_keys(lst, LOG2C, c, BN: tl.constexpr, N_SPARSE: tl.constexpr, n_total
 
 
 @triton.jit
-def listed_runs(lst, LOG2C, N_SPARSE: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
+def listed_runs(lst, LOG2C, top_off, N_SPARSE: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
     """An ``EVEN`` ancestor's listed keys as runs of ``BLOCK`` consecutive pyramid rows (one per selected token):
-    the runs' first rows ``(RUNS,)`` and their logit biases ``log2(count)``, for ``coarse_keys_from_runs``."""
+    the runs' first rows ``(RUNS,)``, their logit biases ``log2(count)`` and the top level's bias, for
+    ``coarse_keys_from_runs``."""
     run = tl.arange(0, RUNS)
     ok = run * BLOCK < N_SPARSE
     starts = tl.load(lst + run * BLOCK, mask=ok, other=0)
-    return starts, tl.load(LOG2C + starts, mask=ok, other=0.0)
+    return starts, tl.load(LOG2C + starts, mask=ok, other=0.0), tl.load(LOG2C + top_off)
 
 
 @triton.jit
@@ -136,8 +137,7 @@ def coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D: tl.constexpr, 
     acc = tl.zeros([BM, BD], tl.float32)
     n_total = N_SPARSE + TOP_T
     if HOIST:
-        starts, run_bias = listed_runs(lst, LOG2C, N_SPARSE, BLOCK, RUNS)
-        top_bias = tl.load(LOG2C + TOP_OFF)
+        starts, run_bias, top_bias = listed_runs(lst, LOG2C, TOP_OFF, N_SPARSE, BLOCK, RUNS)
     for c in tl.range(0, n_total, BN, num_stages=STAGES):
         if HOIST:
             key_rows, bias = coarse_keys_from_runs(starts, run_bias, top_bias, c, BN, N_SPARSE, BLOCK, RUNS, TOP_OFF)
@@ -209,13 +209,9 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     l = tl.reshape(l, (TB, BLOCK))
     acc = tl.reshape(acc, (TB, BLOCK, BD))
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
-    if HOIST:
-        ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P)
+    ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P, HOIST)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
-        if HOIST:
-            tok = fine_tokens_from_ids(ids, c, WN, BLOCK, TOPK1P)
-        else:
-            tok = fine_tokens(sel, blk, c, WN, BLOCK, KEYS // BLOCK)
+        tok = fine_tokens(sel, blk, ids, c, WN, BLOCK, KEYS // BLOCK, TOPK1P, HOIST)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
         if KV_ROWS:  # v's token stride is k's: one address computation for both gathers (H200, session 32: the
             # kernel 693-695 against 698 us at B2 H8 N65536 D64, 1253-1266 against 1274-1282 at D128)
@@ -246,27 +242,28 @@ def step_blocks(pid, sub, blocks, W: tl.constexpr, WSUB: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def fine_tokens(sel, blk, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.constexpr):
-    """Fine key tokens ``(W, WN)`` of slots ``c .. c + WN`` of the selections of query blocks ``blk (W,)``
-    (``TOPK1`` ids per row at ``sel``, ``BLOCK`` children per id)."""
-    e = c + tl.arange(0, WN)
-    return tl.load(sel + blk[:, None] * TOPK1 + (e // BLOCK)[None, :]) * BLOCK + (e % BLOCK)[None, :]
-
-
-@triton.jit
-def fine_ids(sel, blk, TOPK1: tl.constexpr, TOPK1P: tl.constexpr):
-    """``S_1`` of query blocks ``blk (W,)`` (``TOPK1`` ids per row at ``sel``): ``(W, TOPK1P)``, zeros past
-    ``TOPK1``; for ``fine_tokens_from_ids``."""
+def fine_ids(sel, blk, TOPK1: tl.constexpr, TOPK1P: tl.constexpr, HOIST: tl.constexpr):
+    """With ``HOIST``, ``S_1`` of query blocks ``blk (W,)`` (``TOPK1`` ids per row at ``sel``) held for
+    ``fine_tokens``: ``(W, TOPK1P)``, zeros past ``TOPK1``; else zeros (unused)."""
     slot = tl.arange(0, TOPK1P)
-    return tl.load(sel + blk[:, None] * TOPK1 + slot[None, :], mask=slot[None, :] < TOPK1, other=0)
+    if HOIST:
+        return tl.load(sel + blk[:, None] * TOPK1 + slot[None, :], mask=slot[None, :] < TOPK1, other=0)
+    else:
+        return tl.zeros_like(blk[:, None] + slot[None, :])
 
 
 @triton.jit
-def fine_tokens_from_ids(ids, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1P: tl.constexpr):
-    """``fine_tokens`` from the blocks' selections held in registers, ``ids (W, TOPK1P)``."""
+def fine_tokens(sel, blk, ids, c, WN: tl.constexpr, BLOCK: tl.constexpr, TOPK1: tl.constexpr, TOPK1P: tl.constexpr,
+                HOIST: tl.constexpr):
+    """Fine key tokens ``(W, WN)`` of slots ``c .. c + WN`` of the selections of query blocks ``blk (W,)``
+    (``TOPK1`` ids per row at ``sel``, ``BLOCK`` children per id): with ``HOIST`` from ``ids`` (``fine_ids``,
+    registers) by a compare-and-sum, else loaded."""
     e = c + tl.arange(0, WN)
-    hit = tl.arange(0, TOPK1P)[None, None, :] == (e // BLOCK)[None, :, None]
-    return tl.sum(tl.where(hit, ids[:, None, :], 0), axis=2) * BLOCK + (e % BLOCK)[None, :]
+    if HOIST:
+        hit = tl.arange(0, TOPK1P)[None, None, :] == (e // BLOCK)[None, :, None]
+        return tl.sum(tl.where(hit, ids[:, None, :], 0), axis=2) * BLOCK + (e % BLOCK)[None, :]
+    else:
+        return tl.load(sel + blk[:, None] * TOPK1 + (e // BLOCK)[None, :]) * BLOCK + (e % BLOCK)[None, :]
 
 
 @triton.jit
@@ -321,15 +318,17 @@ def fine_launch(levels: Levels, tiles: dict) -> tuple[bool, int, dict, dict]:
     options)``.
 
     Batched (``batched_blocks``, ``_fine_dq_kernel``): ``W`` query blocks per step (one per warp), ``WSUB`` steps
-    per program, keys in chunks of ``WN`` (``key_chunk``) on ``w_stages`` pipeline stages; ``FULL`` when the steps
-    cover the blocks exactly. Else the ragged kernels: ``FQ`` rows per step (``b`` rounded up to a power of two
-    >= 16), ``SUB`` steps, key chunks of ``FN`` at most."""
+    per program, keys in chunks of ``WN`` (``key_chunk``) on ``w_stages`` pipeline stages, or with ``fine_hoist``
+    (the blocks' ids read once, ``HOIST``) on ``fine_hoist_stages``; ``FULL`` when the steps cover the blocks
+    exactly. Else the ragged kernels: ``FQ`` rows per step (``b`` rounded up to a power of two >= 16), ``SUB``
+    steps, key chunks of ``FN`` at most."""
     block, keys = levels.block, levels.topk[0] * levels.block
     if batched_blocks(levels):
-        per_program = tiles["W"] * tiles["WSUB"]
+        per_program, hoist = tiles["W"] * tiles["WSUB"], tiles["fine_hoist"]
         return True, cdiv(levels.tokens(1), per_program), dict(
-            W=tiles["W"], WN=key_chunk(keys, tiles["WN"]), WSUB=tiles["WSUB"], KEYS=keys, STAGES=tiles["w_stages"],
-            FULL=levels.tokens(1) % per_program == 0), dict(num_warps=tiles["W"], num_stages=1)
+            W=tiles["W"], WN=key_chunk(keys, tiles["WN"]), WSUB=tiles["WSUB"], KEYS=keys,
+            STAGES=tiles["fine_hoist_stages"] if hoist else tiles["w_stages"], FULL=levels.tokens(1) % per_program == 0,
+            HOIST=hoist, TOPK1P=pow2(levels.topk[0])), dict(num_warps=tiles["W"], num_stages=1)
     fq = pow2(block, 16)
     blocks = fq // block if fq % block == 0 else fq // block + 2  # query blocks a step can touch
     return False, cdiv(cdiv(levels.n, fq), tiles["SUB"]), dict(
@@ -357,16 +356,14 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     return {**base, **overrides("fwd")}
 
 
-def list_runs(levels: Levels) -> int:
-    """``RUNS`` of the hoisting kernels: the runs of b rows in an ancestor's key list (``K_2 + ... + K_L``), padded to
-    a power of two."""
-    return pow2(levels.coarse_keys // levels.block)
-
-
-def hoisted(levels: Levels, even: bool, tiles: dict) -> bool:
-    """Whether a coarse loop hoists its key rows (module docstring): ``EVEN`` and at most ``tiles["hoist_runs"]``
-    runs in the list."""
-    return even and levels.coarse_keys // levels.block <= tiles["hoist_runs"]
+def hoisting(levels: Levels, even: bool, tiles: dict) -> tuple[dict, int]:
+    """A coarse loop's constants ``HOIST`` (its key rows hoisted, module docstring: ``EVEN`` and at most
+    ``tiles["hoist_runs"]`` runs of b rows, ``K_2 + ... + K_L``, in the list), ``RUNS`` (those runs, padded to a
+    power of two) and ``STAGES``; and its pipeline stages (``hoist_stages`` where it hoists, else ``stages``)."""
+    runs = levels.coarse_keys // levels.block
+    hoist = even and runs <= tiles["hoist_runs"]
+    stages = tiles["hoist_stages"] if hoist else tiles["stages"]
+    return dict(HOIST=hoist, RUNS=pow2(runs), STAGES=stages), stages
 
 
 def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int) -> tuple[tuple[int, int], dict]:
@@ -390,10 +387,10 @@ def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int)
 def fused_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int, fine_cap: int):
     """Grid and constants of the fused kernels (``_fused_fwd_kernel``, ``llsa_bwd._fused_dq_kernel``;
     ``batched_blocks`` holds, so ``BM = TB * b``): ``coarse_launch``'s, and the fine level's ``KEYS = K_1 b`` keys
-    per query block in chunks of ``WN`` (``key_chunk`` of ``fine_cap``)."""
+    per query block in chunks of ``WN`` (``key_chunk`` of ``fine_cap``), ``TOPK1P = pow2(K_1)``."""
     grid, coarse = coarse_launch(q, levels, rows_cap, keys_cap)
     keys = levels.topk[0] * levels.block
-    return grid, dict(coarse, KEYS=keys, WN=key_chunk(keys, fine_cap))
+    return grid, dict(coarse, KEYS=keys, WN=key_chunk(keys, fine_cap), TOPK1P=pow2(levels.topk[0]))
 
 
 def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict | None = None):
@@ -416,14 +413,12 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
-        hoist = hoisted(levels, fused["EVEN"], tiles)
-        stages = tiles["hoist_stages"] if hoist else tiles["stages"]
+        coarse_loop, stages = hoisting(levels, fused["EVEN"], tiles)
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
             *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
-            S_TOTAL=levels.selection_size, STAGES=stages, W_STAGES=tiles["w_stages"],
-            KV_ROWS=k.stride(2) == v.stride(2), RUNS=list_runs(levels), TOPK1P=pow2(levels.topk[0]), HOIST=hoist,
-            num_warps=tiles["fused_warps"], num_stages=stages, **fused, **common)
+            S_TOTAL=levels.selection_size, W_STAGES=tiles["w_stages"], KV_ROWS=k.stride(2) == v.stride(2),
+            num_warps=tiles["fused_warps"], num_stages=stages, **coarse_loop, **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](

@@ -74,19 +74,20 @@ def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
-def store_top(out_rows, key, tok, values, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SCAN: tl.constexpr,
+def store_top(out_rows, key, cand, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SCAN: tl.constexpr,
               SEARCH: tl.constexpr):
-    """The ``KSEL`` tokens of the largest keys of each row of ``key (..., C)`` (``tok``: each key's token, the same
-    shape; ``values``: ``bisect.store_taken``'s) stored ascending at ``out_rows (...)`` where ``row_ok``, found by
-    ``SEARCH`` (module docstring; ``KP = pow2(KSEL)``, ``SCAN``: ``first_k_rows``' ``TIES_BY_SCAN``)."""
+    """The ``KSEL`` tokens of the largest keys of each row of ``key (..., R, C)`` (``cand (..., C)``: the token of
+    each column, shared by the rows) stored ascending at ``out_rows (..., R)`` where ``row_ok``, found by ``SEARCH``
+    (module docstring; ``KP = pow2(KSEL)``, ``SCAN``: ``first_k_rows``' ``TIES_BY_SCAN``)."""
     if SEARCH == PACKED:
+        tok = tl.expand_dims(cand, -2) + tl.zeros_like(key)
         store_tokens(out_rows, top_tokens(key, tok, KSEL, KP), row_ok, KSEL, KP)
     else:
         if SEARCH == THRESHOLD:
             taken = top_mask(key, KSEL, KP)
         else:
             taken = first_k_rows(key, KSEL, 0, False, SCAN)
-        store_taken(out_rows, taken & tl.expand_dims(row_ok, -1), values)
+        store_taken(out_rows, taken & tl.expand_dims(row_ok, -1), cand)
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
                 mask=c_ok[:, None] & (dim[None, :] < D), other=0.0)
     key = tl.where(c_ok[None, :], ordered_key(tl.dot(q, tl.trans(k), input_precision=PRECISION)), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
-    store_top(out, key, cand[None, :] + tl.zeros_like(key), cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
+    store_top(out, key, cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
 
 
 @triton.jit
@@ -147,7 +148,7 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
         scores = tl.dot(q, tl.trans(k), scores, input_precision="tf32x3")
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
-    store_top(out, key, cand[:, None, :] + tl.zeros_like(key), cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
+    store_top(out, key, cand, row_ok, KSEL, KSEL2, SCAN, SEARCH)
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
