@@ -33,18 +33,28 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
 
 def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
                          widest: int | None = None) -> list[torch.Tensor]:
-    """LLSA's packed selections from pooled pyramids by each search of the selection kernels
-    (``flexsparse.triton.select.search`` forced to each ``SEARCH_*``; rows of more than ``widest`` candidates always
-    bisect): ``[packed, threshold, bisection]``."""
+    """LLSA's packed selections from pooled pyramids by each search of the selection kernels: the packed search with
+    rows cut into parts (``flexsparse.triton.select.parts``) and with whole rows, and bisection
+    (``flexsparse.triton.select.search`` forced each way; rows of more than ``widest`` candidates always bisect):
+    ``[parts, whole, bisection]``."""
+    import json
+    import os
     from flexsparse.triton import ops, select  # not at import: the interpreter tests set TRITON_INTERPRET first
-    chosen, sels = select.search, []
+    chosen, saved, sels = select.search, os.environ.get("FLEXSPARSE_TRITON_TILES"), []
+    tiles = json.loads(saved) if saved else {}
+    whole = dict(tiles, select=dict(tiles.get("select", {}), top_split=1, child_split=1))
     try:
-        for how in (select.SEARCH_PACKED, select.SEARCH_THRESHOLD, select.SEARCH_BISECT):
-            select.search = lambda top, candidates, dims, how=how: (
+        for how, table in ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_BISECT, tiles)):
+            select.search = lambda top, candidates, how=how: (
                 how if widest is None or candidates <= widest else select.SEARCH_BISECT)
+            os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps(table)
             sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
     finally:
         select.search = chosen
+        if saved is None:
+            os.environ.pop("FLEXSPARSE_TRITON_TILES")
+        else:
+            os.environ["FLEXSPARSE_TRITON_TILES"] = saved
     return sels
 
 

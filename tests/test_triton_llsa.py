@@ -162,13 +162,13 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
                                                            (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16),
                                                            (250, 16, (16,), 2, 1, 16)])
 def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
-    """The three searches of the selection kernels (``select.search``) pick the same keys in the same order,
-    ties included (grid values: many), for K that are no power of two, K = 1, K = every token of a ragged level
-    (a full bitonic sort), wide rows (the 275-token top level) and GQA."""
+    """The searches of the selection kernels (``select.search``: packed, its rows in parts or whole; bisection) pick
+    the same keys in the same order, ties included (grid values: many), for K that are no power of two, K = 1,
+    K = every token of a ragged level (a full bitonic sort), wide rows (the 275-token top level) and GQA."""
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
     q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
-    packed, threshold, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
-    assert torch.equal(packed, bisection) and torch.equal(threshold, bisection)
+    split, whole, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
+    assert torch.equal(split, bisection) and torch.equal(whole, bisection)
 
 
 @cpu_only
@@ -404,12 +404,13 @@ def test_gpu_selection_matches_masks(n, block, topk):
 @gpu
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gpu_select_searches_agree(d):
-    """The selection kernels' three searches give the same selection on the GPU at a realistic size."""
+    """The selection kernels' searches (packed in parts or over whole rows, bisection) give the same selection on
+    the GPU at a realistic size."""
     n, block, topk = 65536, 16, [8, 8]
     q, k, _ = _gpu_inputs(n, 4, 2, d)
-    packed, threshold, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
-                                                        block, topk)
-    assert torch.equal(packed, bisection) and torch.equal(threshold, bisection)
+    split, whole, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
+                                                   block, topk)
+    assert torch.equal(split, bisection) and torch.equal(whole, bisection)
 
 
 @gpu

@@ -36,6 +36,8 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
     ("llsa fused dQ", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {"bwd": {"fuse_dq": True}}),
     ("llsa hoisted", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 4096, 1, 1, {}),  # even: key rows hoisted
     ("llsa ragged", {"method": "llsa", "block_size": 8, "topk": [4, 2]}, 100, 2, 1, {}),
+    ("llsa wide children rows", {"method": "llsa", "block_size": 8, "topk": [2, 17]}, 1152, 1, 1, {}),  # 136
+    # candidates per row: the children's selection bisects
     ("llsa ancestor-major dK/dV", {"method": "llsa", "block_size": 4, "topk": [3, 2, 2]}, 300, 2, 1,
      {"bwd": {"entry_memory": 1e9}}),
     ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2,
@@ -46,8 +48,8 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
 ]
 
 
-# Kernels whose store addresses come from the data they read: the selection kernels searching by bisection or by
-# threshold (``SEARCH`` other than ``select.SEARCH_PACKED``) pack each row's taken columns by rank, a scatter whose
+# Kernels whose store addresses come from the data they read: the selection kernels searching by bisection
+# (``SEARCH`` other than ``select.SEARCH_PACKED``) pack each row's taken columns by rank, a scatter whose
 # address depends on the scores and so on the pyramids and the level table. The analysis cannot tell that from
 # writing them; compiled graphs copy these (intermediate) tensors before the launch where they are read after it.
 # Their packed search stores each row's tokens in place.
