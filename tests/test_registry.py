@@ -2,6 +2,8 @@
 calls that need autograd or are traced go through the registered op."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,61 @@ def test_direct_flag_is_restored_after_an_error():
     with pytest.raises(TypeError):
         scaled(torch.randn(2), "not a number")
     assert not registry.launching_directly()
+
+
+_CACHED_OP = '''
+import torch
+from torch.library import triton_op
+
+
+@triton_op("flexsparse_stale::shifted", mutates_args=())
+def shifted(x: torch.Tensor) -> torch.Tensor:
+    return x + {shift}
+'''
+
+_COMPILE_IT = '''
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "tagged":
+    from flexsparse.compile_cache import tag_compile_caches
+    tag_compile_caches(sys.argv[1], "shifted")
+import shifted_op
+print(torch.compile(lambda x: shifted_op.shifted(x) * 2, fullgraph=True)(torch.ones(3)).tolist())
+'''
+
+
+@pytest.mark.parametrize("tagged", [False, True])
+def test_compile_caches_miss_when_an_op_body_changes(tmp_path, tagged):
+    """A ``triton_op`` whose body changes between two processes sharing torch.compile's on-disk caches: untagged, the
+    second process gets the first one's compiled graph (torch's AOTAutograd cache keys on the op, not its traced
+    body: the behaviour ``compile_cache`` guards against); tagged with the source digest, the new body's result."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    (tmp_path / "run.py").write_text(_COMPILE_IT)
+    results = []
+    for shift in (1, 2):
+        (tmp_path / "shifted_op.py").write_text(_CACHED_OP.format(shift=shift))
+        done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path), "tagged" if tagged else ""],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(done.stdout.strip().splitlines()[-1])
+    assert results[0] == "[4.0, 4.0, 4.0]"
+    assert results[1] == ("[6.0, 6.0, 6.0]" if tagged else "[4.0, 4.0, 4.0]")
+
+
+def test_flexsparse_source_digest_is_in_the_compile_cache_key(tmp_path):
+    """Importing the ops tags torch.compile's cache keys with the package's source digest, which changes with any
+    file of it."""
+    import shutil
+    from flexsparse import compile_cache
+    tag = f"flexsparse-{compile_cache.source_digest(compile_cache.PACKAGE_ROOT)}"
+    assert tag in torch.compiler.config.cache_key_tag.split("|")
+    copy = tmp_path / "flexsparse"
+    shutil.copytree(compile_cache.PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert compile_cache.source_digest(str(copy)) == compile_cache.source_digest(compile_cache.PACKAGE_ROOT)
+    with open(copy / "triton" / "select.py", "a") as f:
+        f.write("\n")
+    assert compile_cache.source_digest(str(copy)) != compile_cache.source_digest(compile_cache.PACKAGE_ROOT)

@@ -16,7 +16,10 @@ from typing import Callable
 
 import torch
 
+from ..compile_cache import tag_compile_caches
+
 _STATE = threading.local()
+tag_compile_caches()  # the ops' traced bodies are not in torch.compile's cache keys (compile_cache)
 
 
 def launching_directly() -> bool:
