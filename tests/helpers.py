@@ -44,7 +44,8 @@ def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block
     tiles = json.loads(saved) if saved else {}
     whole = dict(tiles, select=dict(tiles.get("select", {}), top_split=1, child_split=1))
     try:
-        for how, table in ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_BISECT, tiles)):
+        runs = ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_BISECT, tiles))
+        for how, table in runs:
             select.search = lambda top, candidates, how=how: (
                 how if widest is None or candidates <= widest else select.SEARCH_BISECT)
             os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps(table)
