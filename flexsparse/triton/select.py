@@ -160,9 +160,9 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
-DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys): the dense kernel holds the level's
-# fp32 keys in shared memory, 128 KB here (1024 x 64 needed 260 KB, over sm_90's 227 KB, and failed to launch:
-# benchmarks/sm90_fit.py)
+DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys). Set when the dense kernel held the
+# level's whole fp32 keys in shared memory (1024 x 64 needed 260 KB, over sm_90's 227 KB, and failed to launch:
+# benchmarks/sm90_fit.py); its head-dim chunks now take 66 KB at 1024 x 32, but wider levels were not measured
 CHILD_PARENTS = 1  # parents per program below the top level (H100, session 34, B2 H8 b16 K8, us, one warp each:
 # N65536 D64 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186. Session 17, H200, bisection: 2 parents
 # 102 against 111 with 1 and 110 with 4)
