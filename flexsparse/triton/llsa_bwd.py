@@ -503,20 +503,20 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels) and tiles["fuse_dq"]:
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["fused_WN"])
-        coarse_loop, stages = hoisting(levels, fused["EVEN"], tiles)
+        coarse_loop = hoisting(levels, fused["EVEN"], tiles)
         launcher(_fused_dq_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, do, lse,
             dlse if dlse is not None else lse, delta, dq, *q_strides, *o_strides, *do_strides,
             *kv_strides, *c_strides, list_stride, heads, group, n, S_TOTAL=levels.selection_size,
-            W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"], num_stages=stages,
-            **coarse_loop, **fused, **common)
+            W_STAGES=tiles["w_stages"], HAS_DLSE=dlse is not None, num_warps=tiles["fused_warps"],
+            num_stages=coarse_loop["STAGES"], **coarse_loop, **fused, **common)
     else:
         grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
-        coarse_loop, stages = hoisting(levels, coarse["EVEN"], tiles)
+        coarse_loop = hoisting(levels, coarse["EVEN"], tiles)
         launcher(_coarse_dq_kernel)[grid](
             q, kc, vc, key_list, levels.log2_counts(q), o, do, lse, dlse if dlse is not None else lse, delta, dq,
-            *q_strides, *o_strides, *do_strides, *c_strides, list_stride, heads, group, n,
-            HAS_DLSE=dlse is not None, num_warps=tiles["warps"], num_stages=stages, **coarse_loop, **coarse, **common)
+            *q_strides, *o_strides, *do_strides, *c_strides, list_stride, heads, group, n, HAS_DLSE=dlse is not None,
+            num_warps=tiles["warps"], num_stages=coarse_loop["STAGES"], **coarse_loop, **coarse, **common)
         batched, programs, fine, options = fine_launch(levels, tiles)
         launcher(_fine_dq_kernel if batched else _fine_dq_ragged_kernel)[(programs, bsz * heads)](
             q, k, v, sel, meta, do, lse, delta, dq, *q_strides, *do_strides, *kv_strides, heads, group,

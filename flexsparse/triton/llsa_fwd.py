@@ -356,14 +356,14 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     return {**base, **overrides("fwd")}
 
 
-def hoisting(levels: Levels, even: bool, tiles: dict) -> tuple[dict, int]:
+def hoisting(levels: Levels, even: bool, tiles: dict) -> dict:
     """A coarse loop's constants ``HOIST`` (its key rows hoisted, module docstring: ``EVEN`` and at most
     ``tiles["hoist_runs"]`` runs of b rows, ``K_2 + ... + K_L``, in the list), ``RUNS`` (those runs, padded to a
-    power of two) and ``STAGES``; and its pipeline stages (``hoist_stages`` where it hoists, else ``stages``)."""
+    power of two) and ``STAGES``, its pipeline stages (``hoist_stages`` where it hoists, else ``stages``; the
+    launch's ``num_stages`` too)."""
     runs = levels.coarse_keys // levels.block
     hoist = even and runs <= tiles["hoist_runs"]
-    stages = tiles["hoist_stages"] if hoist else tiles["stages"]
-    return dict(HOIST=hoist, RUNS=pow2(runs), STAGES=stages), stages
+    return dict(HOIST=hoist, RUNS=pow2(runs), STAGES=tiles["hoist_stages"] if hoist else tiles["stages"])
 
 
 def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int) -> tuple[tuple[int, int], dict]:
@@ -413,12 +413,12 @@ def llsa_forward(q, k, v, kc, vc, sel, levels: Levels, scale: float, tiles: dict
     list_stride = key_list.shape[2] * key_list.shape[3]
     if batched_blocks(levels):
         grid, fused = fused_launch(q, levels, tiles["fused_BM"], tiles["BN"], tiles["WN"])
-        coarse_loop, stages = hoisting(levels, fused["EVEN"], tiles)
+        coarse_loop = hoisting(levels, fused["EVEN"], tiles)
         launcher(_fused_fwd_kernel)[grid](
             q, k, v, kc, vc, key_list, levels.log2_counts(q), sel, meta, o, lse, *q_strides, *k.stride()[:3],
             *v.stride()[:3], *o_strides, *c_strides, list_stride, heads, group, n,
             S_TOTAL=levels.selection_size, W_STAGES=tiles["w_stages"], KV_ROWS=k.stride(2) == v.stride(2),
-            num_warps=tiles["fused_warps"], num_stages=stages, **coarse_loop, **fused, **common)
+            num_warps=tiles["fused_warps"], num_stages=coarse_loop["STAGES"], **coarse_loop, **fused, **common)
         return o, lse
     grid, coarse = coarse_launch(q, levels, tiles["BM"], tiles["BN"])
     launcher(_coarse_fwd_kernel)[grid](

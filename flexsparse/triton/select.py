@@ -190,6 +190,17 @@ def search(top: bool, candidates: int) -> int:
     return SEARCH_PACKED if candidates <= (PACKED_TOP_KEYS if top else PACKED_CHILD_KEYS) else SEARCH_BISECT
 
 
+def row_search(top: bool, candidates: int, kp: int, tiles: dict) -> tuple[int, int]:
+    """``(search, parts)`` of a selection kernel's rows of ``candidates`` keys keeping ``kp``: ``search``, and the
+    packed search's parts (``parts`` of ``TOP_PARTS`` / ``CHILD_PARTS``, tile overrides ``top_split`` /
+    ``child_split``; bisection keeps whole rows)."""
+    how = search(top, candidates)
+    if how != SEARCH_PACKED:
+        return how, 1
+    most = tiles.get("top_split", TOP_PARTS) if top else tiles.get("child_split", CHILD_PARTS)
+    return how, parts(candidates, kp, most)
+
+
 def parts(candidates: int, kp: int, most: int) -> int:
     """Parts (a warp each) of packed-searched rows of ``candidates`` keys (a power of two) keeping ``kp`` each:
     ``most``, halved while a part would hold fewer than ``max(16, kp)`` keys (``tl.dot``'s and the top-K's width)."""
@@ -231,8 +242,8 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
             heads, heads // k_pyr.shape[1], levels.selection_size)
     bc, bd, tiles = pow2(levels.tokens(top), 16), pow2(d, 16), overrides("select")
     if bc <= DENSE_TOP_TOKENS and bc * bd <= dense_limit:
-        how, kp = search(True, bc), pow2(levels.topk[-1])
-        split = parts(bc, kp, tiles.get("top_split", TOP_PARTS)) if how == SEARCH_PACKED else 1
+        kp = pow2(levels.topk[-1])
+        how, split = row_search(True, bc, kp, tiles)
         launcher(_select_top_kernel)[(cdiv(levels.tokens(top), 16), bsz * heads)](
             *args, top, D=d, BD=bd, BQ=16, BC=bc, KSEL=levels.topk[-1], SCAN=bc <= SCAN_LIMIT, SEARCH=how, KSEL2=kp,
             PRECISION=tiles.get("top_precision", "tf32x3" if how == SEARCH_PACKED else "ieee"), SPLIT=split,
@@ -249,8 +260,8 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         if not per_program:
             wide_children(q_pyr, k_pyr, sel, levels, level)
             continue
-        how, kp = search(False, bc), pow2(levels.topk[level - 1])
-        split = parts(bc, kp, tiles.get("child_split", CHILD_PARTS)) if how == SEARCH_PACKED else 1
+        kp = pow2(levels.topk[level - 1])
+        how, split = row_search(False, bc, kp, tiles)
         launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
             *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
             W=per_program, SPLIT=split, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, SEARCH=how, KSEL2=kp,
