@@ -75,7 +75,8 @@ def main():
     ft = llsa_fwd.forward_tiles(dev, d, torch_dtype)
     bt = llsa_bwd.backward_tiles(dev, d, block, torch_dtype)
     q = f"*{dt}"
-    top_split, child_split = select.parts(256, 8, select.TOP_PARTS), select.parts(128, 8, select.CHILD_PARTS)
+    top_search, top_split = select.row_search(True, 256, 8, {})
+    child_search, child_split = select.row_search(False, 128, 8, {})
     jobs = [
         ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32", LOW=q),
          dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False, HAS_LOW=True),
@@ -85,10 +86,10 @@ def main():
          dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, UP=True, KEEP_SUMS=False), pool.warps_for(16, pow2(d)), 1),
         ("select(children)", select._select_children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, W=select.CHILD_PARENTS, SPLIT=child_split,
-              DC=select.HEAD_CHUNK, SCAN=True, SEARCH=select.search(False, 128), KSEL2=8),
+              DC=select.HEAD_CHUNK, SCAN=True, SEARCH=child_search, KSEL2=8),
          select.CHILD_PARENTS * child_split, 1),
         ("select(top)", select._select_top_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
-         dict(D=d, BD=pow2(d, 16), BQ=16, BC=256, KSEL=8, SCAN=True, SEARCH=select.search(True, 256), KSEL2=8,
+         dict(D=d, BD=pow2(d, 16), BQ=16, BC=256, KSEL=8, SCAN=True, SEARCH=top_search, KSEL2=8,
               PRECISION="tf32x3", SPLIT=top_split, DC=select.HEAD_CHUNK), top_split, 1),
         ("csc count", csc._count_kernel, dict(SEL="*i32", COUNTS="*i32"), dict(BE=1024), 4, 1),
         ("coarse fwd", llsa_fwd._coarse_fwd_kernel,
