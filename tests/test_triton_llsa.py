@@ -90,6 +90,19 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
+def test_pool_passes_from_sums_split_to_fill_the_device(monkeypatch):
+    """The passes from sums (levels 3 and 4 here) cut their tokens into more programs where a device would run too
+    few (``pool.pass_step``, on by default on CUDA only): the same pyramid bit for bit, the step really smaller."""
+    from flexsparse.triton import pool
+    x = torch.randn(2, 3, 5000, 32)
+    whole = ops.llsa_pool(x, 4, 4)
+    monkeypatch.setitem(pool.PASS_PROGRAMS, "cpu", 64)
+    assert pool.sums_step(32, x.device) == 32 and pool.pass_step(32, x.device, 79, 6) == 4
+    assert pool.pass_step(32, x.device, 20, 6) == 1  # levels 3 and 4 of this pyramid
+    assert torch.equal(ops.llsa_pool(x, 4, 4), whole)
+
+
+@cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[2], CASES[4], CASES[8], (2048, 32, (2,), 4, 2, 64),
                                                            (4200, 64, (1, 1), 1, 1, 160)])
 def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv_heads, d):

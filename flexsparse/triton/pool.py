@@ -119,6 +119,19 @@ def sums_step(d: int, device: torch.device) -> int:
     return max(1, ELEMENTS.get(device.type, 4096) // pow2(d))
 
 
+PASS_PROGRAMS = {"cuda": 1024}  # a pass from sums takes fewer tokens per program until it has this many programs:
+# with whole tiles, level 3 at N262144 (64 tokens a head) ran one program per head, 22.7 us a pass (H200, session 37)
+
+
+def pass_step(d: int, device: torch.device, tokens: int, heads: int) -> int:
+    """Tokens per program of a pass from sums making ``tokens`` tokens of each of ``heads`` heads: ``sums_step``,
+    halved while the pass has fewer than ``PASS_PROGRAMS`` programs (a power of two, at least 1)."""
+    step = sums_step(d, device)
+    while step > 1 and heads * cdiv(tokens, step) < PASS_PROGRAMS.get(device.type, 0):
+        step //= 2
+    return step
+
+
 def warps_for(step: int, bd: int) -> int:
     """Warps of a pass of ``step`` tokens per program: 8 elements (16 bytes of bf16) per thread and load, but at
     least 2 warps (4 elements per thread on the first pass at b=16, D=64; B2 H8 N65536: 153 us against 164 on one
@@ -144,9 +157,10 @@ def deeper_levels(x: torch.Tensor, sums: torch.Tensor, means: torch.Tensor, low:
     """Levels ``level ..L`` of ``x``'s pyramid (its level ``level - 1`` sums in ``sums``), one pass each from the sums
     below (``x`` gives the shape and is the unused source pointer)."""
     bsz, heads, n, d = x.shape
-    bd, block, step = pow2(d), levels.block, sums_step(d, x.device)
+    bd, block = pow2(d), levels.block
     for level in range(level, levels.levels + 1):
         (dst_tokens, dst_off), (src_tokens, src_off) = levels.rows[level][:2], levels.rows[level - 1][:2]
+        step = pass_step(d, x.device, dst_tokens, bsz * heads)
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
             x, sums, means, low, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n,
             src_tokens, src_off, dst_off, dst_tokens, block**level, 0, 0, D=d, BD=bd, BLOCK=block, TT=pow2(step),
