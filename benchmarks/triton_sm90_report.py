@@ -80,10 +80,11 @@ def main():
     jobs = [
         ("pool", pool._pool_kernel, dict(SRC=q, SUMS="*fp32", MEANS="*fp32", LOW=q),
          dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, FROM_SUMS=False, UP=True, KEEP_SUMS=False, HAS_LOW=True),
-         pool.warps_for(16, pow2(d)), 1),
+         pool.first_pass_warps(16, pow2(d), False), 1),
         ("pool q, k, v", pool._pool_qkv_kernel,
          dict(Q=q, K=q, V=q, SQ="*fp32", SK="*fp32", SV="*fp32", QM="*fp32", KM="*fp32", KL=q, VL=q),
-         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, UP=True, KEEP_SUMS=False), pool.warps_for(16, pow2(d)), 1),
+         dict(D=d, BD=pow2(d), BLOCK=block, TT=16, STEP=16, UP=True, KEEP_SUMS=False),
+         pool.first_pass_warps(16, pow2(d), False), 1),
         ("select(children)", select._select_children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, W=select.CHILD_PARENTS, SPLIT=child_split,
               DC=select.HEAD_CHUNK, SCAN=True, SEARCH=child_search, KSEL2=8),

@@ -133,10 +133,18 @@ def pass_step(d: int, device: torch.device, tokens: int, heads: int) -> int:
 
 
 def warps_for(step: int, bd: int) -> int:
-    """Warps of a pass of ``step`` tokens per program: 8 elements (16 bytes of bf16) per thread and load, but at
-    least 2 warps (4 elements per thread on the first pass at b=16, D=64; B2 H8 N65536: 153 us against 164 on one
-    warp, H100, session 34; 4 warps 155; D=128 already takes 2, where 4 measured 338 against 311)."""
+    """Warps of a pass of ``step`` tokens per program: a warp per 1024 elements of its ``(step, bd)`` tile (32 per
+    thread and load), at least 2 and at most 8 (the first pass at b=16, D=64, B2 H8 N65536: 153 us against 164 on
+    one warp, H100, session 34; 4 warps 155; at D=128, 4 warps measured 338 against 311)."""
     return max(2, min(8, pow2(step) * bd // 1024))
+
+
+def first_pass_warps(step: int, bd: int, keep_sums: bool) -> int:
+    """Warps of the first pass: ``warps_for``, but 4 where the pass keeps sums for a third level on tiles of 1024
+    elements (b=16, D=64). H200, B2 H8 bf16, session 37, the pass in a graph-replayed forward: N262144 L3 526 -> 418
+    us (the op alone at N1048576: 2108 -> 1680); not at D=32 (216 -> 223 us there), nor at L=2 (N65536 114.5 ->
+    117.9 us, the op alone) or D=128 (216 -> 282 at L=2, 850 -> 1112 at L=3, the op alone)."""
+    return 4 if pow2(step) * bd == 1024 and keep_sums else warps_for(step, bd)
 
 
 def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[int, int, tuple[int, int, int], dict]:
@@ -147,8 +155,9 @@ def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[int, int, 
     up = levels.levels >= 2 and levels.block * bd <= 8192
     step = levels.block if up else sums_step(d, device)
     (up_tokens, up_off), dst_tokens = (levels.rows[2][:2] if up else (0, 0)), levels.rows[1][0]
-    constants = dict(D=d, BD=bd, BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up,
-                     KEEP_SUMS=up and levels.levels > 2, num_warps=overrides("pool").get("warps", warps_for(step, bd)))
+    keep = up and levels.levels > 2
+    constants = dict(D=d, BD=bd, BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up, KEEP_SUMS=keep,
+                     num_warps=overrides("pool").get("warps", first_pass_warps(step, bd, keep)))
     return cdiv(dst_tokens, step), 3 if up else 2, (dst_tokens, up_off, up_tokens), constants
 
 
