@@ -39,23 +39,20 @@ def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block
     ``[parts, whole, bisection]``."""
     import json
     import os
+    from triton_support import env_var
     from flexsparse.triton import ops, select  # not at import: the interpreter tests set TRITON_INTERPRET first
-    chosen, saved, sels = select.search, os.environ.get("FLEXSPARSE_TRITON_TILES"), []
-    tiles = json.loads(saved) if saved else {}
+    chosen, sels = select.search, []
+    tiles = json.loads(os.environ.get("FLEXSPARSE_TRITON_TILES") or "{}")
     whole = dict(tiles, select=dict(tiles.get("select", {}), top_split=1, child_split=1))
     try:
         runs = ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_BISECT, tiles))
         for how, table in runs:
             select.search = lambda top, candidates, how=how: (
                 how if widest is None or candidates <= widest else select.SEARCH_BISECT)
-            os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps(table)
-            sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
+            with env_var("FLEXSPARSE_TRITON_TILES", json.dumps(table)):
+                sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
     finally:
         select.search = chosen
-        if saved is None:
-            os.environ.pop("FLEXSPARSE_TRITON_TILES")
-        else:
-            os.environ["FLEXSPARSE_TRITON_TILES"] = saved
     return sels
 
 

@@ -77,20 +77,25 @@ def check_interpreter_suite(path: str) -> None:
 
 
 @contextlib.contextmanager
-def interpreter_env(on: bool):
-    """``TRITON_INTERPRET=1`` inside the block (unset with ``on=False``), restored after."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
+def env_var(name: str, value: str | None):
+    """Environment variable ``name`` set to ``value`` inside the block (unset for None), restored after."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
     else:
-        os.environ.pop("TRITON_INTERPRET", None)
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["TRITON_INTERPRET"] = old
+            os.environ[name] = old
+
+
+def interpreter_env(on: bool):
+    """``TRITON_INTERPRET=1`` inside the block (unset with ``on=False``), restored after (``env_var``)."""
+    return env_var("TRITON_INTERPRET", "1" if on else None)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
