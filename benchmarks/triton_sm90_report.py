@@ -87,7 +87,7 @@ def main():
          pool.first_pass_warps(16, pow2(d), False), 1),
         ("select(children)", select._select_children_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BLOCK=block, BQ=16, BC=128, KSEL=8, W=select.CHILD_PARENTS, SPLIT=child_split,
-              DC=select.HEAD_CHUNK, SCAN=True, SEARCH=child_search, KSEL2=8),
+              DC=select.HEAD_CHUNK, SCAN=True, SEARCH=child_search, KSEL2=8, LOW=7, BUCKET=child_search == select.SEARCH_PACKED, SLOTS=8),
          select.CHILD_PARENTS * child_split, 1),
         ("select(top)", select._select_top_kernel, dict(QP="*fp32", KP="*fp32", SEL="*i32", META="*i32"),
          dict(D=d, BD=pow2(d, 16), BQ=16, BC=256, KSEL=8, SCAN=True, SEARCH=top_search, KSEL2=8,

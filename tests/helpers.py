@@ -34,9 +34,9 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
 def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
                          widest: int | None = None) -> list[torch.Tensor]:
     """LLSA's packed selections from pooled pyramids by each search of the selection kernels: the packed search with
-    rows cut into parts (``flexsparse.triton.select.parts``) and with whole rows, and bisection
-    (``flexsparse.triton.select.search`` forced each way; rows of more than ``widest`` candidates always bisect):
-    ``[parts, whole, bisection]``."""
+    rows cut into parts (``flexsparse.triton.select.parts``), with whole rows, and in parts on int64 keys only
+    (tile override ``bucket`` off: no int32 pass first), and bisection (``flexsparse.triton.select.search`` forced
+    each way; rows of more than ``widest`` candidates always bisect): ``[parts, whole, int64, bisection]``."""
     import json
     import os
     from triton_support import env_var
@@ -44,8 +44,10 @@ def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block
     chosen, sels = select.search, []
     tiles = json.loads(os.environ.get("FLEXSPARSE_TRITON_TILES") or "{}")
     whole = dict(tiles, select=dict(tiles.get("select", {}), top_split=1, child_split=1))
+    int64 = dict(tiles, select=dict(tiles.get("select", {}), bucket=False))
     try:
-        runs = ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_BISECT, tiles))
+        runs = ((select.SEARCH_PACKED, tiles), (select.SEARCH_PACKED, whole), (select.SEARCH_PACKED, int64),
+                (select.SEARCH_BISECT, tiles))
         for how, table in runs:
             select.search = lambda top, candidates, how=how: (
                 how if widest is None or candidates <= widest else select.SEARCH_BISECT)

@@ -185,8 +185,8 @@ def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
     n, block, topk, heads, kv_heads, d, dtype = case
     q, k, _ = method_leaves(n, heads, kv_heads, d, LOW[dtype], "bhnd", grid)
     q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
-    split, whole, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
-    assert torch.equal(split, bisection) and torch.equal(whole, bisection)
+    split, whole, int64, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
+    assert torch.equal(split, bisection) and torch.equal(whole, bisection) and torch.equal(int64, bisection)
 
 
 @gpu

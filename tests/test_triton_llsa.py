@@ -50,11 +50,20 @@ CASES = [
 ]
 
 
-def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu"):
+def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu", pooled=None):
+    """Fresh q ``(1, H, n, d)``, k, v ``(1, Hk, n, d)``: normal, or ``grid`` values. ``pooled = (block, levels)``:
+    the last ``n % block**levels`` grid tokens of q and k repeat one row, so that a ragged pooled token's mean (over
+    e.g. 12 tokens) stays exact and the scores with it too; else a true tie there can break either way by rounding
+    (seed 3773167730 of ``test_select_wide_children_rows_take_fewer_parents_or_torch``, n=1100: tf32x3 and fp32
+    matmul split a tie at the ragged level-2 token)."""
     make = ts.grid_values if grid else torch.randn
     q = make(1, heads, n, d)
     k = make(1, kv_heads, n, d) + (0.5 if grid else 0.3 * torch.randn(1, kv_heads, 1, d))
     v = make(1, kv_heads, n, d)
+    if grid and pooled:
+        tail = n % pooled[0] ** pooled[1]
+        for x in (q, k):
+            x[:, :, n - tail:] = x[:, :, n - tail:n - tail + 1].clone()
     return [x.to(dtype=dtype, device=device) for x in (q, k, v)]
 
 
@@ -122,7 +131,7 @@ def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv
 @cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
 def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
-    q, k, _ = _qkv(n, heads, kv_heads, d, grid=True)
+    q, k, _ = _qkv(n, heads, kv_heads, d, grid=True, pooled=(block, len(topk)))
     q_levels, k_levels = pool_pyramid(q, block, len(topk)), pool_pyramid(k, block, len(topk))
     sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
@@ -180,8 +189,8 @@ def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
     K = every token of a ragged level (a full bitonic sort), wide rows (the 275-token top level) and GQA."""
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=grid)
     q_pyr, k_pyr = (torch.cat(pool_pyramid(x, block, len(topk)), 2) for x in (q, k))
-    split, whole, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
-    assert torch.equal(split, bisection) and torch.equal(whole, bisection)
+    split, whole, int64, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk)
+    assert torch.equal(split, bisection) and torch.equal(whole, bisection) and torch.equal(int64, bisection)
 
 
 @cpu_only
@@ -189,7 +198,7 @@ def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
     from flexsparse.triton import select
     n, block, topk = 300, 4, (3, 2)
-    q, k, _ = _qkv(n, 2, 1, 16, grid=True)
+    q, k, _ = _qkv(n, 2, 1, 16, grid=True, pooled=(block, 2))
     q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
     for limit in (16, select.DENSE_TOP_ELEMENTS):  # T_2 = 19 (32 x 16 padded elements)
@@ -211,7 +220,7 @@ def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monk
     limit = {"two parents": 2 * one, "one parent": one, "none": one - 1}[score_bytes]
     monkeypatch.setattr(select, "CHILD_SCORE_BYTES", limit)
     monkeypatch.setattr(select, "CHILD_PARENTS", 2)
-    q, k, _ = _qkv(n, 4, 2, 16, grid=True)
+    q, k, _ = _qkv(n, 4, 2, 16, grid=True, pooled=(block, 3))
     q_levels, k_levels = pool_pyramid(q, block, 3), pool_pyramid(k, block, 3)
     sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
@@ -289,7 +298,7 @@ def test_half_inputs_with_fp32_pooled_levels(n, block, topk, heads, kv_heads, d)
 def test_method_matches_reference(n, block, topk, heads, kv_heads, d):
     """The whole method (pool, select, attend, gradients through the pooling) against the dense spec; CASES[8]
     runs the fine level batched (the pooled gradients added by the batched dK/dV kernel)."""
-    q, k, v = _qkv(n, heads, kv_heads, d, grid=True)
+    q, k, v = _qkv(n, heads, kv_heads, d, grid=True, pooled=(block, len(topk)))
     cfg = {"method": "llsa", "block_size": block, "topk": list(topk)}
     results = {}
     for backend in ("triton", "reference"):
@@ -421,9 +430,9 @@ def test_gpu_select_searches_agree(d):
     the GPU at a realistic size."""
     n, block, topk = 65536, 16, [8, 8]
     q, k, _ = _gpu_inputs(n, 4, 2, d)
-    split, whole, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
-                                                   block, topk)
-    assert torch.equal(split, bisection) and torch.equal(whole, bisection)
+    split, whole, int64, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
+                                                          block, topk)
+    assert torch.equal(split, bisection) and torch.equal(whole, bisection) and torch.equal(int64, bisection)
 
 
 @gpu

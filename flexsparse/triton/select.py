@@ -10,14 +10,18 @@ kernel's 250 us at N=65536 on an H100). Rows are selected all at once (``store_t
 (``search``): up to ``PACKED_TOP_KEYS`` / ``PACKED_CHILD_KEYS`` candidates a bitonic top-K (``tl.topk``) of the
 scores' order-preserving int32 keys packed with their token ids into int64 (``packed_top``), the candidates cut
 into parts of a warp each (``parts``: ``TOP_PARTS``, ``CHILD_PARTS``) whose best are merged by one more top-K; wider
-rows by bisection (``bisect.first_k_rows``). The packed search stores each row's tokens at fixed addresses;
-bisection packs the taken columns by rank, a store whose address ``torch.compile``'s write analysis sees as
-depending on the pyramids, so it takes them as written (``tests/test_triton_writes.py``); compiled graphs copy
-them only where something reads them after the launch, which LLSA's calls do not. Ties go to the smallest key id
-(candidates are laid out in id order: the parent's selection is ascending); rows are stored ascending. The result
+rows by bisection (``bisect.first_k_rows``). Children rows searched packed first take a top-K of int32 keys (the
+score key's high bits and the column, ``bucket_top``) and keep it where it provably equals the int64 search's (no
+near-tie at the K-th key: almost every program on real scores), else run the int64 search (``store_children_top``).
+The packed search stores each row's tokens at fixed addresses; bisection packs the taken columns by rank, a store
+whose address ``torch.compile``'s write analysis sees as depending on the pyramids, so it takes them as written
+(``tests/test_triton_writes.py``); compiled graphs copy them only where something reads them after the launch,
+which LLSA's calls do not. Ties go to the smallest key id (candidates are laid out in id order: the parent's
+selection is ascending); rows are stored ascending. The result
 equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the
 tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
-``top_split`` (``TOP_PARTS``), ``child_split`` (``CHILD_PARTS``), ``top_warps``, ``top_precision``.
+``top_split`` (``TOP_PARTS``), ``child_split`` (``CHILD_PARTS``), ``top_warps``, ``top_precision``, ``bucket``
+(the children's int32 pass, default on).
 """
 from __future__ import annotations
 
@@ -68,6 +72,45 @@ def store_tokens(out_rows, tokens, row_ok, KSEL: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
+def merge_parts(best, KP: tl.constexpr, SPLIT: tl.constexpr):
+    """Each row's ``KP`` largest of ``best (W * SPLIT, R, KP)``, the per-part top-K of ``SPLIT`` parts per row group
+    (group-major): ``(W, R, KP)``, descending."""
+    if SPLIT > 1:
+        groups: tl.constexpr = best.shape[0] // SPLIT
+        best = tl.reshape(tl.permute(tl.reshape(best, [groups, SPLIT, best.shape[1], KP]), [0, 2, 1, 3]),
+                          [groups, best.shape[1], SPLIT * KP])
+        best = tl.topk(best, KP)
+    return best
+
+
+@triton.jit
+def bucket_top(key, col, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr, LOW: tl.constexpr):
+    """The int32 pass of ``store_children_top``: each row's ``KP`` largest of ``(key & ~m) | (m - col)`` (``m =
+    2^LOW - 1``: the key's bucket ``key >> LOW`` above the column, unique per row) as columns ``(W, R, KP)``, and
+    whether the pick is exact in every valid row (a scalar): where the ``KSEL``-th pick's bucket lies whole in the
+    pick (exactly ``KSEL`` keys in it or above) and is not padding's (``INT_MIN``), the pick is the ``KSEL`` largest
+    keys whatever the tie-break. Its compare-and-swaps are int32 (two instructions), the int64 ones six to ten."""
+    m: tl.constexpr = (1 << LOW) - 1
+    best = merge_parts(tl.topk((key & ~m) | (m - tl.expand_dims(col, -2)), KP), KP, SPLIT)
+    last = tl.min(tl.where(tl.arange(0, KP) < KSEL, best, INT_MAX), axis=-1)
+    groups: tl.constexpr = key.shape[0] // SPLIT
+    bucket = tl.reshape(tl.broadcast_to(tl.expand_dims(last >> LOW, 1), [groups, SPLIT, key.shape[1]]),
+                        [key.shape[0], key.shape[1]])
+    taken = tl.sum(((key >> LOW) >= tl.expand_dims(bucket, -1)).to(tl.int32), axis=2)
+    taken = tl.sum(tl.reshape(taken, [groups, SPLIT, key.shape[1]]), axis=1)
+    exact = tl.where(row_ok, (taken == KSEL) & ((last >> LOW) != (INT_MIN >> LOW)), True)
+    return m - (best & m), tl.min(exact.to(tl.int32))
+
+
+@triton.jit
+def store_packed(out_rows, key, cand, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr):
+    """``store_top``'s int64 search: each part's ``KP`` best (score key, token) packed (``packed_top``), the parts
+    merged, the first ``KSEL`` tokens stored ascending."""
+    best = merge_parts(packed_top(key, tl.expand_dims(cand, -2) + tl.zeros_like(key), KP), KP, SPLIT)
+    store_tokens(out_rows, packed_tokens(best, KSEL, KP), row_ok, KSEL, KP)
+
+
+@triton.jit
 def store_top(out_rows, key, cand, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SCAN: tl.constexpr,
               SEARCH: tl.constexpr, SPLIT: tl.constexpr):
     """The ``KSEL`` tokens of the largest keys of each row stored ascending at ``out_rows (W, R)`` where ``row_ok``:
@@ -76,15 +119,30 @@ def store_top(out_rows, key, cand, row_ok, KSEL: tl.constexpr, KP: tl.constexpr,
     ``KP`` best and one more top-K merges a group's parts; or, with ``SPLIT = 1``, bisection (``SCAN``:
     ``first_k_rows``' ``TIES_BY_SCAN``)."""
     if SEARCH == PACKED:
-        best = packed_top(key, tl.expand_dims(cand, -2) + tl.zeros_like(key), KP)
-        if SPLIT > 1:
-            groups: tl.constexpr = key.shape[0] // SPLIT
-            best = tl.reshape(tl.permute(tl.reshape(best, [groups, SPLIT, key.shape[1], KP]), [0, 2, 1, 3]),
-                              [groups, key.shape[1], SPLIT * KP])
-            best = tl.topk(best, KP)
-        store_tokens(out_rows, packed_tokens(best, KSEL, KP), row_ok, KSEL, KP)
+        store_packed(out_rows, key, cand, row_ok, KSEL, KP, SPLIT)
     else:
         store_taken(out_rows, first_k_rows(key, KSEL, 0, False, SCAN) & tl.expand_dims(row_ok, -1), cand)
+
+
+@triton.jit
+def store_children_top(out_rows, key, cand, col, row_ok, parent_ids, KSEL: tl.constexpr, KP: tl.constexpr,
+                       SCAN: tl.constexpr, SEARCH: tl.constexpr, SPLIT: tl.constexpr, LOW: tl.constexpr,
+                       BUCKET: tl.constexpr, BLOCK: tl.constexpr):
+    """``store_top`` of children rows (``col (W * SPLIT, C)``: each column's place in its row, ``< 2^LOW``). With
+    ``BUCKET`` (the packed search only) an int32 pass first (``bucket_top``), kept where it is exact, the int64
+    search elsewhere; the pick's columns map to tokens ``parent_ids[w, col // BLOCK] * BLOCK + col % BLOCK``
+    (``parent_ids (W, P)``: the parents' own selection)."""
+    if BUCKET:
+        cols, exact = bucket_top(key, col, row_ok, KSEL, KP, SPLIT, LOW)
+        if exact:
+            cols = tl.sort(tl.where(tl.arange(0, KP) < KSEL, cols, INT_MAX))
+            hit = tl.arange(0, parent_ids.shape[1])[None, None, None, :] == tl.expand_dims(cols // BLOCK, -1)
+            tokens = tl.sum(tl.where(hit, parent_ids[:, None, None, :], 0), axis=3) * BLOCK + cols % BLOCK
+            store_tokens(out_rows, tokens, row_ok, KSEL, KP)
+        else:
+            store_packed(out_rows, key, cand, row_ok, KSEL, KP, SPLIT)
+    else:
+        store_top(out_rows, key, cand, row_ok, KSEL, KP, SCAN, SEARCH, SPLIT)
 
 
 @triton.jit
@@ -130,7 +188,8 @@ def _select_top_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TO
 def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP, S_TOTAL, LEVEL, PARENTS,
                             D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, BQ: tl.constexpr,
                             BC: tl.constexpr, KSEL: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
-                            DC: tl.constexpr, SCAN: tl.constexpr, SEARCH: tl.constexpr, KSEL2: tl.constexpr):
+                            DC: tl.constexpr, SCAN: tl.constexpr, SEARCH: tl.constexpr, KSEL2: tl.constexpr,
+                            LOW: tl.constexpr, BUCKET: tl.constexpr, SLOTS: tl.constexpr):
     """``S_LEVEL`` rows below the top: ``W`` parents (level LEVEL+1) per program, the ``BLOCK`` query tokens under
     each against the children of ``S_{LEVEL+1}[parent]`` in ``SPLIT`` parts, a warp each (batched 3-d products
     and searches: each warp's row reductions stay in the warp; tf32x3 dots). A partial last program repeats the
@@ -154,9 +213,14 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
                          ((j[None, :] < BLOCK) & (rows < tokens))[:, :, None],
                          k_base + (off + cand).to(tl.int64)[:, :, None] * D, c_ok[:, :, None], BD, D, DC, "tf32x3")
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
-    rows = tl.minimum(pid * W + tl.arange(0, W), PARENTS - 1)[:, None] * BLOCK + j[None, :]  # each parent's once
+    parents = tl.minimum(pid * W + tl.arange(0, W), PARENTS - 1)  # each parent's rows once
+    slot = tl.arange(0, SLOTS)[None, :]
+    parent_ids = tl.load(sel + tl.load(META + LEVEL * 6 + SEL_OFF) + parents[:, None] * parent_k + slot,
+                         mask=slot < parent_k, other=0)
+    rows = parents[:, None] * BLOCK + j[None, :]
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
-    store_top(out, key, cand, (j[None, :] < BLOCK) & (rows < tokens), KSEL, KSEL2, SCAN, SEARCH, SPLIT)
+    store_children_top(out, key, cand, e, (j[None, :] < BLOCK) & (rows < tokens), parent_ids, KSEL, KSEL2, SCAN,
+                       SEARCH, SPLIT, LOW, BUCKET, BLOCK)
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
@@ -265,6 +329,11 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
             *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
             W=per_program, SPLIT=split, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, SEARCH=how, KSEL2=kp,
+            # BUCKET (H200, session 38, B2 H8 b16 K8, the children's kernel in us, the same selections: N65536 D64
+            # 80.5 -> 73.5, D32 64.7 -> 54.8, D128 109 -> 103, N262144 L3 162.7 -> 147.2, N16384 23.2 -> 25.3; 168
+            # registers instead of 137. The top level lost with it: 256 tokens D32 11.5 -> 16.5, D128 18.4 -> 26.2)
+            LOW=bc.bit_length() - 1, BUCKET=how == SEARCH_PACKED and tiles.get("bucket", True),
+            SLOTS=pow2(levels.topk[level]),
             num_warps=per_program * split)
     return sel
 

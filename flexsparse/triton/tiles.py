@@ -7,8 +7,8 @@ Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``lls
 ``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
 ``SELECT_WARPS`` per row),
 ``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys),
-``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``;
-``select`` module docstring),
+``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``,
+``bucket``; ``select`` module docstring),
 ``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pool.first_pass_warps``).
 Read at every call.
 """
