@@ -89,7 +89,7 @@ def bucket_top(key, col, row_ok, KSEL: tl.constexpr, KP: tl.constexpr, SPLIT: tl
     2^LOW - 1``: the key's bucket ``key >> LOW`` above the column, unique per row) as columns ``(W, R, KP)``, and
     whether the pick is exact in every valid row (a scalar): where the ``KSEL``-th pick's bucket lies whole in the
     pick (exactly ``KSEL`` keys in it or above) and is not padding's (``INT_MIN``), the pick is the ``KSEL`` largest
-    keys whatever the tie-break. Its compare-and-swaps are int32 (two instructions), the int64 ones six to ten."""
+    keys whatever the tie-break. Its compare-and-swaps move one 32-bit value, the int64 search's two halves."""
     m: tl.constexpr = (1 << LOW) - 1
     best = merge_parts(tl.topk((key & ~m) | (m - tl.expand_dims(col, -2)), KP), KP, SPLIT)
     last = tl.min(tl.where(tl.arange(0, KP) < KSEL, best, INT_MAX), axis=-1)
