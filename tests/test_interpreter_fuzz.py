@@ -72,10 +72,11 @@ def method_cases(draw):
 def test_methods_match_reference_on_random_configs(case):
     """``backend="triton"`` (interpreted kernels) against ``"reference"`` on the same fp32 inputs and parameters.
     LLSA's two backends select with different code (Triton kernels, ``masks``), so its inputs are grid values
-    (one batch), on which both score exactly alike; the other methods share one selection."""
+    (one batch) whose ragged tail repeats one row, on which both score exactly alike; the other methods share one
+    selection."""
     cfg, bsz, n, heads, kv_heads, d = case
     if cfg["method"] == "llsa":
-        tensors = llsa_qkv(n, heads, kv_heads, d, grid=True)
+        tensors = llsa_qkv(n, heads, kv_heads, d, grid=True, pooled=(cfg["block_size"], cfg["levels"]))
     else:
         tensors = ts.make_qkv(bsz, heads, kv_heads, n, n, d)
     leaves = [x.requires_grad_() for x in tensors]

@@ -52,16 +52,19 @@ CASES = [
 
 def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu", pooled=None):
     """Fresh q ``(1, H, n, d)``, k, v ``(1, Hk, n, d)``: normal, or ``grid`` values. ``pooled = (block, levels)``:
-    the last ``n % block**levels`` grid tokens of q and k repeat one row, so that a ragged pooled token's mean (over
-    e.g. 12 tokens) stays exact and the scores with it too; else a true tie there can break either way by rounding
-    (seed 3773167730 of ``test_select_wide_children_rows_take_fewer_parents_or_torch``, n=1100: tf32x3 and fp32
-    matmul split a tie at the ragged level-2 token)."""
+    grid tokens of q and k under the ragged token of the deepest level with two tokens or more repeat one row, so
+    that every ragged pooled mean that competes in a selection (over e.g. 12 tokens) stays exact and the scores
+    with it too; else a true tie there can break either way by rounding (seed 3773167730 of
+    ``test_select_wide_children_rows_take_fewer_parents_or_torch``, n=1100: tf32x3 and fp32 matmul split a tie at
+    the ragged level-2 token). A single top-level token competes with nothing: its tokens stay random."""
     make = ts.grid_values if grid else torch.randn
     q = make(1, heads, n, d)
     k = make(1, kv_heads, n, d) + (0.5 if grid else 0.3 * torch.randn(1, kv_heads, 1, d))
     v = make(1, kv_heads, n, d)
     if grid and pooled:
-        tail = n % pooled[0] ** pooled[1]
+        block, levels = pooled
+        span = max([block**level for level in range(1, levels + 1) if -(-n // block**level) >= 2], default=1)
+        tail = n % span
         for x in (q, k):
             x[:, :, n - tail:] = x[:, :, n - tail:n - tail + 1].clone()
     return [x.to(dtype=dtype, device=device) for x in (q, k, v)]
