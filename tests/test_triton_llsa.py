@@ -22,7 +22,8 @@ pytest.importorskip("triton")
 
 import flexsparse  # noqa: E402
 from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
-from flexsparse.masks import children_topk, csr_to_csc, hierarchical_topk, llsa_topk, pool_pyramid  # noqa: E402
+from flexsparse.masks import (children_topk, csr_to_csc, hierarchical_topk, llsa_topk, num_blocks,  # noqa: E402
+                              pool_pyramid)
 from flexsparse.triton import llsa_fwd, ops  # noqa: E402
 from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack, pow2  # noqa: E402
 from helpers import selections_by_search  # noqa: E402
@@ -63,7 +64,7 @@ def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu", p
     v = make(1, kv_heads, n, d)
     if grid and pooled:
         block, levels = pooled
-        span = max([block**level for level in range(1, levels + 1) if -(-n // block**level) >= 2], default=1)
+        span = max([block**level for level in range(1, levels + 1) if num_blocks(n, block**level) >= 2], default=1)
         tail = n % span
         for x in (q, k):
             x[:, :, n - tail:] = x[:, :, n - tail:n - tail + 1].clone()
