@@ -5,12 +5,14 @@ pipelined loop (``coarse_softmax``), the ancestor's key list (``coarse_rows``: t
 of its ancestors, l = 1..L-1, shared by every query block under it) and every level-L token, each level-l token with
 logit bias ``log2(count)``. Then the fine level, in one of two ways:
 
-1. ``_fused_fwd_kernel`` (b a power of two >= 16 that divides N, ``batched_blocks``): the same program reshapes its
-   softmax state to ``(TB, b, ...)`` and adds each block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as
-   batched 3-d products (``(TB, b, keys)``; with one block per warp the row reductions stay in the warp and P in
-   registers), then stores the output and the natural-log LSE. The partial state never leaves the registers
-   (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721 -> 0.689 ms
-   for both at B2 H8 N65536 D64, 1.586 -> 1.321 at D128, on an H100).
+1. ``_fused_fwd_kernel`` (b a power of two >= 16 that divides N, ``batched_blocks``): the program first takes each
+   block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as batched 3-d products (``(TB, b, keys)``; with one
+   block per warp the row reductions stay in the warp and P in registers), then reshapes its softmax state to
+   ``TB * b`` rows for the coarse loop and stores the output and the natural-log LSE. The partial state never leaves
+   the registers (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721
+   -> 0.689 ms for both at B2 H8 N65536 D64, 1.586 -> 1.321 at D128, on an H100). Fine keys first (session 39; the
+   coarse loop came first before): the kernel 654-664 -> 578-590 us at B2 H8 N65536 D64 on an H200, 2697 -> 2345
+   at N262144 L3, 141 -> 121 at N16384.
 2. Otherwise ``_coarse_fwd_kernel`` stores the normalised partial output and its LSE (log2 units), and
    ``_fine_fwd_ragged_kernel`` (any N and b, ``FQ`` rows per step, with masks) starts from that partial state
    (running max = partial LSE, running sum 1, accumulator = partial output).
@@ -38,7 +40,7 @@ import triton.language as tl
 
 from . import layout
 from .common import (KV_OFF, LN2, LOG2E, SEL_OFF, T, TOPK, launcher, load_rows, load_slab, load_tile, mm,
-                     program_heads, softmax_step, sparse_keys, store_rows, store_slab)
+                     program_heads, softmax_step, sparse_keys, store_rows)
 from .layout import Levels, cdiv, coarse_tile_blocks, pow2
 from .tiles import overrides
 
@@ -128,13 +130,11 @@ def coarse_keys_from_runs(starts, run_bias, top_bias, c, BN: tl.constexpr, N_SPA
 def coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D: tl.constexpr, BD: tl.constexpr,
                    N_SPARSE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    EVEN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr,
-                   BLOCK: tl.constexpr, RUNS: tl.constexpr):
-    """Online-softmax state ``(m, l, acc)`` (log2 units; ``(BM,)``, ``(BM,)``, ``(BM, BD)`` fp32) of query rows
-    ``q (BM, BD)`` over their ancestor's key list ``lst`` and every top-level token, in chunks of ``BN``. With
-    ``HOIST`` (``EVEN`` only) the list is read once, as ``RUNS`` runs of ``BLOCK`` rows (module docstring)."""
-    m = tl.full([BM], float("-inf"), tl.float32)
-    l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BD], tl.float32)
+                   BLOCK: tl.constexpr, RUNS: tl.constexpr, m, l, acc):
+    """The online-softmax state ``(m, l, acc)`` (log2 units; ``(BM,)``, ``(BM,)``, ``(BM, BD)`` fp32) of query rows
+    ``q (BM, BD)`` carried on over their ancestor's key list ``lst`` and every top-level token, in chunks of
+    ``BN``. With ``HOIST`` (``EVEN`` only) the list is read once, as ``RUNS`` runs of ``BLOCK`` rows (module
+    docstring)."""
     n_total = N_SPARSE + TOP_T
     if HOIST:
         starts, run_bias, top_bias = listed_runs(lst, LOG2C, TOP_OFF, N_SPARSE, BLOCK, RUNS)
@@ -176,7 +176,8 @@ def _coarse_fwd_kernel(Q, KC, VC, LIST, LOG2C, O, LSE, q_b, q_h, q_n, o_b, o_h, 
     dim = tl.arange(0, BD)
     q = load_rows(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, rows, q_n, dim, row_ok, D)
     m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
-                               STAGES, IEEE, False, BLOCK, 1)
+                               STAGES, IEEE, False, BLOCK, 1, tl.full([BM], float("-inf"), tl.float32),
+                               tl.zeros([BM], tl.float32), tl.zeros([BM, BD], tl.float32))
     store_rows(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, None], rows, o_n, dim, row_ok, D)
     tl.store(LSE + bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=row_ok)
 
@@ -189,25 +190,20 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
                       EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr, KEYS: tl.constexpr,
                       W_STAGES: tl.constexpr, KV_ROWS: tl.constexpr, HOIST: tl.constexpr, RUNS: tl.constexpr,
                       TOPK1P: tl.constexpr, IEEE: tl.constexpr):
-    """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the coarse pass
-    as ``_coarse_fwd_kernel`` on ``TB * b`` rows, then the state reshaped to ``(TB, b, ...)``, one block per warp
-    where ``TB`` is the warp count, adds each block's ``K_1 * b`` fine keys (batched 3-d products, chunks of
-    ``WN``; ``KV_ROWS``: v's token stride is ``k_n``) and stores the output and the natural-log LSE. ``HOIST``
-    (``EVEN`` only): both loops take their key rows from registers (module docstring; ``RUNS`` runs in the list,
+    """The whole forward of a tile of ``TB`` query blocks (b a power of two >= 16 that divides N): the state
+    ``(TB, b, ...)``, one block per warp where ``TB`` is the warp count, first takes each block's ``K_1 * b`` fine keys
+    (batched 3-d products, chunks of ``WN``; ``KV_ROWS``: v's token stride is ``k_n``), then, reshaped to ``TB * b``
+    rows, the coarse pass as ``_coarse_fwd_kernel``; stores the output and the natural-log LSE. ``HOIST`` (``EVEN``
+    only): both loops take their key rows from registers (module docstring; ``RUNS`` runs in the list,
     ``TOPK1P = pow2(K_1)``)."""
     bh, b, h = program_heads(H)
-    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)  # BM = TB * b
-    dim = tl.arange(0, BD)
-    head = b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-    q = load_rows(Q + head, rows, q_n, dim, rows < N, D)
-    m, l, acc = coarse_softmax(q, kc, vc, lst, LOG2C, dim, TOP_OFF, TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN,
-                               STAGES, IEEE, HOIST, BLOCK, RUNS)
     real, blk, rows = step_blocks(tl.program_id(0), 0, N // BLOCK, TB, 1, BLOCK)
-    q = tl.reshape(q, (TB, BLOCK, BD))
-    m = tl.reshape(m, (TB, BLOCK))
-    l = tl.reshape(l, (TB, BLOCK))
-    acc = tl.reshape(acc, (TB, BLOCK, BD))
+    dim = tl.arange(0, BD)
+    q_head = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+    q = load_slab(q_head, rows, q_n, dim, D, BD)
+    m = tl.full([TB, BLOCK], float("-inf"), tl.float32)
+    l = tl.zeros([TB, BLOCK], tl.float32)
+    acc = tl.zeros([TB, BLOCK, BD], tl.float32)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
     ids = fine_ids(sel, blk, KEYS // BLOCK, TOPK1P, HOIST)
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
@@ -219,9 +215,16 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
         else:
             v_slab = load_slab(vb, tok, v_n, dim, D, BD)
         m, l, acc = softmax_step(s, SCALE2, v_slab, m, l, acc, IEEE)
-    store_slab(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, :, None], rows, o_n, dim, real[:, None],
-               D, BD, True)
-    tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real[:, None])
+    # q again from memory (L2) in the coarse products' layout: reshaping the fine loop's copy kept both live
+    # (202 against 162 registers at D=64, offline sm_90 compile; H200, session 39: the kernel 609 -> 578-590 us)
+    rows = tl.reshape(rows, (BM,))
+    real = tl.reshape(tl.broadcast_to(real[:, None], (TB, BLOCK)), (BM,))
+    kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
+    m, l, acc = coarse_softmax(load_tile(q_head, rows, q_n, dim, real, D, BD, False), kc, vc, lst, LOG2C, dim, TOP_OFF,
+                               TOP_T, D, BD, N_SPARSE, SCALE2, BM, BN, EVEN, STAGES, IEEE, HOIST, BLOCK, RUNS,
+                               tl.reshape(m, (BM,)), tl.reshape(l, (BM,)), tl.reshape(acc, (BM, BD)))
+    store_rows(O + b.to(tl.int64) * o_b + h.to(tl.int64) * o_h, acc / l[:, None], rows, o_n, dim, real, D)
+    tl.store(LSE + bh.to(tl.int64) * N + rows, (m + tl.log2(l)) * LN2, mask=real)
 
 
 @triton.jit
@@ -348,10 +351,10 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
         base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
                     fine_warps=4, fine_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1)
     else:
-        # WN: fine keys per step of the fused kernel. 64 up to D=64: two steps of a block's 128 keys instead of four,
-        # at 168 registers (3 CTAs per SM instead of 4) and still faster (H200, session 38, B2 H8 b16 K8, the kernel
-        # in us: N65536 D64 677 -> 659, D32 455 -> 423, N16384 147 -> 140, N262144 L3 2726 -> 2660; D128 1146 -> 1603)
-        base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=64 if d <= 64 else 32, w_stages=2, FN=256, SUB=8,
+        # WN: fine keys per step of the fused kernel; 64 up to D=32, else 32 (H200, session 39, fine keys first, B2
+        # H8 N65536 b16 K8, the kernel in us: D64 617 at 64 against 578-590 at 32 (162 registers, 3 CTAs per SM);
+        # D32 393 at 64 against 407 at 32)
+        base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=64 if d <= 32 else 32, w_stages=2, FN=256, SUB=8,
                     warps=8, stages=2, fine_warps=4, fine_stages=2 if d > 64 else 3,
                     hoist_runs=HOIST_RUNS if d <= 128 else 0, hoist_stages=3)
         if dtype.itemsize > 2:
