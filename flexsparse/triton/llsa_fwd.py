@@ -3,7 +3,7 @@
 Query tiles of whole query blocks that share their level-2 ancestor (``TB`` blocks, ``TB * b`` rows) attend, in one
 pipelined loop (``coarse_softmax``), the ancestor's key list (``coarse_rows``: the level-l children of ``S_{l+1}``
 of its ancestors, l = 1..L-1, shared by every query block under it) and every level-L token, each level-l token with
-logit bias ``log2(count)``. Then the fine level, in one of two ways:
+logit bias ``log2(count)``. The fine level and that coarse loop run in one of two ways:
 
 1. ``_fused_fwd_kernel`` (b a power of two >= 16 that divides N, ``batched_blocks``): the program first takes each
    block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as batched 3-d products (``(TB, b, keys)``; with one
@@ -11,7 +11,7 @@ logit bias ``log2(count)``. Then the fine level, in one of two ways:
    ``TB * b`` rows for the coarse loop and stores the output and the natural-log LSE. The partial state never leaves
    the registers (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721
    -> 0.689 ms for both at B2 H8 N65536 D64, 1.586 -> 1.321 at D128, on an H100). Fine keys first (session 39; the
-   coarse loop came first before): the kernel 654-664 -> 578-590 us at B2 H8 N65536 D64 on an H200, 2697 -> 2345
+   coarse loop came first before): the kernel 654-664 -> 576-583 us at B2 H8 N65536 D64 on an H200, 2697 -> 2345
    at N262144 L3, 141 -> 121 at N16384.
 2. Otherwise ``_coarse_fwd_kernel`` stores the normalised partial output and its LSE (log2 units), and
    ``_fine_fwd_ragged_kernel`` (any N and b, ``FQ`` rows per step, with masks) starts from that partial state
@@ -215,8 +215,9 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
         else:
             v_slab = load_slab(vb, tok, v_n, dim, D, BD)
         m, l, acc = softmax_step(s, SCALE2, v_slab, m, l, acc, IEEE)
-    # q again from memory (L2) in the coarse products' layout: reshaping the fine loop's copy kept both live
-    # (202 against 162 registers at D=64, offline sm_90 compile; H200, session 39: the kernel 609 -> 578-590 us)
+    # q loaded again in the coarse products' layout: reshaping the fine loop's copy kept both live (at D=64 and fine
+    # chunks of 32, 168 registers against 128 here, offline sm_90 compile; H200, session 39: the kernel 636 -> 576-583
+    # us at B2 H8 N65536)
     rows = tl.reshape(rows, (BM,))
     real = tl.reshape(tl.broadcast_to(real[:, None], (TB, BLOCK)), (BM,))
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
@@ -352,8 +353,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
                     fine_warps=4, fine_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1)
     else:
         # WN: fine keys per step of the fused kernel; 64 up to D=32, else 32 (H200, session 39, fine keys first, B2
-        # H8 N65536 b16 K8, the kernel in us: D64 617 at 64 against 578-590 at 32 (162 registers, 3 CTAs per SM);
-        # D32 393 at 64 against 407 at 32)
+        # H8 N65536 b16 K8, the kernel in us: D64 617 at 64 against 574-591 at 32; D32 393 at 64 against 407 at 32)
         base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=64 if d <= 32 else 32, w_stages=2, FN=256, SUB=8,
                     warps=8, stages=2, fine_warps=4, fine_stages=2 if d > 64 else 3,
                     hoist_runs=HOIST_RUNS if d <= 128 else 0, hoist_stages=3)
