@@ -256,6 +256,7 @@ def test_csc_is_transpose(deterministic):
 
 
 HOISTED = (4096, 16, (2, 2), 2, 1, 16)  # even, L = 2, batched: the fused forward hoists its key rows (llsa_fwd)
+PARTIAL_TILE = (336, 16, (2, 2), 2, 1, 16)  # batched, L = 2, 21 query blocks: the fused forward's last tile is partial
 ENTRY = {"fuse_dq": False, "entry_memory": 1e9}                    # every coarse level's dK/dV ancestor-major
 KEY_MAJOR = {"fuse_dq": False, "entry_memory": 0.0}                 # ... key-major
 FUSED = {"fuse_dq": True, "dkv_slots": 2, "entry_memory": 0.0}      # ... and dQ in one kernel, lists in rounds
@@ -264,7 +265,8 @@ NOT_HOISTED = {"fuse_dq": False, "entry_memory": 1e9, "hoist_runs": 0, "fine_hoi
 
 @cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,tiles",
-                         [case + (ENTRY,) for case in CASES + [HOISTED]] + [case + (KEY_MAJOR,) for case in CASES[2:6]]
+                         [case + (ENTRY,) for case in CASES + [HOISTED, PARTIAL_TILE]]
+                         + [case + (KEY_MAJOR,) for case in CASES[2:6]]
                          + [case + (FUSED,) for case in CASES[6:]] + [HOISTED + (NOT_HOISTED,)])
 def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, tiles, monkeypatch):
     """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level. The coarse levels'
