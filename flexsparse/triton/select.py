@@ -203,9 +203,9 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     j = tl.arange(0, BQ)
     e = (part % SPLIT)[:, None] * (BC // SPLIT) + tl.arange(0, BC // SPLIT)[None, :]
     parent_k = tl.load(META + LEVEL * 6 + TOPK)
+    parent_sel = sel + tl.load(META + LEVEL * 6 + SEL_OFF)  # S_{LEVEL+1}: the parents' own selection
     e_ok = e < parent_k * BLOCK
-    ids = tl.load(sel + tl.load(META + LEVEL * 6 + SEL_OFF) + parent[:, None] * parent_k + e // BLOCK,
-                  mask=e_ok, other=0)
+    ids = tl.load(parent_sel + parent[:, None] * parent_k + e // BLOCK, mask=e_ok, other=0)
     cand = ids * BLOCK + e % BLOCK
     c_ok = e_ok & (cand < tokens)
     rows = parent[:, None] * BLOCK + j[None, :]
@@ -215,8 +215,7 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
     key = tl.where(c_ok[:, None, :], ordered_key(scores), INT_MIN)
     parents = tl.minimum(pid * W + tl.arange(0, W), PARENTS - 1)  # each parent's rows once
     slot = tl.arange(0, SLOTS)[None, :]
-    parent_ids = tl.load(sel + tl.load(META + LEVEL * 6 + SEL_OFF) + parents[:, None] * parent_k + slot,
-                         mask=slot < parent_k, other=0)
+    parent_ids = tl.load(parent_sel + parents[:, None] * parent_k + slot, mask=slot < parent_k, other=0)
     rows = parents[:, None] * BLOCK + j[None, :]
     out = sel + tl.load(META + (LEVEL - 1) * 6 + SEL_OFF) + rows.to(tl.int64) * KSEL
     store_children_top(out, key, cand, e, (j[None, :] < BLOCK) & (rows < tokens), parent_ids, KSEL, KSEL2, SCAN,
