@@ -267,7 +267,8 @@ NOT_HOISTED = {"fuse_dq": False, "entry_memory": 1e9, "hoist_runs": 0, "fine_hoi
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d,tiles",
                          [case + (ENTRY,) for case in CASES + [HOISTED, PARTIAL_TILE]]
                          + [case + (KEY_MAJOR,) for case in CASES[2:6]]
-                         + [case + (FUSED,) for case in CASES[6:]] + [HOISTED + (NOT_HOISTED,)])
+                         + [case + (FUSED,) for case in CASES[6:] + [HOISTED, PARTIAL_TILE]]
+                         + [HOISTED + (NOT_HOISTED,)])
 def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, tiles, monkeypatch):
     """Identical selection: outputs, LSE and gradients of q, k, v and of every pooled level. The coarse levels'
     dK/dV ancestor-major (with rows split over programs: the CPU tiles' ``entry_rows``) or key-major; dQ in one
