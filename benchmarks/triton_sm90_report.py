@@ -113,14 +113,13 @@ def main():
                      dict(BLOCK=block, TB=bt["BM"] // block, N_SPARSE=listed, SCALE=0.125, BM=bt["BM"], BN=bt["BN"],
                           EVEN=True, STAGES=stages, HAS_DLSE=True, HOIST=hoist, RUNS=listed // block, **common),
                      bt["warps"], stages))
-    hoist_stages = bt["hoist_stages"]
     jobs += [
         ("fused dq", llsa_bwd._fused_dq_kernel,
          dict(Q=q, K=q, V=q, KC=q, VC=q, LIST="*i32", LOG2C="*fp32", SEL="*i32", META="*i32", O=q, DO=q,
               LSE="*fp32", DLSE="*fp32", DELTA="*fp32", DQ=q),
          dict(BLOCK=block, TB=bt["fused_BM"] // block, N_SPARSE=128, SCALE=0.125, BM=bt["fused_BM"], BN=bt["BN"],
-              EVEN=True, STAGES=hoist_stages, WN=bt["fused_WN"], KEYS=128, W_STAGES=bt["w_stages"], HAS_DLSE=True,
-              HOIST=True, RUNS=8, TOPK1P=8, **common), bt["fused_warps"], hoist_stages),
+              EVEN=True, STAGES=bt["hoist_stages"], WN=bt["fused_WN"], KEYS=128, W_STAGES=bt["w_stages"], HAS_DLSE=True,
+              HOIST=True, RUNS=8, TOPK1P=8, **common), bt["fused_warps"], bt["hoist_stages"]),
         ("fine dq", llsa_bwd._fine_dq_kernel,
          dict(Q=q, K=q, V=q, SEL="*i32", META="*i32", DO=q, LSE="*fp32", DELTA="*fp32", DQ=q),
          dict(BLOCK=block, SCALE=0.125, W=bt["W"], WN=bt["WN"], WSUB=bt["WSUB"], KEYS=128,
