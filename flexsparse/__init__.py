@@ -2,12 +2,13 @@
 
 ``attention(q, k, v, config)`` mirrors ``F.scaled_dot_product_attention`` for ``(B, H, N, D)`` tensors;
 ``SparseAttention`` holds learnable parts; ``Config.from_dict`` validates a config dict;
-``patch(model, config)`` swaps the attention of an existing model (``set_step`` drives its dense
+``METHODS`` is the registry of methods; ``patch(model, config)`` swaps the attention of an existing model (``set_step`` drives its dense
 warm-up, ``unpatch`` undoes it).
 """
 from .api import attention
-from .config import METHODS, Config
+from .config import Config
 from .integration import patch, set_step, unpatch
+from .methods import METHODS
 from .module import SparseAttention
 
 __all__ = ["attention", "SparseAttention", "Config", "METHODS", "patch", "unpatch", "set_step"]

@@ -1,4 +1,5 @@
-"""The functional entry point ``flexsparse.attention``."""
+"""The functional entry point ``flexsparse.attention``: validate, pick the backend, then the method's select and
+attend steps on it."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,7 @@ import torch
 from . import backends
 from ._checks import check_qkv, resolve_scale
 from .config import Config
-from .methods import method_module
+from .methods import METHODS
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mapping[str, Any] | Config", *,
@@ -25,22 +26,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     ``(B, H, Nq)`` (fp32; fp64 for fp64 inputs) of the (sparse) softmax branch.
     """
     cfg = Config.from_dict(config)
-    module = method_module(cfg.method)
-    check_qkv(q, k, v, self_attention=module.SELF_ATTENTION)
+    method = METHODS[cfg.method]
+    check_qkv(q, k, v, self_attention=method.self_attention)
     scale = resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
-    chosen = backends.resolve(backend, cfg.method, module.BACKENDS, q.device, needs_grad, needs_lse=return_lse,
-                              dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
-    # a strided view is copied once here, not by every op (and again in the backward). A method whose kernels read
-    # views themselves (STRIDED_INPUTS) keeps them, except in a compiled graph that records gradients, where inductor
-    # fuses the copies into their producers (compiled DiT-S training at N=65536 ran 4% faster so: docs/triton_llsa.md)
-    if chosen == "triton" and (not getattr(module, "STRIDED_INPUTS", False)
-                               or (needs_grad and torch.compiler.is_compiling())):
-        from .backends.triton_sparse import contiguous_inputs
-        q, k, v = contiguous_inputs(q, k, v)
+    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse, dtype=q.dtype,
+                              blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
+    q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
     with _without_autocast(q.device.type):
-        out, lse = module.forward(q, k, v, cfg, backend=chosen, scale=scale, params=params, need_lse=return_lse)
+        params = method.check_params(cfg, q, params)
+        selection = method.select(q, k, v, cfg, chosen, params)
+        out, lse = chosen.attend(method, q, k, v, selection, cfg, scale=scale, params=params, need_lse=return_lse)
     if not return_lse:
         return out
     return out, (lse if lse.dtype == torch.float64 else lse.float())

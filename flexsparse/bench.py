@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import backends
-from .config import Config
-from .methods import MODULES, method_module
+from .methods import METHODS
 from .module import SparseAttention
 
 DEMO_CONFIGS = {
@@ -165,7 +164,7 @@ def max_error(config: dict, backend: str, device: torch.device, dtype: torch.dty
 def supported_backends(method: str, device: torch.device, needs_grad: bool,
                        wanted: list[str] | None = None) -> list[str]:
     """Non-reference backends of ``method`` that run on ``device`` (among ``wanted`` if given)."""
-    return [b for b in method_module(method).BACKENDS
+    return [b for b in METHODS[method].backends
             if b != "reference" and backends.runs_on(b, device, needs_grad) and (wanted is None or b in wanted)]
 
 
@@ -241,4 +240,4 @@ def write_outputs(rows: list[Row], out_dir: str, meta: dict) -> list[str]:
 
 def available_methods() -> list[str]:
     """Methods with a demo config and an implementation."""
-    return [m for m in DEMO_CONFIGS if m in MODULES and m in Config.registry]
+    return [m for m in DEMO_CONFIGS if m in METHODS]

@@ -8,7 +8,7 @@ from torch import nn
 
 from .api import attention
 from .config import Config
-from .methods import method_module
+from .methods import METHODS
 
 
 class SparseAttention(nn.Module):
@@ -24,7 +24,7 @@ class SparseAttention(nn.Module):
         super().__init__()
         self.config = Config.from_dict(config)
         self.head_dim, self.num_heads, self.seq_len, self.backend = head_dim, num_heads, seq_len, backend
-        initial = method_module(self.config.method).init_params(self.config, head_dim, num_heads, seq_len)
+        initial = METHODS[self.config.method].init_params(self.config, head_dim, num_heads, seq_len)
         self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

@@ -1,70 +1,61 @@
-"""Backends: ``reference`` (dense spec), ``torch`` (gather-based), ``flex`` and ``triton``.
+"""Backends: ``reference`` (each method's dense spec), ``torch`` (gather-based PyTorch), ``flex`` (FlexAttention)
+and ``triton`` (the ``flexsparse::`` ops). The one place that turns a backend name into where a call runs.
 
-A method module declares which backends it supports; ``resolve`` turns ``"auto"`` into a concrete
-backend and rejects unavailable ones with a clear error. ``sparse_primitives`` gives the module
-with a backend's ``block_sparse_attention`` / ``llsa_attention``.
+``resolve`` picks the backend of a call (``"auto"``: the fastest that can run it) and rejects unusable ones with a
+clear error; the returned ``Backend`` runs every step of the method (``base``), selection included.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from ..quant.attention import unsupported_reason as quant_unsupported_reason
-from . import flex, torch_sparse
+from ..config import QuantConfig
+from .base import Backend
+from .flex_backend import FlexBackend
+from .reference_backend import ReferenceBackend
+from .torch_backend import TorchBackend
+from .triton_backend import TritonBackend
 
-BACKENDS = ("reference", "torch", "flex", "triton", "auto")
-_PRIMITIVES = {"torch": torch_sparse, "flex": flex}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), TorchBackend(), FlexBackend(),
+                                                    TritonBackend())}
+NAMES = (*BACKENDS, "auto")
+AUTO_ORDER = ("triton", "flex", "torch")
 
 
-def resolve(backend: str, method: str, supported: tuple[str, ...], device: torch.device, needs_grad: bool, *,
-            needs_lse: bool = False, dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (),
-            head_dim: int | None = None, quant=None) -> str:
-    """Concrete backend for ``method``: the preference order for ``"auto"`` is triton, flex, torch
-    (each where it is supported and can run this call). ``blocks``: the config's block sizes; ``head_dim``: q's D;
-    ``quant``: the config's ``QuantConfig`` (FP8 QAT), which not every backend runs."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {list(BACKENDS)}")
+def resolve(backend: str, method, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
+            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None,
+            quant: QuantConfig | None = None) -> Backend:
+    """The backend that runs ``method`` (a ``flexsparse.methods.Method``) for this call. ``"auto"`` takes the first of
+    triton, flex, torch that the method supports and that can run the call (else the reference); a named backend
+    that cannot raises a ``ValueError`` saying why. ``blocks``: the config's block sizes; ``head_dim``: q's D;
+    ``quant``: the config's ``QuantConfig``, which not every backend runs."""
+    if backend not in NAMES:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {list(NAMES)}")
     call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks, head_dim=head_dim)
     if backend == "auto":
-        for candidate in ("triton", "flex", "torch"):
-            if (candidate in supported and quant_unsupported_reason(candidate, quant, method) is None
-                    and runs_on(candidate, device, needs_grad, **call)):
+        for name in AUTO_ORDER:
+            candidate = BACKENDS[name]
+            if (name in method.backends and candidate.quant_unsupported(quant, method.sparse_branch) is None
+                    and runs_on(name, device, needs_grad, **call)):
                 return candidate
-        return "reference"
-    if backend not in supported:
-        raise ValueError(f"backend {backend!r} is not available for method {method!r}; "
-                         f"available: {list(supported) + ['auto']}")
-    reason = quant_unsupported_reason(backend, quant, method)
+        return BACKENDS["reference"]
+    if backend not in method.backends:
+        raise ValueError(f"backend {backend!r} is not available for method {method.name!r}; "
+                         f"available: {list(method.backends) + ['auto']}")
+    chosen = BACKENDS[backend]
+    reason = chosen.quant_unsupported(quant, method.sparse_branch)
     if reason is not None:
-        raise ValueError(f"backend {backend!r} cannot run method {method!r} with config key 'quant': {reason}")
-    if backend == "flex":
-        reason = flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks, head_dim)
-        if reason is not None:
-            raise ValueError(f"backend 'flex' cannot run this call for method {method!r}: {reason}")
-    return backend
+        raise ValueError(f"backend {backend!r} cannot run method {method.name!r} with config key 'quant': {reason}")
+    reason = chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} cannot run this call for method {method.name!r}: {reason}")
+    return chosen
 
 
 def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
             dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None) -> bool:
-    """Whether ``backend`` can run this call (forward, backward if ``needs_grad``, LSE if ``needs_lse``)."""
-    if backend in ("reference", "torch"):
-        return True
-    if backend == "flex":
-        return flex.unsupported_reason(device, dtype, needs_grad, needs_lse, blocks, head_dim) is None
-    if backend == "triton":
-        if importlib.util.find_spec("triton") is None:
-            return False
-        return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return False
+    """Whether ``backend`` can run a call on ``device`` (forward, backward if ``needs_grad``, LSE if ``needs_lse``)."""
+    chosen = BACKENDS.get(backend)
+    return chosen is not None and chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim) is None
 
 
-def sparse_primitives(backend: str):
-    """Module with the sparse primitives (``block_sparse_attention``, ``llsa_attention``; optionally
-    ``fp8_block_sparse_attention``, a fused FP8 forward used for ``quant``) of ``backend``
-    (``triton``'s is imported on first use, so flexsparse imports without triton installed)."""
-    if backend == "triton":
-        from . import triton_sparse
-        return triton_sparse
-    return _PRIMITIVES[backend]
+__all__ = ["Backend", "BACKENDS", "NAMES", "resolve", "runs_on"]

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import Config
 from ..masks import TokenOrder, morton_order_2d, tile_order_3d
-from ..methods import method_module
+from ..methods import METHODS
 from ..module import SparseAttention
 
 
@@ -41,7 +41,7 @@ class SparseSDPA(nn.Module):
         self.dense_warmup_steps = dense_warmup_steps
         self.dense = False
         full = self.config.method == "full"
-        self.self_attention_only = not full and method_module(self.config.method).SELF_ATTENTION
+        self.self_attention_only = not full and METHODS[self.config.method].self_attention
         self.attention = None if full else SparseAttention(self.config, head_dim=head_dim, num_heads=num_heads,
                                                            seq_len=seq_len, backend=backend)
         order = grid_order(token_grid)

@@ -1,23 +1,17 @@
-"""Sparsity patterns: pooling pyramids, top-K selection (single-level and hierarchical), SLA/SLA2 router
-inputs, SoftTop-k, CSR->CSC, FlexAttention BlockMasks of selections, token orders (Z-order, 3D tiles)."""
+"""Sparsity patterns and their arithmetic: selection results (the index tables every backend consumes), block
+counts, LLSA's level table, CSR->CSC transposes, FlexAttention ``BlockMask``s built from selections, and token
+orders that make blocks spatially compact (Z-order, 3D tiles). No computation on q, k or v lives here."""
 from .block_mask import LLSALayout, block_selection_to_block_mask, llsa_block_mask, llsa_layout
 from .csc import CSC, csr_to_csc
-from .hierarchy import children, children_topk, hierarchical_topk, kv_head_index, llsa_topk
-from .pooling import (accumulation_dtype, auto_levels, block_means, block_sums, log_token_weights, mean_pool,
-                      num_blocks, pool_pyramid, token_counts)
+from .geometry import (accumulation_dtype, auto_levels, children, kv_head_index, log_token_weights, num_blocks,
+                       ratio_count, sla_block_counts, token_counts)
+from .levels import Levels, level_table, pack
 from .reorder import TokenOrder, morton_order_2d, tile_order_3d
-from .router import (key_mean, pooled_qk, ratio_count, router_scores, sla_block_counts, smoothed_keys,
-                     standardize_rows)
 from .selection import BlockSelection, LLSASelection, SoftBlockMask, keep_map
-from .softtopk import soft_topk, soft_topk_logits
-from .topk import block_topk, grouped_scores, sorted_block_topk, stable_topk
 
 __all__ = [
-    "LLSALayout", "block_selection_to_block_mask", "llsa_block_mask", "llsa_layout",
-    "CSC", "csr_to_csc", "children", "children_topk", "hierarchical_topk", "kv_head_index", "llsa_topk",
-    "accumulation_dtype", "auto_levels", "block_means", "block_sums", "log_token_weights", "mean_pool", "num_blocks",
-    "pool_pyramid", "token_counts", "BlockSelection", "LLSASelection", "block_topk", "grouped_scores",
-    "sorted_block_topk", "stable_topk", "SoftBlockMask", "keep_map", "key_mean", "pooled_qk", "ratio_count",
-    "router_scores", "sla_block_counts", "smoothed_keys", "standardize_rows", "soft_topk",
-    "soft_topk_logits", "TokenOrder", "morton_order_2d", "tile_order_3d",
+    "LLSALayout", "block_selection_to_block_mask", "llsa_block_mask", "llsa_layout", "CSC", "csr_to_csc",
+    "accumulation_dtype", "auto_levels", "children", "kv_head_index", "log_token_weights", "num_blocks",
+    "ratio_count", "sla_block_counts", "token_counts", "Levels", "level_table", "pack", "TokenOrder",
+    "morton_order_2d", "tile_order_3d", "BlockSelection", "LLSASelection", "SoftBlockMask", "keep_map",
 ]

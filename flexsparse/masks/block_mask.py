@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from .csc import csr_to_csc
-from .pooling import num_blocks
+from .geometry import num_blocks
 from .selection import BlockSelection, LLSASelection
 
 BITS = 32  # selected-block flags per int32 word of the mask_mod table

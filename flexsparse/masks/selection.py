@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pooling import num_blocks
+from .geometry import num_blocks
 
 
 class _BlockGrid:

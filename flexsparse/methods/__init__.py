@@ -1,39 +1,12 @@
-"""One module per method, each reading top-down: select (``flexsparse.masks``) -> attend (a backend) -> combine.
-
-Every method module defines:
-  ``BACKENDS``        backends it supports (besides ``"auto"``),
-  ``SELF_ATTENTION``  whether q and k must have the same length,
-  ``init_params(cfg, head_dim, num_heads, seq_len) -> dict[str, Tensor]`` its learnable parameters,
-  ``forward(q, k, v, cfg, *, backend, scale, params, need_lse) -> (o, lse)`` (``lse`` may be None
-                      when ``need_lse`` is False and the backend saves work by skipping it).
+"""The methods, one folder each: ``config.py`` (its config class), ``method.py`` (select -> attend -> combine on a
+backend) and ``reference.py`` (its dense spec). ``METHODS`` is the one registry: adding a method is its folder
+plus one name in the line below (CONTRIBUTING.md, "Adding a method").
 """
-from typing import NamedTuple
-
+from ..config import Config
 from . import full, llsa, sla, sla2, topk, vsa
+from .base import Method
 
-MODULES = {"full": full, "topk": topk, "vsa": vsa, "llsa": llsa, "sla": sla, "sla2": sla2}
+METHODS: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (full, topk, vsa, llsa, sla, sla2)}
+Config.registry.update({name: method.config for name, method in METHODS.items()})
 
-
-class Method(NamedTuple):
-    """A registered method: its name, its module, the backends it runs on and an example config."""
-
-    name: str
-    module: object
-    backends: tuple[str, ...]
-    example: dict
-
-
-_EXAMPLES = {
-    "full": {"method": "full"},
-    "topk": {"method": "topk", "block_size": 64, "topk": 8},
-    "vsa": {"method": "vsa", "block_size": 64, "topk": 8},
-    "llsa": {"method": "llsa", "block_size": 16, "topk": 8},
-    "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.05},
-    "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.05},
-}
-METHODS = {name: Method(name, module, module.BACKENDS, _EXAMPLES[name]) for name, module in MODULES.items()}
-
-
-def method_module(name: str):
-    """The module implementing method ``name``."""
-    return MODULES[name]
+__all__ = ["METHODS", "Method"]

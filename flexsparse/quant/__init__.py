@@ -4,12 +4,12 @@ Q and K) and the straight-through QAT wrapper of a softmax branch (docs/methods.
 torchao (extra ``quant``) provides the scale and cast primitives; it is imported on first use only.
 """
 from .attention import (qat_attention, quantize_kv, quantize_qk, quantize_v, quantized_softmax, quantizes_p,
-                        straight_through, unsupported_reason)
+                        straight_through)
 from .formats import (E4M3, E4M3_MAX, FORMATS, INT8_MAX, P_SCALE, amax_to_scale, block_scales, channel_scales,
                       fake_quant, fake_quant_blocks, head_scales, quantize, to_e4m3)
 
 __all__ = [
     "qat_attention", "quantize_kv", "quantize_qk", "quantize_v", "quantized_softmax", "quantizes_p",
-    "straight_through", "unsupported_reason", "E4M3", "E4M3_MAX", "FORMATS", "INT8_MAX", "P_SCALE", "amax_to_scale",
+    "straight_through", "E4M3", "E4M3_MAX", "FORMATS", "INT8_MAX", "P_SCALE", "amax_to_scale",
     "block_scales", "channel_scales", "fake_quant", "fake_quant_blocks", "head_scales", "quantize", "to_e4m3",
 ]

@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 from ..config import QuantConfig
-from ..masks import kv_head_index
-from ..masks.pooling import accumulation_dtype
+from ..masks import accumulation_dtype, kv_head_index
 from .formats import P_SCALE, channel_scales, fake_quant, fake_quant_blocks, head_scales
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "QuantConfig | None"],
@@ -107,27 +106,3 @@ def _quantized_forward(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torc
         k_mean = k_mean[:, kv_head_index(q.shape[1], k.shape[1], q.device)]
         lse_q = lse_q + scale * (q_hat @ k_mean.transpose(-1, -2)).squeeze(-1).to(lse_q.dtype)
     return o_q, lse_q
-
-
-# the quant config the FP8 Triton kernel runs (flexsparse/triton/block_fwd_fp8.py), field by field
-_TRITON_QUANT = {"qk_dtype": ("fp8_e4m3", "e4m3 Q and K"), "qk": ("per_block", "Q and K scales per block"),
-                 "v": ("per_channel", "V scales per channel"), "p": ("static", "P quantized in the kernel")}
-
-
-def unsupported_reason(backend: str, quant: QuantConfig | None, method: str | None = None) -> str | None:
-    """Why ``backend`` cannot run ``method``'s branch quantized with ``quant``, or None when it can."""
-    if quant is None:
-        return None
-    if backend == "triton":
-        if method == "llsa":
-            return ("the FP8 Triton kernel runs the block-sparse branch (topk, sla, sla2), not llsa's levels; "
-                    "use backend='torch' or 'reference' for llsa with quant")
-        for key, (value, what) in _TRITON_QUANT.items():
-            if getattr(quant, key) != value:
-                return (f"the FP8 Triton kernel runs quant {key}={value!r} only ({what}), got {getattr(quant, key)!r}; "
-                        f"use backend='torch' or 'reference'" + (", or 'flex' for p='none'" if key == "p" else ""))
-        return None
-    if backend == "flex" and quant.p != "none":
-        return ("FlexAttention applies score_mod before its softmax, so it cannot quantize P; use quant "
-                "p='none' (Q, K, V quantized, P in the input precision) or backend='torch'")
-    return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks.pooling import accumulation_dtype, num_blocks
+from ..masks import accumulation_dtype, num_blocks
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

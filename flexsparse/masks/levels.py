@@ -1,0 +1,128 @@
+"""Sizes of an LLSA problem on the host: the level table and the packed layouts of pyramids and selections.
+
+The level table ``meta`` is an int32 tensor ``(L + 1, 6)``, one row per level l = 0..L:
+
+* ``T``       tokens at level l (``ceil(N / b^l)``),
+* ``KV_OFF``  first row of level l in a concatenated pyramid ``(B, H, T_1 + ... + T_L, D)`` (0 for l = 0),
+* ``TOPK``    ``K_{l+1}`` (0 for l = L),
+* ``SEL_OFF`` first entry of ``S_{l+1}`` in a packed selection ``(B, H, sum_l T_l * K_l)`` (row-major
+  ``(T_{l+1}, K_{l+1})`` blocks, finest first),
+* ``CSC_OFF`` first entry of the key offsets of ``S_{l+1}``'s CSC in ``(B, H, sum_l (T_l + 1))``,
+* ``SPAN``    ``b^l``, fine tokens under one level-l token.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .geometry import num_blocks
+from .selection import LLSASelection
+
+T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = range(6)
+_META: dict = {}
+
+
+@dataclass(frozen=True)
+class Levels:
+    """Sizes of an LLSA problem; ``rows`` is the level table (see module docstring)."""
+
+    n: int
+    block: int
+    topk: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    pyramid_tokens: int
+    selection_size: int
+    csc_size: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.topk)
+
+    def tokens(self, level: int) -> int:
+        return self.rows[level][T]
+
+    def meta(self, like: torch.Tensor) -> torch.Tensor:
+        """The level table as an int32 tensor on ``like``'s device (cached, see ``_constant``)."""
+        return self._constant("meta", like, lambda device: torch.tensor(self.rows, dtype=torch.int32, device=device))
+
+    @property
+    def coarse_keys(self) -> int:
+        """Keys per ancestor in ``coarse_rows``: ``b * (K_2 + ... + K_L)``."""
+        return self.block * sum(self.topk[1:])
+
+    def log2_counts(self, like: torch.Tensor) -> torch.Tensor:
+        """``log2`` of the fine tokens under each pyramid row ``(T_1 + ... + T_L,)`` fp32 (``b^l`` but on a
+        ragged tail), on ``like``'s device (cached, see ``_constant``)."""
+        return self._constant("log2_counts", like, self._log2_counts)
+
+    def _log2_counts(self, device) -> torch.Tensor:
+        parts = []  # constants only (inductor failed on the arange arithmetic inside a compiled CUDA graph)
+        for level in range(1, self.levels + 1):
+            span, tokens = self.block**level, self.tokens(level)
+            parts += [torch.full((tokens - 1,), math.log2(span), device=device),
+                      torch.full((1,), math.log2(self.n - (tokens - 1) * span), device=device)]
+        return torch.cat(parts)
+
+    def _constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
+        """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
+        tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
+        compile) build it in the graph."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+            return build(like.device)
+        key = (name, self.rows, str(like.device))
+        if key not in _META:
+            _META[key] = build(like.device)
+        return _META[key]
+
+    def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
+        """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""
+        return list(pyramid.split([self.tokens(level) for level in range(1, self.levels + 1)], dim=2))
+
+    def unpack(self, sel: torch.Tensor) -> LLSASelection:
+        """Packed ``(B, H, S)`` -> ``LLSASelection`` (views)."""
+        bsz, heads, _ = sel.shape
+        parts = []
+        for level in range(self.levels):
+            rows, k, off = self.tokens(level + 1), self.topk[level], self.rows[level][SEL_OFF]
+            parts.append(sel[:, :, off:off + rows * k].unflatten(2, (rows, k)))
+        return LLSASelection(indices=tuple(parts), block=self.block, n=self.n)
+
+
+def pack(selection: LLSASelection) -> torch.Tensor:
+    """``LLSASelection`` -> packed ``(B, H, sum_l T_l * K_l)`` int32."""
+    return torch.cat([s.flatten(2) for s in selection.indices], dim=2).to(torch.int32).contiguous()
+
+
+def level_table(n: int, block: int, topk) -> Levels:
+    """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)`` (cached: every op of a call
+    asks for it). Raises ``ValueError`` where a selection row could not be filled (``K_L`` over the top level's
+    tokens, or ``K_l`` over the candidates of a ragged parent set): the kernels would read unwritten selection
+    slots."""
+    return _level_table(int(n), int(block), tuple(int(k) for k in topk))
+
+
+@functools.lru_cache(maxsize=256)
+def _level_table(n: int, block: int, topk: tuple[int, ...]) -> Levels:
+    levels = len(topk)
+    if topk[-1] > num_blocks(n, block**levels):
+        raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {num_blocks(n, block**levels)} "
+                         f"level-{levels} tokens at N={n} (block {block})")
+    for level in range(levels - 1):
+        if topk[level] > (topk[level + 1] - 1) * block + 1:
+            raise ValueError(f"LLSA topk: K_{level + 1}={topk[level]} exceeds the candidates of a ragged parent set "
+                             f"((K_{level + 2} - 1) * block + 1 = {(topk[level + 1] - 1) * block + 1})")
+    rows, kv_off, sel_off, csc_off = [], 0, 0, 0
+    for level in range(levels + 1):
+        tokens = num_blocks(n, block**level)
+        k = topk[level] if level < levels else 0
+        rows.append((tokens, kv_off if level else 0, k, sel_off, csc_off, block**level))
+        if level:
+            kv_off += tokens
+        if level < levels:
+            parents = num_blocks(n, block ** (level + 1))
+            sel_off += parents * k
+            csc_off += parents + 1
+    return Levels(n, block, topk, tuple(rows), kv_off, sel_off, csc_off)

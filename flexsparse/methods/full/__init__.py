@@ -1,0 +1,4 @@
+"""``full``: dense attention."""
+from .method import Full
+
+METHOD = Full()

@@ -1,0 +1,4 @@
+"""``llsa``: log-linear sparse attention."""
+from .method import LLSA
+
+METHOD = LLSA()

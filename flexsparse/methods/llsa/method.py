@@ -1,0 +1,53 @@
+"""``llsa``: log-linear sparse attention.
+
+select: pooling pyramid of Q and K (block b, L levels), dense raw-dot top-K at level L, then at each
+finer level top-K among the children of the parent's selection.
+attend: one softmax over the fine children of the level-1 selection, the whole candidate set at every
+level 1..L-1, and all level-L tokens; a level-l token adds ``ln(count)`` (``ln b^l`` for full spans)
+to its logit; with ``quant`` an FP8 fake-quantized forward (Q per block of b tokens, every level's K per
+block of b tokens of that level, V per channel per level, P static) and straight-through backward.
+combine: nothing, the output is that softmax's.
+"""
+from __future__ import annotations
+
+from ..._checks import check_topk_fits
+from ...masks import auto_levels, num_blocks
+from ..base import Method
+from . import reference
+from .config import LLSAConfig
+
+
+class LLSA(Method):
+    name = "llsa"
+    config = LLSAConfig
+    example = {"method": "llsa", "block_size": 16, "topk": 8}
+    keeps_views = True      # the triton kernels read q, k, v views in place, forward and backward
+    sparse_branch = "llsa"
+
+    def select(self, q, k, v, cfg, backend, params):
+        _, topk = plan(cfg, q.shape[2])
+        return backend.llsa_select(q, k, v, cfg.block_size, topk)
+
+    def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
+        return backend.llsa_attention(q, k, v, selection, scale, deterministic=cfg.deterministic, quant=cfg.quant)
+
+    def reference(self, q, k, v, selection, cfg, *, scale, params):
+        return reference.llsa_dense(q, k, v, selection.selection, scale, quant=cfg.quant)
+
+
+def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
+    """Levels L and ``(K_1, ..., K_L)`` for length ``n``, checked against the number of tokens."""
+    b = cfg.block_size
+    if cfg.levels != "auto":
+        levels = cfg.levels
+    else:  # a per-level topk list fixes L
+        levels = len(cfg.topk) if isinstance(cfg.topk, tuple) else auto_levels(n, b, cfg.topk)
+    topk = cfg.topk_per_level(levels)
+    check_topk_fits(f"topk[{levels - 1}]" if isinstance(cfg.topk, tuple) else "topk", topk[-1],
+                    num_blocks(n, b**levels), f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")
+    for level in range(levels - 1):
+        reachable = (topk[level + 1] - 1) * b + 1
+        if topk[level] > reachable:
+            raise ValueError(f"config key 'topk': K_{level + 1}={topk[level]} can exceed the candidates of a ragged "
+                             f"parent set ((K_{level + 2} - 1) * block_size + 1 = {reachable}); lower it")
+    return levels, topk

@@ -1,0 +1,4 @@
+"""``sla``: sparse-linear attention."""
+from .method import SLA
+
+METHOD = SLA()

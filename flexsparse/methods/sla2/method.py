@@ -1,0 +1,106 @@
+"""``sla2``: SLA2 (arXiv 2602.12675): learnable router and alpha-mixing of sparse and linear attention.
+
+smooth: with ``smooth_k="all"`` (paper Alg. 2) ``K <- K - mean_N K`` before everything, which changes
+the linear branch; with ``"router"`` only the router sees the smoothed K (as SLA).
+select: pooled Q and K, shared ``proj_q``, ``proj_k`` (D x D, no bias, identity at init so an untrained
+router equals SLA's), scores ``proj_q(Qbar) proj_k(Kbar)^T / sqrt(D)`` (softmax over the row with
+``router_softmax``); ``router="hard"``: the top ``max(1, floor(topk_ratio * Tk))`` blocks (no gradient to
+the router); ``router="soft"``: SoftTop-k with temperature ``tau`` (stage-1 calibration), with
+``softtopk_standardize`` on the raw scores standardized per row (see ``flexsparse.training.calibrate``).
+attend: softmax attention over the selected blocks and linear attention over the others (hard), or
+``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft); ``quant`` (hard
+router only) fake-quantizes the sparse branch's forward in FP8.
+combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dtype), ``alpha =
+sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); a backend may fuse it into the
+linear branch (``mixed_linear_output``) or run both branches and the combine in one op (``sparse_linear_output``).
+The returned LSE is the sparse branch's.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ...masks import BlockSelection, SoftBlockMask, accumulation_dtype, num_blocks
+from ..base import Method, require_params
+from . import reference
+from .config import SLA2Config
+from .router import route, smoothed_keys
+
+
+class SLA2Selection(NamedTuple):
+    """The router's mask and the keys both branches attend (smoothed with ``smooth_k="all"``)."""
+
+    mask: BlockSelection | SoftBlockMask
+    keys: torch.Tensor
+
+
+class SLA2(Method):
+    name = "sla2"
+    config = SLA2Config
+    example = {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.05}
+
+    def init_params(self, cfg, head_dim, num_heads, seq_len):
+        """Router projections ``proj_q``, ``proj_k`` (identity, ``(D, D)``) and ``alpha_logit``
+        ``(1 or H, Tq)`` with ``sigmoid = alpha_init``; ``Tq`` comes from ``seq_len``. fp32."""
+        if seq_len is None:
+            raise ValueError("method 'sla2' learns one alpha per query block, so it needs seq_len: "
+                             "flexsparse.SparseAttention(config, head_dim=..., num_heads=..., seq_len=N)")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        rows = num_heads if cfg.alpha_per_head else 1
+        logit = math.log(cfg.alpha_init / (1.0 - cfg.alpha_init))
+        return {"proj_q": torch.eye(head_dim), "proj_k": torch.eye(head_dim),
+                "alpha_logit": torch.full((rows, num_blocks(seq_len, cfg.block_q)), logit)}
+
+    def check_params(self, cfg, q, params):
+        heads, n, d = q.shape[1], q.shape[2], q.shape[3]
+        rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)
+        alpha = (params or {}).get("alpha_logit")
+        if isinstance(alpha, torch.Tensor) and alpha.dim() == 2 and alpha.shape[0] == rows and alpha.shape[1] != tq:
+            raise ValueError(f"params['alpha_logit'] holds {alpha.shape[1]} query blocks but N={n} with "
+                             f"block_q={cfg.block_q} gives {tq}; SLA2's alpha is per query block, so build "
+                             f"SparseAttention with seq_len={n}")
+        return require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
+
+    def select(self, q, k, v, cfg, backend, params) -> SLA2Selection:
+        k_sums = backend.block_sums(k, cfg.block_k)   # one pass over k for the router and the smoothing mean
+        mask = route(q, k, cfg, backend, params["proj_q"], params["proj_k"], k_sums)  # keys never rounded
+        if cfg.smooth_k == "all":                      # both branches attend the smoothed keys, one rounding
+            k = smoothed_keys(k, backend.key_mean(k, cfg.block_k, k_sums), backend)
+        return SLA2Selection(mask, k)
+
+    def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
+        mask, k = selection
+        alpha = torch.sigmoid(params["alpha_logit"].to(accumulation_dtype(q.dtype)))          # (rows, Tq)
+        linear = dict(feature_map=cfg.feature_map, eps=cfg.eps)
+        if isinstance(mask, SoftBlockMask):            # calibration: soft weights on every block
+            o_s, lse = backend.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q, mask.block_k,
+                                                    scale)
+            o_l = backend.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
+                                                    mask.block_k, **linear)
+            return combine(o_s, o_l, alpha, cfg.block_q), lse
+        both = backend.sparse_linear_output(q, k, v, mask, scale, deterministic=cfg.deterministic, quant=cfg.quant,
+                                            alpha=alpha, **linear)
+        if both is not None:
+            return both
+        o_s, lse = backend.block_sparse_attention(q, k, v, mask, scale, deterministic=cfg.deterministic,
+                                                  quant=cfg.quant)
+        mixed = backend.mixed_linear_output(q, k, v, mask, o_s, alpha=alpha, **linear)
+        if mixed is not None:
+            return mixed, lse
+        return combine(o_s, backend.masked_linear_attention(q, k, v, mask, **linear), alpha, cfg.block_q), lse
+
+    def reference(self, q, k, v, selection, cfg, *, scale, params):
+        return reference.sla2_dense(q, selection.keys, v, selection.mask, scale, feature_map=cfg.feature_map,
+                                    eps=cfg.eps, alpha_logit=params["alpha_logit"], quant=cfg.quant)
+
+
+def combine(o_s: torch.Tensor, o_l: torch.Tensor, alpha: torch.Tensor, block_q: int) -> torch.Tensor:
+    """``O_l + alpha (o_s - O_l)`` with ``alpha (1 or H, Tq)`` per query block, one ``torch.lerp`` pass in the
+    branches' dtype (fp32 math inside for bf16 / fp16)."""
+    token_block = torch.arange(o_s.shape[2], device=o_s.device) // block_q
+    per_token = alpha[:, token_block].unsqueeze(0).unsqueeze(-1)                                  # (1, rows, N, 1)
+    return torch.lerp(o_l, o_s, per_token.to(o_s.dtype))

@@ -1,0 +1,4 @@
+"""``topk``: block top-K attention."""
+from .method import TopK
+
+METHOD = TopK()

@@ -1,0 +1,22 @@
+"""Host-side sizes of kernel launches: ceil division, powers of two, row tables repeated per tile."""
+from __future__ import annotations
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
+    return -(-a // b)
+
+
+def pow2(x: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(x, minimum)."""
+    return max(minimum, 1 << max(0, int(x) - 1).bit_length())
+
+
+def repeat_rows(table: torch.Tensor, times: int) -> torch.Tensor:
+    """``table (B, H, T, X)`` with each row of dim 2 repeated ``times`` times in place: ``(B, H, T * times, X)``,
+    contiguous for a contiguous table (one copy; a view of it when ``times == 1``). A query block's row for
+    each of its tiles (the block-sparse dK/dV's index table, the linear branch's keep map)."""
+    bsz, heads, rows, width = table.shape
+    return table.unsqueeze(3).expand(bsz, heads, rows, times, width).flatten(2, 3)

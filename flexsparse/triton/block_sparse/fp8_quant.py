@@ -1,0 +1,131 @@
+"""FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``block_fwd_fp8``): Q per query block, smoothed K
+per key block, V per channel stored transposed (docs/methods.md "FP8 QAT", "FP8 Triton forward").
+
+Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-12)`` divided in fp64 and
+rounded to fp32 (torchao's ``amax_to_scale``), values ``e4m3(clamp(x * s, -448, 448))`` with ``x * s`` in
+fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head (mean in fp32).
+
+Storage: ``float8_e4m3fn`` on CUDA. The Triton interpreter (CPU) mis-rounds fp8 casts, so there the
+quantized tensors are an **fp16 stand-in**: fp16 tensors holding exactly the e4m3 grid values (every
+e4m3 value is an fp16 value), rounded by ``e4m3_round`` in fp32 arithmetic; the attention kernel then
+runs its products on fp16 operands with the same values.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...masks import num_blocks
+from ...quant.formats import E4M3, channel_scales
+from .._runtime.registry import launcher
+from ..common.jit import token_tile
+from .._runtime.sizes import cdiv, pow2
+
+
+@triton.jit
+def e4m3_round(x):
+    """``x`` (fp32, ``|x| <= 448``) rounded to nearest even onto the e4m3 grid, in fp32, without fp8 casts:
+    normals (``|x| >= 2^-6``) keep 3 mantissa bits (integer rounding of the fp32 bits, carries into the
+    exponent), subnormals are multiples of ``2^-9`` (``|x| + 2^14`` rounds to that step in fp32)."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576              # -1048576 = 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = (a + 16384.0) - 16384.0
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def to_e4m3(x, EMULATE: tl.constexpr, CLAMP: tl.constexpr = True):
+    """Saturating e4m3 of fp32 ``x``: ``float8e4nv`` (round to nearest even), or with ``EMULATE`` the fp16
+    stand-in holding the same value. ``CLAMP=False`` for ``x`` in [0, 448] up to fp32 rounding (P): the
+    hardware cast saturates and ``e4m3_round`` takes anything below 464 to 448."""
+    if CLAMP:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EMULATE:
+        return e4m3_round(x).to(tl.float16)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.constexpr, BB: tl.constexpr,
+                         D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    local = tl.arange(0, BB)
+    rows = blk * BLOCK + local
+    dim = tl.arange(0, BD)
+    ok = ((local < BLOCK) & (rows < N))[:, None] & (dim < D)[None, :]
+    src = X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
+    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    if SMOOTH:
+        mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
+        x = tl.where(ok, x - mean[None, :], 0.0)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64)))
+    scale = scale.to(tl.float32)
+    dst = OUT + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
+    tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
+    tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
+
+
+@triton.jit
+def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    bh, rows, dim, ok, src, _ = token_tile(v_b, v_h, v_n, H, N, D, BD, TILE)
+    x = tl.load(V + src, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
+    y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
+    dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]
+    tl.store(dst, y, mask=(dim < D)[:, None] & (rows < NP)[None, :])
+
+
+def storage_dtype(device: torch.device) -> torch.dtype:
+    """``float8_e4m3fn`` on CUDA, the fp16 stand-in in the interpreter (CPU)."""
+    return E4M3 if device.type == "cuda" else torch.float16
+
+
+def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``x (B, H, N, D)`` per block of ``block`` tokens x D, after subtracting ``mean (B, H, D)`` fp32 when
+    given. Returns the values ``(B, H, N, D)`` contiguous (``storage_dtype``) and fp32 scales ``(B, H, T)``,
+    ``T = ceil(N / block)`` (``flexsparse.quant.block_scales``, the smoothing done in fp32 first)."""
+    bsz, heads, n, d = x.shape
+    t = num_blocks(n, block)
+    out = torch.empty(bsz, heads, n, d, device=x.device, dtype=storage_dtype(x.device))
+    scales = torch.empty(bsz, heads, t, device=x.device, dtype=torch.float32)
+    bb, bd = pow2(block, 16), pow2(d, 16)
+    smooth = mean is not None
+    launcher(_quant_blocks_kernel)[(t, bsz * heads)](
+        x, mean.contiguous() if smooth else scales, out, scales, x.stride(0), x.stride(1), x.stride(2), heads, n, t,
+        BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=smooth, EMULATE=out.dtype != E4M3, num_warps=8 if bb * bd >= 8192 else 4)
+    return out, scales
+
+
+def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``v (B, Hk, N, D)`` per channel (``flexsparse.quant.channel_scales``), stored transposed: values
+    ``(B, Hk, D, NP)`` with ``NP = N`` rounded up to a multiple of 16 (zeros past N; the keys of ``P V`` are
+    contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``."""
+    bsz, heads, n, d = v.shape
+    scales = channel_scales(v).squeeze(2)                                     # (B, Hk, D), contiguous
+    np_ = cdiv(n, 16) * 16
+    out = torch.empty(bsz, heads, d, np_, device=v.device, dtype=storage_dtype(v.device))
+    tile = 64
+    launcher(_quant_v_kernel)[(cdiv(np_, tile), bsz * heads)](
+        v, scales, out, v.stride(0), v.stride(1), v.stride(2), heads, n, np_, TILE=tile, D=d, BD=pow2(d, 16),
+        EMULATE=out.dtype != E4M3, num_warps=8 if tile * pow2(d, 16) >= 8192 else 4)
+    return out, scales
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+    """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
+    ``quantize_v_transposed``); ``k_mean (B, Hk, D)`` fp32 is the smoothing mean ``mean_N(k)``."""
+    k_mean = k.mean(dim=2, dtype=torch.float32)                               # qat_attention's smoothing mean
+    q8, q_scales = quantize_blocks(q, block_q)
+    k8, k_scales = quantize_blocks(k, block_k, k_mean)
+    vt8, v_scales = quantize_v_transposed(v)
+    return q8, q_scales, k8, k_scales, k_mean, vt8, v_scales

@@ -1,0 +1,157 @@
+"""FP8 (e4m3) block-sparse attention forward over an index table (docs/methods.md "FP8 QAT", "FP8 Triton
+forward"): ``block_fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
+``fp8_quant``.
+
+Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
+scale per program, the key block's reciprocal K scale: a scalar per step, so the running max is ``max(s) c``
+exactly and ``s c - m`` one FMA; per key column when several blocks go side by side), online softmax in fp32
+with ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator: the e4m3 grid of ``P^``, no extra
+multiply) and ``l`` summed from the unquantized ``p``, ``p8 = e4m3(p)`` in registers and
+``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts from a fresh accumulator each tile (with
+``max_num_imprecise_acc`` nonzero, the default of fp8 dots on sm90, Triton does not fold the add into the
+MMA), so the long sum stays out of the fp8 MMA's reduced-precision accumulator (tile setting
+``fresh_acc=False`` accumulates inside the MMA instead). Epilogue ``o = acc / (l s_v)`` (``s_v`` per channel)
+in q's dtype; LSE ``(m + log2 l - log2 448) ln 2 + scale (q8 . k_mean) / s_q`` (natural log of the unsmoothed
+logits). The first operand of both dots is a loaded or register tile (the triton 3.6 Hopper miscompile of a
+transposed shared-memory first operand). GQA reads KV head ``h // GROUP``. fp8 dots need a reduction of at
+least 32: head dims are padded to ``pow2(D, 32)`` and key tiles of fewer than 32 keys take several blocks
+side by side. V^T rows are a visible multiple of 16 bytes apart (``NP16``), so its loads are 16-byte
+``cp.async`` copies, pipelined with K's. Query tiles of at least 64 rows use Hopper's fp8 ``wgmma``
+(QGMMA); smaller ones (``block_q < 64``) take Triton's ``mma.sync`` path on fp16 (an exact upcast).
+
+In the interpreter the operands are ``fp8_quant``'s fp16 stand-in and P is rounded by ``e4m3_round``
+(``EMULATE``); the products of e4m3 values are exact in fp16 dots, so only the accumulation differs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
+from .._runtime.registry import launcher
+from ..common.jit import LN2, LOG2E, load_tile, store_tile
+from .fp8_quant import E4M3, quantize_qkv, to_e4m3
+from .._runtime.sizes import pow2
+from .._runtime.tiles import overrides
+
+LOG2_448 = tl.constexpr(8.807354922057604)
+
+
+@triton.jit
+def load_columns(base, keys, stride, dim, key_ok, D: tl.constexpr, BD: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """Columns ``keys`` of a transposed ``(D, tokens)`` slab at ``base``: ``(BD, len(keys))``, zeros where masked."""
+    ptr = base + dim.to(tl.int64)[:, None] * stride + keys[None, :]
+    if MASK_KEYS:
+        return tl.load(ptr, mask=key_ok[None, :] & (dim[:, None] < D), other=0.0)
+    else:
+        if BD == D:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=dim[:, None] < D, other=0.0)
+
+
+@triton.jit
+def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
+                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                          SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
+                          Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
+                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    hk = b * (H // GROUP) + (bh - b * H) // GROUP                    # flat (batch, KV head)
+    q_head = bh.to(tl.int64) * NQ * D
+    k_head = hk.to(tl.int64) * NK * D
+    qblk = pid // Q_SPLIT
+    rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, TILE_Q, NQ)
+    dim = tl.arange(0, BD)
+    q = load_tile(Q8 + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
+    q_scale = tl.load(QS + bh.to(tl.int64) * TQ + qblk)
+    q_factor = SCALE2 / q_scale
+    k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
+    shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)   # the smoothing's LSE term
+    k_descale = KD + hk.to(tl.int64) * TK
+    vt_stride = NP16 * 16                                               # a visible multiple of 16: vector loads
+    vt_head = VT8 + hk.to(tl.int64) * D * vt_stride
+    table = IDX + (bh.to(tl.int64) * TQ + qblk) * TOPK
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
+        keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
+        k = load_tile(K8 + k_head, keys, D, dim, key_ok, D, BD, MASK_K)
+        vt = load_columns(vt_head, keys, vt_stride, dim, key_ok, D, BD, MASK_K)
+        s = tl.dot(q, tl.trans(k))                                      # raw e4m3 products, fp32
+        if MASK_K:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+        if K_GROUP == 1:                    # one key block per step: a scalar factor c > 0, max(s c) = max(s) c
+            c = q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT))
+            m_new = tl.maximum(m, tl.max(s, axis=1) * c)
+        else:                               # several blocks side by side: a factor per key column
+            blk = tl.minimum(keys // BLOCK_K, TK - 1)                   # masked keys: any block, s is -inf
+            s = s * (q_factor * tl.load(k_descale + blk))[None, :]
+            c = 1.0
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s * c - (m_use - LOG2_448)[:, None])               # 448 exp2(s c - m): the fp8 grid of P
+        l = l * alpha + tl.sum(p, axis=1)
+        if FRESH_ACC:
+            acc = acc * alpha[:, None] + tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt))
+        else:
+            acc = tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt), acc * alpha[:, None])
+        m = m_new
+    v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
+    o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
+    store_tile(O + q_head, o, rows, D, dim, row_ok, D, BD, MASK_Q)
+    lse = LSE + bh.to(tl.int64) * NQ + rows
+    if MASK_Q:
+        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift, mask=row_ok)
+    else:
+        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift)
+
+
+def forward_tiles(device: torch.device, d: int) -> dict:
+    """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward (the keys
+    of ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
+    False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``."""
+    if device.type == "cpu":
+        base = dict(BM=16, BN=16, KB=1, warps=4, stages=1, fresh_acc=True)
+    else:
+        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2, fresh_acc=True)
+    return {**base, **overrides("block_fwd_fp8")}
+
+
+def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
+    """FP8 block-sparse attention: O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32 of the
+    quantized forward (``fp8_quant`` pre-pass, then the kernel).
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``, any float dtype; indices: ``(B, H, Tq, K)`` int32 key-block
+    ids (contiguous)."""
+    return block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), indices, block_q, block_k, scale, q.dtype,
+                            tiles)
+
+
+def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,
+                     scale: float, out_dtype: torch.dtype, tiles: dict | None = None):
+    """The kernel alone on ``fp8_quant.quantize_qkv``'s outputs: O ``(B, H, Nq, D)`` in ``out_dtype``, LSE fp32."""
+    bsz, heads, nq, d = q8.shape
+    nk, np_ = k8.shape[2], vt8.shape[3]
+    tq, topk = indices.shape[2], indices.shape[3]
+    emulate = q8.dtype != E4M3
+    tiles = tiles or forward_tiles(q8.device, d)
+    kb = tiles["KB"]
+    if not emulate:                                         # fp8 dots reduce over >= 32 keys
+        kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
+    geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
+    warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
+    o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
+    lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
+    launcher(_block_fwd_fp8_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
+        q8, k8, vt8, q_scales, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
+        np_ // 16, tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
+        SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
+        num_warps=warps, num_stages=tiles["stages"], **geo)
+    return o, lse

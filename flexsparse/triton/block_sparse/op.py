@@ -1,0 +1,99 @@
+"""``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
+differentiable), ``flexsparse::block_attn_bwd`` and ``flexsparse::block_attn_fp8`` (the FP8 forward of the
+quantized branch, not differentiable: ``flexsparse.quant.qat_attention`` pairs it with ``block_attn``'s
+gradients).
+
+Registered with ``triton_op`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
+kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
+kernels, CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1`` is set (eager only),
+else the PyTorch implementation runs (``naive``: the attention and its written-out backward; ``block_attn_fp8``:
+the fake-quantized branch). fp64 always takes the PyTorch path. The index table is ``(B, H, Tq, K)`` int32, ascending key-block ids per row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...config import QuantConfig
+from ...masks import BlockSelection, num_blocks
+from ...quant import qat_attention, quantize_kv
+from .._runtime.registry import triton_op
+from ..common.inputs import contiguous, use_kernels
+from . import naive
+
+
+def _selection(indices: Tensor, block_q: int, block_k: int, q: Tensor, k: Tensor) -> BlockSelection:
+    return BlockSelection(indices, block_q, block_k, q.shape[2], k.shape[2])
+
+
+@triton_op("flexsparse::block_attn")
+def block_attn(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int, scale: float,
+               deterministic: bool) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention ``o (B, H, Nq, D)`` (q's dtype) and natural-log LSE ``(B, H, Nq)`` fp32.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` in q's dtype; indices ``(B, H, ceil(Nq / block_q), K)``
+    int32. ``deterministic`` makes dK/dV bitwise reproducible (the backward's CSC lists are sorted).
+    """
+    if not use_kernels(q):
+        return naive.block_sparse_attention(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
+    from .fwd import block_forward
+    return block_forward(*contiguous(q, k, v, indices), block_q, block_k, scale)
+
+
+@triton_op("flexsparse::block_attn_bwd")
+def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor,
+                   lse: Tensor, block_q: int, block_k: int, scale: float,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``block_attn`` from ``do`` and ``dlse`` (None: no gradient reaches the LSE)."""
+    if not use_kernels(q):
+        return naive.block_sparse_attention_backward(do, dlse, q, k, v, _selection(indices, block_q, block_k, q, k), scale,
+                                               o, lse)
+    from ..common.csc import block_csc
+    from .bwd import backward_tiles, block_backward, dkv_blocks
+    do, q, k, v, indices, o, lse = contiguous(do, q, k, v, indices, o, lse)
+    tile = backward_tiles(q.device, q.shape[3], q.dtype)["DKV_BM"]
+    per_tile, dkv_block_q = dkv_blocks(indices, block_q, q.shape[2], tile)   # dK/dV walks query tiles
+    offsets, rows = block_csc(per_tile, num_blocks(k.shape[2], block_k), deterministic)
+    dlse = None if dlse is None else dlse.contiguous()
+    return block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q, block_k, scale,
+                          dkv_block_q=dkv_block_q)
+
+
+@triton_op("flexsparse::block_attn_fp8")
+def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and
+    smoothed K per block, V per channel, P with the static scale 448): ``o (B, H, Nq, D)`` (q's dtype) and
+    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``. No gradient.
+    """
+    if not use_kernels(q):
+        return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
+    from .fwd_fp8 import block_forward_fp8
+    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale)
+
+
+def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float):
+    """The ``torch`` backend's fake-quantized branch (``qat_attention`` with the default ``QuantConfig``)."""
+    def attend(q, k, v, quant):
+        k, v = quantize_kv(k, v, quant, selection.block_k)
+        return naive.block_sparse_attention(q, k, v, selection, scale, quantize_p=True)
+
+    with torch.no_grad():
+        return qat_attention(attend, q, k, v, QuantConfig(), block_q=selection.block_q, scale=scale)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, indices, block_q, block_k, scale, deterministic = inputs
+    ctx.save_for_backward(q, k, v, indices, *output)
+    ctx.args = (block_q, block_k, scale, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, indices, o, lse = ctx.saved_tensors
+    dq, dk, dv = block_attn_bwd(do, dlse, q, k, v, indices, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+block_attn.register_autograd(_backward, setup_context=_setup)

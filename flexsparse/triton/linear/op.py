@@ -1,0 +1,246 @@
+"""``torch.library`` ops of SLA's and SLA2's linear branch (namespace ``flexsparse``).
+
+``masked_linear`` (differentiable) and ``masked_linear_bwd``: the masked linear branch
+``O_l = phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` with ``[H_i | Z_i] = [H | Z] - sum_{j skipped by i} [h_j | z_j]``,
+``h_j = phi(K_j)^T V_j``, ``z_j = colsum phi(K_j)`` (fp32 sums, fp64 for fp64 inputs). Kernels: ``fwd``
+(key-block states, fused gather-subtract + output) and ``bwd`` (query-major dq and state gradients,
+key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
+(``dense``, ``fwd.dense``); phi and its gradient run in-kernel. ``masked_linear_mix``
+(differentiable, kernels only): the branch with the methods' combine in its output kernel (SLA's
+``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp, whose backward is ``lerp_mix_bwd``: kernel ``lerp_bwd``).
+
+Memory: the op returns the query-block states ``H_i (B, H, Tq, D, D)`` and ``Z_i (B, H, Tq, D)`` (saved for
+backward; H_i bf16 for bf16 inputs on the kernels, about ``D / block_q`` times the size of q, else fp32; Z_i
+fp32); the kernels hold the key-block states ``(B, Hk, Tk, D (D + 1))`` (forward) and the query-block state
+gradients ``(B, H, Tq, D (D + 1))`` (backward), both bf16 for bf16 inputs, else fp32 (the dense strategy adds the
+``(B, H, Tq, Tk)`` keep map). Everything else is O(N D) (no fp32 copy of phi(Q), phi(K) or V).
+
+CUDA runs the kernels; CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1`` is set, else
+the PyTorch implementation runs (``naive``, fp32 matmuls); fp64 and head dims above ``MAX_KERNEL_D`` always take
+the PyTorch path. ``sparse_linear_mix`` runs the block-sparse branch (``block_sparse.op``) and this one in one op.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._runtime.registry import launching_directly, triton_op
+from ..common.inputs import contiguous, use_kernels
+from . import naive
+
+MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state per program in registers)
+
+
+def linear_kernels(q: Tensor) -> bool:
+    """Whether the masked linear ops on ``q`` run the Triton kernels (``use_kernels`` and D <= ``MAX_KERNEL_D``)."""
+    return use_kernels(q) and q.shape[-1] <= MAX_KERNEL_D
+
+
+@triton_op("flexsparse::masked_linear")
+def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int, block_k: int, feature_map: str,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked linear branch: ``o (B, H, Nq, D)`` in q's dtype and the query-block states (for the backward)
+    ``H_i (B, H, Tq, D, D)`` (bf16 for bf16 inputs on the kernels, else fp32; fp64 for fp64) and ``Z_i (B, H, Tq,
+    D)`` (fp32, fp64 for fp64). q ``(B, H, Nq, D)``; k, v ``(B, Hk, Nk, D)``; skipped ``(B, H, Tq, S)`` int32: the
+    key blocks each query block leaves out, S < Tk."""
+    if linear_kernels(q):
+        from .fwd import linear_forward
+        return linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps)
+    return naive.masked_linear_with_states(q, k, v, skipped, block_q, block_k, feature_map, eps)
+
+
+@triton_op("flexsparse::masked_linear_bwd")
+def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
+                      block_q: int, block_k: int, feature_map: str, eps: float, dq_add: Optional[Tensor] = None,
+                      dk_add: Optional[Tensor] = None, dv_add: Optional[Tensor] = None,
+                      o_l: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
+    ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
+    all three or none; the kernels add them before their one rounding). ``o_l``: the forward's output O_l (q's
+    dtype), which the kernels read instead of recomputing it (the PyTorch path recomputes it).
+
+    With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
+    ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
+    ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
+    ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
+    adds = None if dq_add is None else (dq_add, dk_add, dv_add)
+    if linear_kernels(q):
+        from .bwd import linear_backward
+        return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
+                               eps, add=None if adds is None else contiguous(*adds),
+                               o_l=None if o_l is None else o_l.contiguous())
+    grads = naive.masked_linear_backward(do, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps)
+    return grads if adds is None else tuple(g + a for g, a in zip(grads, adds))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, skipped, block_q, block_k, feature_map, eps = inputs
+    ctx.save_for_backward(q, k, v, skipped, output[1], output[2], output[0])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the (B, H, Tq, D, D) and (B, H, Tq, D) states
+    ctx.args = (block_q, block_k, feature_map, eps)
+
+
+def _backward(ctx, do, _rows_h, _rows_z):
+    q, k, v, skipped, rows_h, rows_z, o_l = ctx.saved_tensors
+    dq, dk, dv = masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
+    return dq, dk, dv, None, None, None, None, None
+
+
+masked_linear.register_autograd(_backward, setup_context=_setup)
+
+
+@triton_op("flexsparse::masked_linear_mix")
+def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Tensor, weight: Optional[Tensor],
+                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, feature_map: str,
+                      eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The masked linear branch O_l (``masked_linear``) combined with the sparse output ``o_s (B, H, Nq, D)`` in
+    the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``, alpha
+    None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
+    None). weight, bias and alpha are cast to q's dtype, O_l is rounded to it before mixing (as the unfused
+    methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward
+    needs it) else empty, and the query-block states (``masked_linear``). Runs the kernels only
+    (``linear_kernels(q)``)."""
+    if not linear_kernels(q):
+        raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
+                         f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
+                         f"{q.shape[-1]} on {q.device.type}; use masked_linear and combine in PyTorch")
+    if (weight is None) == (alpha is None):
+        raise ValueError("masked_linear_mix takes either weight (and bias) or alpha")
+    from .fwd import Mix, linear_forward
+    cast = [None if t is None else t.to(q.dtype).contiguous() for t in (weight, bias, alpha)]
+    if weight is not None and cast[1] is None:
+        cast[1] = q.new_zeros(q.shape[-1])
+    out, rows_h, rows_z, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
+                                              mix=Mix(o_s.contiguous(), *cast, store_linear=store_linear))
+    return out, (q.new_empty(0) if o_l is None else o_l), rows_h, rows_z
+
+
+def _mix_setup(ctx, inputs, output):
+    q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k, feature_map, eps, _ = inputs
+    _, o_l, rows_h, rows_z = output
+    ctx.save_for_backward(q, k, v, skipped, rows_h, rows_z, o_l, o_s if alpha is not None else None, weight, alpha)
+    ctx.mark_non_differentiable(o_l, rows_h, rows_z)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of o_l and the query-block states
+    ctx.args = (block_q, block_k, feature_map, eps)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+@triton_op("flexsparse::lerp_mix_bwd")
+def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
+                 block_q: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha)``. dout, o_s, o_l
+    ``(B, H, Nq, D)`` one dtype; alpha ``(1 or H, Tq)`` in that dtype (as the forward mixed); ``d o_s = alpha dout``
+    and ``d O_l = (1 - alpha) dout`` in fp32, rounded once; d alpha fp32, summed over each query block's tokens and
+    the head dim, then the batch (and the heads for one alpha row). Kernel ``lerp_bwd`` (one pass); the PyTorch
+    path is the same math in several passes."""
+    if use_kernels(dout):
+        from .lerp_bwd import lerp_backward
+        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)
+        grad = part.sum(0)                                                                   # (H, Tq)
+    else:
+        d_os, d_ol, grad = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
+    return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
+
+
+def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
+                   alpha: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
+    """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha)`` (None where absent)."""
+    if o_l.numel() == 0:
+        raise RuntimeError("the linear branch was mixed with store_linear=False; pass True when gradients are needed")
+    d_weight = d_bias = d_alpha = None
+    if weight is not None:                          # out = o_s + O_l W^T + b
+        d_os, d_ol = dout, dout @ weight.to(dout.dtype)
+        flat = dout.flatten(0, 2)
+        d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
+        d_bias = None if bias_dtype is None else flat.sum(0).to(bias_dtype)
+    else:                                           # out = O_l + alpha (o_s - O_l)
+        d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
+        d_alpha = d_alpha.to(alpha.dtype)
+    return d_os, d_ol, d_weight, d_bias, d_alpha
+
+
+def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
+    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
+    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, ctx.args[0], ctx.bias_dtype)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
+    return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
+
+
+masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
+
+
+@triton_op("flexsparse::sparse_linear_mix")
+def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped: Tensor, weight: Optional[Tensor],
+                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, scale: float,
+                      deterministic: bool, feature_map: str, eps: float,
+                      store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE over
+    the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
+    branch's gradients first and the linear kernels add theirs to them (one pass fewer over dq, dk and dv than
+    two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse forward and
+    the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``).
+    Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
+    ``linear_kernels(q)``)."""
+    from ..block_sparse.op import block_attn
+    q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
+    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
+                                      feature_map, eps, store_linear)
+    if mixed is not None:
+        return mixed
+    o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
+    out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
+                                                      feature_map, eps, store_linear)
+    return out, lse, o_s, o_l, rows_h, rows_z
+
+
+def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, feature_map,
+                              eps, store_linear):
+    """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
+    epilogue (``mix_ws``; O_s is not stored without ``store_linear``), or ``None`` where it does not
+    run: where the sparse forward would not run its Gluon kernel (``block_sparse.fwd.gluon_runs``), for inputs other
+    than bf16 (the dense strategy's states are in q's dtype only then) and on the gather strategy (it sums the
+    states in the output kernel). q, k, v, indices and skipped: contiguous."""
+    from ..block_sparse.fwd import gluon_runs
+    from .gluon import mix_ws
+    from .fwd import dense_query_states
+    if q.dtype != torch.bfloat16 or not gluon_runs(q, k, v, indices, block_q, block_k):
+        return None
+    states = dense_query_states(q, k, v, skipped, block_k, feature_map)
+    if states is None:
+        return None
+    weight_t = None if weight is None else weight.to(q.dtype).t().contiguous()
+    bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else bias.to(q.dtype).contiguous())
+    alpha = None if alpha is None else alpha.to(q.dtype).contiguous()
+    run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
+    out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha, block_q, block_k, scale, feature_map,
+                             eps, store_linear)
+    return out, lse, o_s, o_l, *states
+
+
+def _sparse_mix_setup(ctx, inputs, output):
+    q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, deterministic, feature_map, eps, _ = inputs
+    _, lse, o_s, o_l, rows_h, rows_z = output
+    ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha)
+    ctx.mark_non_differentiable(o_s, o_l, rows_h, rows_z)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the internal outputs
+    ctx.args = (block_q, block_k, scale, deterministic, feature_map, eps)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
+    from ..block_sparse.op import block_attn_bwd
+    q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha = ctx.saved_tensors
+    block_q, block_k, scale, deterministic, feature_map, eps = ctx.args
+    if dout is None:                                # only the LSE reaches the loss
+        dout = torch.zeros_like(o_s)
+    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, block_q, ctx.bias_dtype)
+    dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
+    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
+                                   dv, o_l)
+    return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 7
+
+
+sparse_linear_mix.register_autograd(_sparse_mix_backward, setup_context=_sparse_mix_setup)

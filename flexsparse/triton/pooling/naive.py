@@ -1,0 +1,94 @@
+"""Pooling in PyTorch: block sums and means over token blocks, the pooling pyramid and the key mean of
+smoothing (the ``torch`` and ``flex`` backends', and the CPU branch of the pooling ops).
+
+Ragged tails are true means over the real tokens: padding never enters a pooled mean.
+Sums are accumulated in fp32 (or fp64 for fp64 inputs) and the means are returned in that
+accumulation dtype; callers cast where they need the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...masks import accumulation_dtype, token_counts
+
+
+def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums over consecutive blocks of ``block`` tokens along dim -2 (a ragged tail block sums its real tokens).
+
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype. Differentiable. One pass
+    over x forward and one write of its gradient backward: no padded or widened copy of x (a padded copy
+    cost two full passes over q and k at ragged lengths), and no zero-filled slice gradients.
+    """
+    return _BlockSums.apply(x, block)
+
+
+class _BlockSums(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: int) -> torch.Tensor:
+        ctx.block, ctx.n, ctx.dtype = block, x.shape[-2], x.dtype
+        acc = accumulation_dtype(x.dtype)
+        whole = x.shape[-2] // block
+        sums = x[..., :whole * block, :].unflatten(-2, (whole, block)).sum(-2, dtype=acc)
+        if whole * block == x.shape[-2]:
+            return sums
+        return torch.cat([sums, x[..., whole * block:, :].sum(-2, keepdim=True, dtype=acc)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """Each block's gradient broadcast to its tokens, cast to x's dtype in the same pass."""
+        n, block = ctx.n, ctx.block
+        whole = n // block
+        out = grad.new_empty(*grad.shape[:-2], n, grad.shape[-1], dtype=ctx.dtype)
+        out[..., :whole * block, :].unflatten(-2, (whole, block)).copy_(grad[..., :whole, None, :])
+        if whole * block < n:
+            out[..., whole * block:, :].copy_(grad[..., whole:, :])
+        return out, None
+
+
+def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Block means over ``block`` consecutive tokens (true means on the ragged tail).
+
+    x: ``(..., N, D)`` -> ``(..., ceil(N/block), D)`` in the accumulation dtype.
+    """
+    return block_means(block_sums(x, block), x.shape[-2], block)
+
+
+def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
+    return sums / _divisors(n, block, sums)
+
+
+def _divisors(n: int, span: int, sums: torch.Tensor) -> torch.Tensor | int:
+    """The divisor of the sums over spans of ``span`` of ``n`` tokens: ``span`` itself when it divides ``n`` (one
+    operation, the same values), else the real tokens per span (``token_counts``) as a column in sums' dtype."""
+    if n % span == 0:
+        return span
+    return token_counts(n, span, device=sums.device).to(sums.dtype).unsqueeze(-1)
+
+
+def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]:
+    """Levels 1..L of the mean-pooling pyramid of ``x`` (level 0, ``x`` itself, is not included).
+
+    Level l holds the mean of the real fine tokens under each span of ``block**l`` tokens,
+    computed recursively from block sums. x: ``(B, H, N, D)``; level l: ``(B, H, ceil(N/block**l), D)``,
+    in the accumulation dtype (differentiable).
+    """
+    n = x.shape[-2]
+    out = []
+    sums = x
+    for level in range(1, levels + 1):
+        sums = block_sums(sums, block)
+        out.append(sums / _divisors(n, block**level, sums))
+    return out
+
+
+def key_mean(k: torch.Tensor, block: int = 64, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``
+    tokens (``sums = block_sums(k, block)`` when the caller has them): one parallel pass over k (a single
+    reduction over N keeps ~1000 outputs busy and ran at a third of the memory bandwidth)."""
+    return (block_sums(k, block) if sums is None else sums).sum(2, keepdim=True) / k.shape[2]
+
+
+def center(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``x - mean`` computed in mean's dtype and rounded once to x's: x ``(B, H, N, D)``, mean ``(B, H, 1, D)``."""
+    return torch.sub(x, mean, out=torch.empty_like(x))

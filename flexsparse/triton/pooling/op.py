@@ -1,0 +1,49 @@
+"""``torch.library`` ops of the pooling kernels (namespace ``flexsparse``): ``llsa_pool`` (the pooling pyramid),
+``llsa_pool_qkv`` (LLSA's pyramids of q, k and v in one pass over them) and ``center_tokens`` (``x - mean``).
+
+Registered with ``triton_op`` (``torch.compile(fullgraph=True)`` sees the kernels; the bodies are their own fake
+implementations; plain eager calls skip the dispatcher). Where the kernels do not run (``common.inputs.use_kernels``:
+CPU without the interpreter, fp64) the bodies run the PyTorch implementation, ``naive``. Pyramids are
+``(B, H, T_1 + ... + T_L, D)`` (``flexsparse.masks.levels``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...masks import level_table
+from .._runtime.registry import triton_op
+from ..common.inputs import row_views, use_kernels
+from . import naive
+
+
+@triton_op("flexsparse::llsa_pool")
+def llsa_pool(x: Tensor, block: int, levels: int) -> Tensor:
+    """Levels 1..L of the mean-pooling pyramid of ``x (B, H, N, D)``, concatenated: ``(B, H, sum T_l, D)``,
+    fp32 (fp64 for fp64). Not differentiable (the attention backward pools the gradients itself)."""
+    if not use_kernels(x):
+        return torch.cat(naive.pool_pyramid(x, block, levels), dim=2)
+    from .pool import pool_pyramid
+    return pool_pyramid(*row_views(x), level_table(x.shape[2], block, [1] * levels))
+
+
+@triton_op("flexsparse::llsa_pool_qkv")
+def llsa_pool_qkv(q: Tensor, k: Tensor, v: Tensor, block: int, levels: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """LLSA's pyramids (``llsa_pool``'s layout) of q, k and v from one pass over them: q's and k's in fp32
+    (selection scores) and k's and v's means rounded to their dtype (what the attention reads): ``(q_pyr, k_scores,
+    k_pyr, v_pyr)``. Not differentiable."""
+    if not use_kernels(q):
+        q_pyr, k_scores, v_scores = (torch.cat(naive.pool_pyramid(x, block, levels), dim=2) for x in (q, k, v))
+        return q_pyr, k_scores, k_scores.to(k.dtype, copy=True), v_scores.to(v.dtype, copy=True)
+    from .pool import pool_qkv
+    return pool_qkv(*row_views(q, k, v), level_table(q.shape[2], block, [1] * levels))
+
+
+@triton_op("flexsparse::center_tokens")
+def center_tokens(x: Tensor, mean: Tensor) -> Tensor:
+    """``x - mean``: x ``(B, H, N, D)``, mean ``(B, H, 1, D)`` in the accumulation dtype; the difference in that
+    dtype rounded once to x's (SLA2's smoothed keys and their gradient). Kernel ``center`` (one pass)."""
+    if not use_kernels(x):
+        return naive.center(x, mean)
+    from .center import center
+    return center(x if x.stride(-1) == 1 else x.contiguous(), mean)
