@@ -34,13 +34,14 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
 def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
                          widest: int | None = None) -> list[torch.Tensor]:
     """LLSA's packed selections from pooled pyramids by each search of the selection kernels: the packed search with
-    rows cut into parts (``flexsparse.triton.select.parts``), with whole rows, and in parts on int64 keys only
-    (tile override ``bucket`` off: no int32 pass first), and bisection (``flexsparse.triton.select.search`` forced
+    rows cut into parts (``flexsparse.triton.selection.hierarchy.parts``), with whole rows, and in parts on int64 keys only
+    (tile override ``bucket`` off: no int32 pass first), and bisection (``flexsparse.triton.selection.hierarchy.search`` forced
     each way; rows of more than ``widest`` candidates always bisect): ``[parts, whole, int64, bisection]``."""
     import json
     import os
     from triton_support import env_var
-    from flexsparse.triton import ops, select  # not at import: the interpreter tests set TRITON_INTERPRET first
+    from flexsparse.triton.selection import hierarchy as select  # not at import: interpreter tests set TRITON_INTERPRET first
+    from flexsparse.triton.selection.op import llsa_select
     chosen, sels = select.search, []
     tiles = json.loads(os.environ.get("FLEXSPARSE_TRITON_TILES") or "{}")
     whole = dict(tiles, select=dict(tiles.get("select", {}), top_split=1, child_split=1))
@@ -52,7 +53,7 @@ def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block
             select.search = lambda top, candidates, how=how: (
                 how if widest is None or candidates <= widest else select.SEARCH_BISECT)
             with env_var("FLEXSPARSE_TRITON_TILES", json.dumps(table)):
-                sels.append(ops.llsa_select(q_pyr, k_pyr, n, block, list(topk)))
+                sels.append(llsa_select(q_pyr, k_pyr, n, block, list(topk)))
     finally:
         select.search = chosen
     return sels
