@@ -198,8 +198,8 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
 # On CUDA the block-level form runs compiled: inductor fuses the feature maps, casts, normaliser and their
 # gradients (a dozen elementwise passes over (N, D) tensors in eager mode). Selections are tensors, so a new
 # selection never recompiles. Static graphs for the first 16 call variants (shape, dtype, grad flags, ...) of
-# the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, was slower
-# (up to 1.2x), and a static graph per variant without a bound ran
+# the process, dynamic-shape ones after: torch's default, dynamic from the second shape on, is slower
+# (up to 1.2x, H100), and a static graph per variant without a bound runs
 # out of dynamo's recompile limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
 KEEP_WEIGHTED_LINEAR = StaticThenDynamic(
     linear_naive.keep_weighted_linear, name="flexsparse.backends.flex_backend.KEEP_WEIGHTED_LINEAR", budget=16, recompile_limit=64)

@@ -5,7 +5,7 @@ included, but AOTAutograd's cache keys a graph on the ops it calls, not on what 
 and 2.13: ``check_node_safe`` takes every ``OpOverload`` as cacheable; pytorch#160120 adds the Triton kernels a
 custom op's own body names, not those launched from functions it calls, as flexsparse's ops do; a custom op's
 backward has the same gap, pytorch#144344). Without a tag, a graph compiled before a change to flexsparse comes back
-from the on-disk cache with the old kernels (seen on an H100 after a change to the selection kernels;
+from the on-disk cache with the old kernels (on an H100 with two versions of the selection kernels;
 ``tests/test_registry.py`` shows it on CPU, and the tag's cure, with torch 2.13 and 2.11).
 ``tag_compile_caches`` adds a digest of the package's source to ``torch.compiler.config.cache_key_tag``, so the
 caches miss exactly when the source changes. A tag the user sets later replaces it.

@@ -1,15 +1,16 @@
 """Tile-size overrides for tuning: ``FLEXSPARSE_TRITON_TILES='{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``.
 
-Kinds and their keys: ``fwd`` / ``bwd`` (LLSA: ``llsa_fwd.forward_tiles``, ``llsa_bwd.backward_tiles``),
-``block_fwd`` / ``block_bwd`` (block-sparse: ``block_fwd.forward_tiles``, ``block_bwd.backward_tiles``),
-``linear`` (SLA's masked linear branch, forward and backward: ``linear_fwd.linear_tiles``, keys ``TQ``, ``TK``,
+Kinds and their keys (modules under ``flexsparse/triton/``): ``fwd`` / ``bwd`` (LLSA: ``llsa.fwd.forward_tiles``,
+``llsa.bwd.backward_tiles``), ``block_fwd`` / ``block_bwd`` (block-sparse: ``block_sparse.fwd.forward_tiles``,
+``block_sparse.bwd.backward_tiles``),
+``linear`` (SLA's masked linear branch, forward and backward: ``linear.fwd.linear_tiles``, keys ``TQ``, ``TK``,
 ``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg``),
-``block_topk`` (``block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score tiles,
-``SELECT_WARPS`` per row),
-``block_fwd_fp8`` (the FP8 forward: ``block_fwd_fp8.forward_tiles``, ``block_fwd``'s keys),
+``block_topk`` (``selection.block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score
+tiles, ``SELECT_WARPS`` per row),
+``block_fwd_fp8`` (the FP8 forward: ``block_sparse.fwd_fp8.forward_tiles``, ``block_fwd``'s keys and ``fresh_acc``),
 ``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``,
-``bucket``; ``select`` module docstring),
-``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pool.first_pass_warps``).
+``bucket``; ``selection.hierarchy``'s module docstring),
+``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pooling.pool.first_pass_warps``).
 Read at every call.
 """
 from __future__ import annotations

@@ -30,8 +30,8 @@ from .._runtime.registry import launching_directly
 from .._runtime.tiles import overrides
 
 # Head dims where the warp-specialized Gluon kernels (sm_90) replace the Triton ones; H200, 5 % of 64x64 blocks,
-# ms Gluon / Triton (benchmarks/gluon_blocks.py --bwd): dK/dV (no GQA) at D=64 N=65536 3.54-3.66 / ~4.0 (at D=128
-# it spills: 5.7 / 3.65); dQ at D=128 N=32760 2.45 / ~2.9 (at D=64 2.74 / 2.25)
+# ms Gluon / Triton per kernel: dK/dV (no GQA) at B2 H8 N65536 D64 3.54-3.66 / ~4.0 (at D=128 it spills: 5.7 /
+# 3.65); dQ at B2 H16 N32760 D128 2.45 / ~2.9 (at D=64 2.74 / 2.25)
 WS_DKV_HEAD_DIMS = (64,)
 WS_DQ_HEAD_DIMS = (128,)
 WS_DKV_MIN_STEPS = 16  # Gluon dK/dV only for CSC lists of this many 64-row tiles on average: at 8 (K=8 of 64x64
@@ -139,7 +139,7 @@ def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     (key/query tile of dK/dV), ``DKV_QB`` (query blocks per step of dK/dV). fp32: narrow tiles, 8 warps.
     dK/dV runs on 4 warps up to D = 128: at D = 128 its 64-key tile on 8 warps splits every product's N over
     two warpgroups (64x32 wgmma, 1 CTA per SM) and took 7.4-7.9 ms against 3.9-4.1 on 4 warps (some spills, 2
-    CTAs per SM) at the public SLA shape on an H200 (``benchmarks/block_tiles.py``)."""
+    CTAs per SM) at the public SLA shape on an H200."""
     if device.type == "cpu":
         base = dict(DQ_BM=16, DQ_BN=16, DQ_KB=1, DKV_BN=16, DKV_BM=16, DKV_QB=1, dq_warps=4, dq_stages=1,
                     dkv_warps=4, dkv_stages=1)
@@ -168,8 +168,8 @@ def dkv_blocks(indices: torch.Tensor, block_q: int, nq: int, tile: int) -> tuple
     """The index table ``(B, H, Tq, K)`` on query blocks of at most ``tile`` rows (the dK/dV kernel's query tile,
     ``backward_tiles``' ``DKV_BM``) and their size: a block of several whole tiles becomes one block per tile with
     its row. The dK/dV kernel walks the same tiles either way, but over the CSC of 128-row blocks (two tiles per
-    entry) it ran 3.92 ms against 3.70 on this table's CSC (B2 H16 N32760 D128, 25 of 512 blocks, H200,
-    session 25; the Gluon D=64 kernel 3.50 against 3.48)."""
+    entry) it takes 3.92 ms against 3.70 on this table's CSC (B2 H16 N32760 D128, 25 of 512 blocks, H200; the
+    Gluon D=64 kernel 3.50 against 3.48)."""
     if block_q <= tile or block_q % tile:
         return indices, block_q
     return repeat_rows(indices, block_q // tile)[:, :, :cdiv(nq, tile)].contiguous(), tile
@@ -177,7 +177,7 @@ def dkv_blocks(indices: torch.Tensor, block_q: int, nq: int, tile: int) -> tuple
 
 def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: int, block_k: int, scale: float,
                    tiles: dict | None = None, dkv_block_q: int | None = None):
-    """Gradients ``(dq, dk, dv)`` of ``block_fwd.block_forward`` in the input dtypes.
+    """Gradients ``(dq, dk, dv)`` of ``fwd.block_forward`` in the input dtypes.
 
     Shapes as there; do like q (same strides); dlse ``(B, H, Nq)`` fp32 or None; o, lse: the forward's
     outputs; offsets ``(B, H, Tk + 1)``, rows ``(B, H, Tq' * K)``: the CSC (``csc.block_csc``) of indices on

@@ -1,10 +1,10 @@
 """Block-sparse attention backward for Hopper in Gluon: dK/dV (``ws_dkv``) and dQ (``ws_dq``), each a TMA
-producer warp and one wgmma consumer warpgroup (``block_bwd`` picks them per head dim: ``WS_DKV_HEAD_DIMS``,
+producer warp and one wgmma consumer warpgroup (``bwd`` picks them per head dim: ``WS_DKV_HEAD_DIMS``,
 ``WS_DQ_HEAD_DIMS``).
 
-dK/dV: ``block_bwd``'s ``_block_dkv_kernel`` for 64-token key blocks without GQA, head dims 64 and 128, bf16 /
+dK/dV: ``bwd``'s ``_block_dkv_kernel`` for 64-token key blocks without GQA, head dims 64 and 128, bf16 /
 fp16 and contiguous tensors (``supported``). One program per key block and (batch, head), in
-``block_bwd.longest_first`` order:
+``bwd.longest_first`` order:
 
 * the producer (1 warp) loads the key block's K and V tiles once, then per entry of its CSC list (the query
   blocks that selected it, ``Q_SPLIT`` tiles of 64 rows each) the Q and dO tiles through TMA into a ring of
@@ -15,7 +15,7 @@ fp16 and contiguous tensors (``supported``). One program per key block and (batc
   ``P^T = dS^T = 0``; key rows past ``Nk`` are not stored. The list order fixes the summation order, so dK/dV
   are reproducible under a deterministic CSC.
 
-dQ: ``block_bwd``'s ``_block_dq_kernel`` (GQA included) with the same structure as ``block_fwd_ws``: Q and dO
+dQ: ``bwd``'s ``_block_dq_kernel`` (GQA included) with the same structure as ``fwd_ws``: Q and dO
 once, K and V per selected block; ``S``, ``dP`` of tile t issued before ``dQ += dS K`` of tile t-1. It also
 stores ``Delta = rowsum(O dO) - dLSE``.
 
@@ -223,8 +223,8 @@ def _ws_dq_kernel(q_desc, do_desc, k_desc, v_desc, o_ptr, lse_ptr, dlse_ptr, del
 
 def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages: int = 2, maxnreg: int = 128):
     """``(dq, delta)``: dQ ``(B, H, Nq, D)`` in q's dtype and ``Delta = rowsum(O dO) - dLSE`` ``(B, H, Nq)`` fp32
-    (``dlse`` None: no gradient reaches the LSE), as ``block_bwd``'s dQ kernel; takes what
-    ``block_fwd_ws.supported`` takes (GQA included), with do and o contiguous like q."""
+    (``dlse`` None: no gradient reaches the LSE), as ``bwd``'s dQ kernel; takes what
+    ``fwd_ws.supported`` takes (GQA included), with do and o contiguous like q."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -252,7 +252,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
 
 def default_tiles(d: int) -> dict:
     """Slots of the Q/dO ring and the register cap per thread of the launch (128: two programs per SM, no spill
-    at D=64; D=128 spills at any cap and runs slower than the Triton kernel, ``block_bwd.WS_DKV_HEAD_DIMS``)."""
+    at D=64; D=128 spills at any cap and runs slower than the Triton kernel, ``bwd.WS_DKV_HEAD_DIMS``)."""
     return dict(stages=2, maxnreg=128) if d <= 64 else dict(stages=2, maxnreg=168)
 
 
@@ -260,7 +260,7 @@ def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: f
            maxnreg: int | None = None):
     """``(dk, dv)`` ``(B, H, Nk, D)`` in k's dtype (see ``supported``): lse, delta ``(B, H, Nq)`` fp32 (``Delta =
     rowsum(O dO) - dLSE`` from the dQ kernel); offsets, rows: the CSC of the index table; order: the programs'
-    ``(b * H + h) * Tk + key block`` ids (``block_bwd.longest_first``)."""
+    ``(b * H + h) * Tk + key block`` ids (``bwd.longest_first``)."""
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
     tk, tq = offsets.shape[2] - 1, cdiv(q.shape[2], block_q)

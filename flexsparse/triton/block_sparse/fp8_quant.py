@@ -1,4 +1,4 @@
-"""FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``block_fwd_fp8``): Q per query block, smoothed K
+"""FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``fwd_fp8``): Q per query block, smoothed K
 per key block, V per channel stored transposed (docs/methods.md "FP8 QAT", "FP8 Triton forward").
 
 Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-12)`` divided in fp64 and

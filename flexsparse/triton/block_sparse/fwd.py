@@ -24,7 +24,7 @@ from .._runtime.registry import launching_directly
 from .._runtime.tiles import overrides
 
 WS_HEAD_DIMS = (64, 128)  # head dims where the warp-specialized Gluon forward runs (sm_90): H200, 5 % of 64x64
-# blocks, ms Gluon / Triton: D=64 N=65536 2.07 / 2.27, D=128 N=32760 1.83 / 2.23 (benchmarks/gluon_blocks.py)
+# blocks, ms Gluon / Triton: B2 H8 N65536 D64 2.07 / 2.27, B2 H16 N32760 D128 1.83 / 2.23
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the forward, with
     ``tiles.overrides("block_fwd")``. fp32 (exact products, no tensor cores) gets narrow key tiles and
     8 warps so that nothing spills. Key tiles of 64 for bf16 / fp16: 128x128 blocks at D=64 ran 2.77 ms on
-    128x128 tiles and 2.27 on 128x64 (H200, B2 H8 N65536, 5 %, ``benchmarks/block_tiles.py --blocks 128x128``)."""
+    128x128 tiles and 2.27 on 128x64 (H200, B2 H8 N65536, 5 %)."""
     if device.type == "cpu":
         base = dict(BM=16, BN=16, KB=1, warps=4, stages=1)
     elif dtype == torch.float32:
@@ -145,7 +145,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
 def gluon_runs(q, k, v, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:
     """Whether ``block_forward`` runs the warp-specialized Gluon kernel for this call: sm_90, default tiles (no
     ``tiles``, no ``FLEXSPARSE_TRITON_TILES`` override of ``block_fwd``), head dims in ``WS_HEAD_DIMS`` and what
-    ``block_fwd_ws.supported`` takes."""
+    ``fwd_ws.supported`` takes."""
     return (block_fwd_ws is not None and tiles is None and q.shape[3] in WS_HEAD_DIMS and not overrides("block_fwd")
             and block_fwd_ws.supported(q, k, v, indices, block_q, block_k))
 

@@ -1,5 +1,5 @@
 """FP8 (e4m3) block-sparse attention forward over an index table (docs/methods.md "FP8 QAT", "FP8 Triton
-forward"): ``block_fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
+forward"): ``fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
 ``fp8_quant``.
 
 Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
@@ -115,7 +115,7 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
 
 def forward_tiles(device: torch.device, d: int) -> dict:
     """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward (the keys
-    of ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
+    of tile kind ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
     False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``."""
     if device.type == "cpu":
         base = dict(BM=16, BN=16, KB=1, warps=4, stages=1, fresh_acc=True)

@@ -1,11 +1,11 @@
 """Exact per-row top-K of fp32 scores by bisection on order-preserving int32 keys.
 
-Shared by the single-level block top-K (``block_topk``: one row of up to 16K keys per program) and LLSA's
-hierarchical selection (``select``: the ``b`` child rows of a parent, ``K * b`` candidates each). A row's
-order is (largest score, then smallest column); callers lay columns out in id order, so ties go to the
-smallest id. Scores become int32 keys with the order of the floats (``ordered_key``); the K-th largest key
-of every row is found exactly by bisection (one count of ``key >= mid`` per row and pass, all rows in
-lock-step), then the ties at the threshold are taken by column.
+Shared by the single-level block top-K (``selection.block_topk``: one row of up to 16K keys per program) and
+LLSA's hierarchical selection (``selection.hierarchy``: rows too wide for its packed search, e.g. the ``b`` child
+rows of a parent with more than 128 candidates each). A row's order is (largest score, then smallest column);
+callers lay columns out in id order, so ties go to the smallest id. Scores become int32 keys with the order of
+the floats (``ordered_key``); the K-th largest key of every row is found exactly by bisection (one count of
+``key >= mid`` per row and pass, all rows in lock-step), then the ties at the threshold are taken by column.
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def take_from(key, threshold, count, pad, SMALLEST: tl.constexpr, TIES_BY_SCAN: 
     # the ties taken: columns <= cut (top) or >= cut (SMALLEST). Where some are left out, the cut is the column of
     # the target-th tie from the left: by a prefix sum with TIES_BY_SCAN, else by bisection over the columns (the
     # prefix sum, even when no row needs it, made block_topk's kernel ~35x slower at 512 columns on an H100 with
-    # triton 3.6; LLSA's 16 x 128 candidate rows run ~10% faster with it: docs/triton_sla_pieces.md)
+    # triton 3.6; LLSA's selection on 16 x 128 candidate rows took 0.167 ms with it against 0.188:
+    # docs/triton_sla_pieces.md)
     width: tl.constexpr = key.shape[-1]
     cols = tl.arange(0, width)
     cut = tl.zeros_like(need) + (0 if SMALLEST else width)

@@ -88,7 +88,7 @@ def segments_csc(sel: torch.Tensor, segments: list[Segment], csc_size: int,
 
 def selection_csc(sel: torch.Tensor, levels: Levels, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """LLSA: ``(offsets, rows)`` of every level's ``S_{l+1}`` from a packed selection ``(B, H, S)`` int32
-    (layout: ``flexsparse.triton.layout``; key ids of ``S_{l+1}`` are level-(l+1) tokens)."""
+    (layout: ``flexsparse.masks.levels``; key ids of ``S_{l+1}`` are level-(l+1) tokens)."""
     segments = []
     for level in range(levels.levels):
         tokens = levels.tokens(level + 1)

@@ -9,7 +9,7 @@ import triton.language as tl
 from ...masks import levels
 from .._runtime.sizes import cdiv, pow2
 
-# Columns of the level table (``layout``) and math constants, usable inside kernels and on the host.
+# Columns of the level table (``masks.levels``) and math constants, usable inside kernels and on the host.
 T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = (tl.constexpr(getattr(levels, name))
                                            for name in ("T", "KV_OFF", "TOPK", "SEL_OFF", "CSC_OFF", "SPAN"))
 LOG2E = tl.constexpr(1.4426950408889634)

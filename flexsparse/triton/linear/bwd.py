@@ -5,7 +5,7 @@ With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
 * ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``:
   ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O: the forward's output in q's dtype when given, ``SAVED``;
   else recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
-  through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``linear_fwd.state_dtype``). Q is also
+  through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``fwd.state_dtype``). Q is also
   loaded transposed, so ``phi(Q_i)^T`` is a computed register tile (the first operand of every dot is never a
   transposed tile). With the dense strategy a query block of several tiles (e.g. 128 rows) gets one program per
   tile, each storing its tile's partial ``d[H_i | Z_i]``, and the ``keep^T`` matmul sums the partials (its keep
@@ -15,7 +15,7 @@ With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
   KV head's total of ``d[H_i | Z_i]`` (all its query heads, fp32 ``torch.sum``) minus those of the query blocks
   that skipped j (the key-major lists of ``csc.block_csc(..., deterministic=True)``, walked for every query
   head of the KV head: no atomics, ascending lists, so bitwise reproducible); without it the sums come from
-  ``linear_dense.key_sums`` (``keep^T`` block matmuls). Then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
+  ``dense.key_sums`` (``keep^T`` block matmuls). Then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
   ``dV_j = phi(K_j) dh_j`` and phi's gradient, in-kernel.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK_ADD, DV_ADD, D
                 acc_z += tl.load(src_z + i * D + dim, mask=dim_ok, other=0.0).to(tl.float32)
         d_h = tl.load(DHT + bkv.to(tl.int64) * D * D + hp, mask=hmask, other=0.0) - acc_h
         d_z = tl.load(DZT + bkv.to(tl.int64) * D + dim, mask=dim_ok, other=0.0) - acc_z
-    else:                                                  # per key block, summed by linear_dense.key_sums
+    else:                                                  # per key block, summed by dense.key_sums
         d_h = tl.load(DHT + (bkv.to(tl.int64) * TK + j) * D * D + hp, mask=hmask, other=0.0)
         d_z = tl.load(DZT + (bkv.to(tl.int64) * TK + j) * D + dim, mask=dim_ok, other=0.0)
     base = bkv.to(tl.int64) * NK * D
@@ -140,7 +140,7 @@ def register_cap(tiles: dict, kernel: str, n_split: int) -> dict:
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
                     rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
                     eps: float, tiles: dict | None = None, add: tuple | None = None, o_l: torch.Tensor | None = None):
-    """``(dq, dk, dv)`` of ``linear_fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
+    """``(dq, dk, dv)`` of ``fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
     ``rows_h (B, H, Tq, D, D)``, ``rows_z (B, H, Tq, D)``. Shapes and dtypes as ``linear_forward``; all
     contiguous. ``add``: ``(dq, dk, dv)`` of another branch (shapes and dtypes of q, k, v, contiguous), added in
     fp32 before the one rounding of the stores (one pass over each instead of a separate sum). ``o_l``: the

@@ -1,15 +1,15 @@
 """Dense block-sum strategy of the masked linear branch: sums over kept key blocks as batched matmuls.
 
-The gather strategy (``linear_fwd`` / ``linear_bwd``) reads one ``D x D`` state per (query block, skipped key
+The gather strategy (``fwd`` / ``bwd``) reads one ``D x D`` state per (query block, skipped key
 block) pair: ``B H Tq S D^2`` bytes, bound by the L2 -> SM bandwidth. The same sums are block matmuls with the
 0/1 map of kept blocks ``keep (B, H, Tq, Tk)``: ``H_i = sum_j keep[i, j] h_j``, ``Z_i = sum_j keep[i, j] z_j``
 (forward) and ``d h_j = sum_{heads of kv, i} keep[i, j] d H_i`` (backward, ``keep^T``): ``2 B H Tq Tk D^2`` flops
-on tensor cores, whatever S is. With bf16 states it wins once ``S / Tk`` exceeds a few percent (cost model in
+on tensor cores, whatever S is. With bf16 states it wins once ``S / Tk`` exceeds a few percent (measured thresholds in
 docs/triton_sla_pieces.md; ``linear_tiles``' ``dense_ratio``). Each kept state enters the sum once (no
 subtraction), with fp32 accumulation (``keep`` is exact in bf16).
 
-The matmuls are ``torch.bmm`` (cuBLAS on GPUs: 0.43 ms at B2 H16 Tq=Tk=512 D=128 on an H200, where the Triton
-matmul this replaced took 0.93 ms writing fp32); the query heads of a KV head are folded into the rows, so GQA
+The matmuls are ``torch.bmm`` (cuBLAS on GPUs: 0.43 ms at B2 H16 Tq=Tk=512 D=128 on an H200, where a Triton
+matmul with 128 x 128 x 64 tiles takes 0.93 ms writing fp32); the query heads of a KV head are folded into the rows, so GQA
 needs no copy, and ``keep^T`` is a transposed view. Sums of ``h`` come out in the states' dtype (bf16 for bf16
 inputs: every kernel that reads them rounds them to bf16 for its tensor-core products anyway), sums of ``z`` in
 fp32 (the normaliser is an fp32 dot).

@@ -7,7 +7,7 @@
 * ``_forward_kernel``: one program per (query block i, batch x query head). With ``GATHER`` (the gather
   strategy): ``[H_i | Z_i]`` = the KV head's total (one fp32 ``torch.sum`` over the blocks, deterministic) minus
   the states of the CSR row ``skipped[b, h, i]`` (read once each, summed in fp32 in list order), stored for the
-  backward (``H_i`` in the states' dtype, ``Z_i`` fp32); without it they come summed from ``linear_dense`` (the
+  backward (``H_i`` in the states' dtype, ``Z_i`` fp32); without it they come summed from ``dense.py`` (the
   dense strategy, ``dense``). Then per query tile ``O = phi(Q) H_i / (eps + phi(Q) . Z_i)`` in q's dtype; phi(Q)
   never reaches HBM. With a ``Mix`` the same kernel also combines the branches (SLA's ``O_s + O_l W^T + b``,
   SLA2's ``alpha`` lerp) in its epilogue, so the methods' combine costs no extra pass over HBM.
@@ -135,7 +135,7 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, 
         state_h = state_h.to(ROWS_H.dtype.element_ty)      # what the dots read, here and in the backward
         tl.store(ROWS_H + row * D * D + hp, state_h, mask=hmask)
         tl.store(ROWS_Z + row * D + dim, state_z, mask=dim_ok)
-    else:                                                  # summed by linear_dense.query_sums
+    else:                                                  # summed by dense.query_sums
         state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
         state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
     if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
@@ -181,15 +181,15 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     """Token rows per tile ``TQ`` / ``TK`` (caps, powers of two >= 16), warps and pipeline stages of the gather
     loops, the strategy of the sums over key blocks (``dense``: ``dense_ratio`` forward, ``dense_ratio_bwd``
-    backward) and register caps ``dq_maxnreg`` / ``dkv_maxnreg`` of the backward kernels (``linear_bwd``), with
+    backward) and register caps ``dq_maxnreg`` / ``dkv_maxnreg`` of the backward kernels (``bwd``), with
     ``tiles.overrides("linear")``. Chosen so that nothing spills on sm_90 without a cap (triton 3.6,
     ``benchmarks/triton_sm90_report.py``): fp32 / fp16 (exact fp32 products on FMA units) take narrower tiles;
-    bf16 keeps 64-row query tiles at D = 128 (its dQ products then run on wgmma: forward 2.06 -> 1.92 ms,
-    backward 3.62 -> 3.35 at the public SLA shape, H200). The bf16 ratios and caps were measured on an H200
-    (session 16, docs/triton_sla_pieces.md), except the D = 128 query-gradient cap: with the saved O_l (session 23,
-    H100) 128 registers (2 programs per SM, some spills) run it in 1.22 ms against 1.38 uncapped. Programs over
-    several query tiles (``dq_maxnreg_split``: 128-row query blocks under the gather strategy, whose ``D x D``
-    gradient stays live across the tiles; the dense strategy runs one program per tile, session 25; session 24,
+    bf16 keeps 64-row query tiles at D = 128 (its dQ products then run on wgmma: at the public SLA shape on an
+    H200 the branch takes 1.92 ms forward and 3.35 backward against 2.06 and 3.62 on narrower tiles). The bf16
+    ratios and caps were measured on an H200 (docs/triton_sla_pieces.md), except the D = 128 query-gradient cap
+    (H100): reading the saved O_l, 128 registers (2 programs per SM, some spills) run it in 1.22 ms against 1.38
+    uncapped. Programs over several query tiles (``dq_maxnreg_split``: 128-row query blocks under the gather
+    strategy, whose ``D x D`` gradient stays live across the tiles; the dense strategy runs one program per tile;
     H200): D = 64 keeps 168 (0.50 ms against 0.56 uncapped, 240 registers), D = 128 runs uncapped (255
     registers: 1.55 ms against 2.49 under the cap of 128); the key-gradient cap for key blocks above 64 tokens is
     the one-tile cap (not measured)."""
@@ -208,7 +208,7 @@ def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
 
 
 def dense(skipped: torch.Tensor, tk: int, tiles: dict, backward: bool = False) -> bool:
-    """Whether the sums over key blocks run as block matmuls (``linear_dense``) rather than gathers: when the
+    """Whether the sums over key blocks run as block matmuls (``dense.py``) rather than gathers: when the
     skipped blocks per row reach ``tiles["dense_ratio"]`` (``"dense_ratio_bwd"`` for the ``backward``) of all key
     blocks. bf16 on GPUs: forward 2% at D <= 64 (below it the gathered bytes cost less than the matmul),
     0.5% above; backward 0.5% (the gather's deterministic CSC alone costs ~0.3 ms); never by default for fp32 /
@@ -252,7 +252,7 @@ class Mix(NamedTuple):
 
 
 def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
-    """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``linear_dense``)."""
+    """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``dense.py``)."""
     from .dense import query_sums
     return query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
 
@@ -293,7 +293,7 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     tile, n_split = split(block_q, tiles["TQ"])
     code = 0 if mix is None else 1 if mix.weight is not None else 2
     o_l = torch.empty_like(q) if code and mix.store_linear else None
-    unused = q  # the pointer of the slots the kernel leaves unused: an input (common.launcher)
+    unused = q  # the pointer of the slots the kernel leaves unused: an input (_runtime.registry.launcher)
     extra = (unused,) * 5 + (0,) if mix is None else (
         mix.o_s, unused if o_l is None else o_l, mix.weight if code == 1 else unused,
         mix.bias if code == 1 else unused, mix.alpha if code == 2 else unused,

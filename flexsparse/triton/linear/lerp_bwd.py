@@ -4,7 +4,8 @@ tokens: ``dO_s = alpha dO`` and ``dO_l = (1 - alpha) dO`` (fp32 products, one ro
 ``dO . (O_s - O_l)`` for alpha's gradient, fp32.
 
 One program per (query block, batch x head), walking the block's tokens in chunks of ``CHUNK`` rows; tokens past
-N and padded head dims are masked. Replaces four PyTorch passes (a product, two differences, a batched dot).
+N and padded head dims are masked. One pass instead of four in PyTorch (a product, two differences, a batched
+dot).
 """
 from __future__ import annotations
 

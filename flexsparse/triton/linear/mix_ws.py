@@ -1,8 +1,8 @@
-"""SLA / SLA2 forward for Hopper in Gluon: the warp-specialized block-sparse forward (``block_fwd_ws``) with the
+"""SLA / SLA2 forward for Hopper in Gluon: the warp-specialized block-sparse forward (``block_sparse.fwd_ws``) with the
 masked linear branch's output and the methods' combine in its epilogue.
 
-The values of ``block_fwd_ws`` followed by ``linear_fwd``'s output kernel with a ``Mix``, given the query-block
-states ``H_i``, ``Z_i`` of the dense strategy (``linear_fwd.dense_query_states``). After a query tile's sparse loop
+The values of ``block_sparse.fwd_ws`` followed by ``fwd``'s output kernel with a ``Mix``, given the query-block
+states ``H_i``, ``Z_i`` of the dense strategy (``fwd.dense_query_states``). After a query tile's sparse loop
 the producer loads ``H_i`` (and SLA's ``W^T``) by TMA into the K (and V) slots of the ring, which the loop has
 released; the consumer computes phi(Q) from the Q tile still in shared memory,
 ``O_l = phi(Q) H_i / (eps + phi(Q) . Z_i)`` rounded to q's dtype, and SLA's ``O_s + O_l W^T + b`` or SLA2's
@@ -45,7 +45,7 @@ def _square(bufs):
 
 @gluon.jit
 def _feature(x, FMAP: gl.constexpr):
-    """phi of the fp32 tile ``x (rows, D)`` over its columns, as ``linear_fwd.feature`` (0 softmax, 1 elu + 1,
+    """phi of the fp32 tile ``x (rows, D)`` over its columns, as ``fwd.feature`` (0 softmax, 1 elu + 1,
     2 relu; no padding: D is the tile's width)."""
     if FMAP == 0:
         p = gl.exp(x - gl.expand_dims(gl.max(x, axis=1), 1))
@@ -59,7 +59,7 @@ def _feature(x, FMAP: gl.constexpr):
 @gluon.jit
 def _mix_producer(q_desc, k_desc, v_desc, h_desc, w_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr,
                   q_row, kv_row, h_row, n_steps, BLOCK_K: gl.constexpr, MIX: gl.constexpr):
-    """``block_fwd_ws``'s producer, then, once every slot is released, ``H_i`` into the K slots (and ``W^T`` into
+    """``block_sparse.fwd_ws``'s producer, then, once every slot is released, ``H_i`` into the K slots (and ``W^T`` into
     the V slots), completing ``q_bar``'s second phase."""
     block_fwd_ws._producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, q_row,
                            kv_row, n_steps, BLOCK_K)
@@ -139,13 +139,13 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
 
 def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q: int, block_k: int,
                              scale: float, feature_map: str, eps: float, store: bool):
-    """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_fwd_ws.ws_block_forward``) mixed with
-    the masked linear branch of the query-block states ``rows_h (B, H, Tq, D, D)`` (q's dtype) and ``rows_z
-    (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` and ``bias (D,)``
+    """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_sparse.fwd_ws.ws_block_forward``)
+    mixed with the masked linear branch of the query-block states ``rows_h (B, H, Tq, D, D)`` (q's dtype) and
+    ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` and ``bias (D,)``
     contiguous in q's dtype, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)`` contiguous
     in q's dtype; weight_t and bias None). o_s and o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them),
-    else empty. Takes the bf16 calls ``block_fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's first
-    slots at both head dims)."""
+    else empty. Takes the bf16 calls ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's
+    first slots at both head dims)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)

@@ -8,20 +8,21 @@ tiles, dQ stored once.
 
 dK/dV, with no dense mask and no loop over all queries below the top level:
 
-* ``_fine_dkv_kernel`` for level 0 where the fine level runs batched (``llsa_fwd.batched_blocks``; tile option
+* ``_fine_dkv_kernel`` for level 0 where the fine level runs batched (``fwd.batched_blocks``; tile option
   ``batched_dkv``): one key block per warp walks its CSC list of ``S_1`` one query block per step (batched
   ``b x b`` products), the list ids read ``dkv_slots`` at a time into registers, so the pipelined gathers of Q and
   dO wait on no index load; it adds the pooled levels' gradients like the kernel below.
-* ``llsa_entry_dkv.entry_dkv`` for a coarse level l < L whose partial sums are small (``entry_memory``; with
+* ``entry_dkv.entry_dkv`` for a coarse level l < L whose partial sums are small (``entry_memory``; with
   ``b = 16``, ``K = 8``: levels 2 and up): ancestor-major, each query row read once per key chunk (H100, B2 H8
-  N262144 L3 D64 fwd+bwd 15.16-15.26 -> 13.19-13.24 ms with every coarse level on it, 13.54-14.42 from level 2).
+  N262144 L3 D64 fwd+bwd 13.54-14.42 ms from level 2, 13.19-13.24 with every coarse level on it, 15.16-15.26 with
+  none; level 1's partials would take as many bytes as k and v).
 * ``_sparse_dkv_kernel`` for the other levels l < L (level 0 where the fine level is not batched): one program
   per level-(l+1) token p owns its ``b`` children at level l and walks the CSC list of ``S_{l+1}`` (the
   level-(l+1) query tokens that selected p); each entry stands for ``b^{l+1}`` consecutive fine queries
   (``_dkv_t_step``: queries and the head dim are the wgmma M dims), walked entry by entry when the steps divide
-  the entries (``ENTRY_MAJOR``: no index load per step; H100, whole backward B2 H8 N262144 L3 D64 11.50-11.55 ->
-  11.35-11.37 ms, N16384 0.601 -> 0.592). Levels with few parents split every list over programs and sum the
-  partials.
+  the entries (``ENTRY_MAJOR``: no index load per step; H100, whole backward B2 H8 N262144 L3 D64 11.35-11.37 ms
+  against 11.50-11.55 stepping over the list's rows, N16384 0.592 against 0.601). Levels with few parents split
+  every list over programs and sum the partials.
   For l = 0 it can also add the gradients of the pooled levels (``dK^(l)[n // b^l] / count``), which is
   the backward of the pooling pyramid.
 * ``_top_dkv_kernel`` for level L: dense, one program per key chunk, query head and query range; the partial
@@ -125,7 +126,7 @@ def _fused_dq_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, DO, LSE, DLSE, 
                      BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, WN: tl.constexpr,
                      KEYS: tl.constexpr, W_STAGES: tl.constexpr, HAS_DLSE: tl.constexpr, HOIST: tl.constexpr,
                      RUNS: tl.constexpr, TOPK1P: tl.constexpr, IEEE: tl.constexpr):
-    """The whole dQ of a tile of ``TB`` query blocks (``llsa_fwd._fused_fwd_kernel``'s tiles): ``_coarse_dq_kernel``
+    """The whole dQ of a tile of ``TB`` query blocks (``fwd._fused_fwd_kernel``'s tiles): ``_coarse_dq_kernel``
     on ``TB * b`` rows, then, reshaped to ``(TB, b, ...)``, the fine level's batched steps; dQ is stored once."""
     bh, b, h = program_heads(H)
     kc, vc, lst = coarse_bases(KC, VC, LIST, b, h, bh, c_b, c_h, l_bh, GROUP, TB, BLOCK, N_SPARSE)
@@ -159,7 +160,7 @@ def _fine_dq_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n, do_b,
                     SCALE: tl.constexpr, W: tl.constexpr, WN: tl.constexpr, WSUB: tl.constexpr,
                     KEYS: tl.constexpr, STAGES: tl.constexpr, FULL: tl.constexpr, HOIST: tl.constexpr,
                     TOPK1P: tl.constexpr, IEEE: tl.constexpr):
-    """The fine level's dQ, batched like the fine part of ``llsa_fwd._fused_fwd_kernel`` (``W`` query blocks per
+    """The fine level's dQ, batched like the fine part of ``fwd._fused_fwd_kernel`` (``W`` query blocks per
     step, one per warp), added to the coarse dQ in ``DQ``."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
@@ -189,7 +190,7 @@ def _fine_dq_ragged_kernel(Q, K, V, SEL, META, DO, LSE, DELTA, DQ, q_b, q_h, q_n
                            D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                            SCALE: tl.constexpr, FQ: tl.constexpr, FN: tl.constexpr, SUB: tl.constexpr,
                            IEEE: tl.constexpr):
-    """The fine level's dQ for any N and b (``llsa_fwd._fine_fwd_ragged_kernel``'s steps)."""
+    """The fine level's dQ for any N and b (``fwd._fine_fwd_ragged_kernel``'s steps)."""
     pid = tl.program_id(0)
     bh, b, h = program_heads(H)
     kb, vb, sel = fine_bases(K, V, SEL, META, b, h, bh, k_b, k_h, v_b, v_h, GROUP, S_TOTAL)
@@ -253,7 +254,7 @@ def add_pooled_grads(dk, dv, pk, pv, tok, ok, META, N, LEVELS, dim, D: tl.conste
 @triton.jit
 def _dkv_t_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, k, v, bias, dkt, dvt,
                 D: tl.constexpr, SCALE2: tl.constexpr, IEEE: tl.constexpr):
-    """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head (``common.backward_rows``' arguments)."""
+    """``_dkv_t_step`` on query rows ``n`` (``n_ok``) of one head (``common.jit.backward_rows``' arguments)."""
     q, do, lse2, delta = backward_rows(q_base, do_base, lse_base, delta_base, n, n_ok, q_n, do_n, dim, D)
     return _dkv_t_step(q, do, lse2, delta, k, v, bias, dkt, dvt, SCALE2, IEEE)
 
@@ -355,7 +356,7 @@ def _fine_dkv_kernel(Q, K, V, DO, LSE, DELTA, OFFSETS, ROWS, META, DKC, DVC, DK,
                      D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, SCALE2: tl.constexpr,
                      SCALE: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr,
                      FUSE_POOL: tl.constexpr, IEEE: tl.constexpr):
-    """dK, dV of the fine level where it runs batched (``llsa_fwd.batched_blocks``): ``W`` key blocks per program,
+    """dK, dV of the fine level where it runs batched (``fwd.batched_blocks``): ``W`` key blocks per program,
     one per warp, each walking the CSC list of ``S_1`` (the query blocks that selected it) one query block per step
     (``_fine_dkv_step``); a program takes as many steps as its longest list, the shorter ones masked. A partial last
     program repeats the last block (not stored). With ``FUSE_POOL`` also adds the pooled levels' gradients."""
@@ -437,11 +438,11 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
     ``fuse_dq``: dQ in ``_fused_dq_kernel`` (tiles of at most ``fused_BM`` rows on ``fused_warps`` warps, fine keys
     in chunks of ``fused_WN``) where the fine level runs batched, else the coarse and fine dQ kernels;
     ``dkv_coarse_stages``: pipeline stages of ``_sparse_dkv_kernel`` at the coarse levels; ``hoist_runs``,
-    ``hoist_stages``: the coarse (or fused) dQ hoists its key rows as the forward does (``llsa_fwd.hoisting``), on
+    ``hoist_stages``: the coarse (or fused) dQ hoists its key rows as the forward does (``fwd.hoisting``), on
     that many stages; ``fine_hoist``: the batched fine dQ reads its blocks' ids once, on ``fine_hoist_stages``;
     ``batched_dkv``: level 0's dK/dV in ``_fine_dkv_kernel`` (``dkv_W`` key blocks per program, list ids ``dkv_slots``
     at a time, ``dkv_stages`` pipeline stages) where the fine level runs batched; ``entry_memory``: a coarse level's
-    dK/dV runs ancestor-major (``llsa_entry_dkv``: keys in chunks of ``entry_TK``, ``entry_QR`` rows per step, at
+    dK/dV runs ancestor-major (``entry_dkv``: keys in chunks of ``entry_TK``, ``entry_QR`` rows per step, at
     most ``entry_rows`` rows per program, ``entry_warps``, ``entry_stages``) where its partial sums take at most
     that many times the bytes of k and v, else key-major (``_sparse_dkv_kernel``)."""
     fq = pow2(block, 16)
@@ -452,17 +453,17 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
                     programs=4, dkv_programs=4, dkv_coarse_stages=1, batched_dkv=True, dkv_W=2, dkv_slots=16,
                     dkv_stages=1, entry_memory=0.5, entry_TK=32, entry_QR=16, entry_rows=48, entry_warps=4,
                     entry_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1, fine_hoist=True, fine_hoist_stages=1)
-    else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). The fused dQ:
-        # H100, whole backward at B2 H8 N65536 L2, D128 6.35 -> 6.06 ms, D64 2.76 -> 3.10 (its 64-row coarse tiles).
-        # Batched fine dK/dV, H100, whole backward at the same shape: D64 2.74 -> 2.49 ms, D128 6.10 -> 5.45 (dkv_W 2
-        # or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61). Top level and coarse dK/dV re-tuned on the
-        # H100 (whole backward, same shape): D128 5.42 -> 4.55 ms (top_warps 8 -> 4, TOP_QR 64 -> 32, QR 64 -> 128),
-        # D64 2.43 -> 2.35 (TOP_QR 64 -> 32, programs 4 -> 8 per SM; N262144 L3 11.56 -> 11.58, N16384 0.59 -> 0.60).
-        # Coarse dK/dV at D64 on 64-row steps and 3 stages (its own key, dkv_coarse_stages): 2.36-2.39 -> 2.32 ms,
-        # N262144 L3 11.48-11.79 -> 11.26, N16384 0.597-0.602 -> 0.577 (3 stages at D128: 4.57 -> 4.81). Key rows
-        # hoisted (llsa_fwd's module docstring), H100, session 35, us per kernel at N65536: coarse dQ (D64, 3
-        # stages) 423-428 -> 405-406, fine dQ (3 stages) 376-377 -> 359-361, fused dQ (D128, 2 stages; 3: 2105)
-        # 1651 -> 1613-1616
+    else:  # batched fine dQ: W=2, WN=16 measured best on an H200 (B2 H8 N65536 L2, D64 and D128). H100, whole
+        # backward at B2 H8 N65536 L2 unless noted: the fused dQ at D128 6.06 ms against 6.35 with the two dQ kernels,
+        # at D64 3.10 against 2.76 (its 64-row coarse tiles). Batched fine dK/dV: D64 2.49 ms against 2.74 key-major
+        # per parent, D128 5.45 against 6.10 (dkv_W 2 or 4: 2.80 / 3.09 at D64; 16 slots or 2 stages: 2.50 / 2.61).
+        # Top level and coarse dK/dV at D128: 4.55 ms with top_warps 4, TOP_QR 32, QR 128 against 5.42 with 8, 64, 64;
+        # at D64 2.35 with TOP_QR 32 and 8 programs per SM against 2.43 with 64 and 4 (N262144 L3 11.58 against 11.56,
+        # N16384 0.60 against 0.59). Coarse dK/dV at D64 on 64-row steps and 3 stages (its own key,
+        # dkv_coarse_stages): 2.32 ms against 2.36-2.39 on 128-row steps and 2, N262144 L3 11.26 against 11.48-11.79,
+        # N16384 0.577 against 0.597-0.602 (3 stages at D128: 4.81 against 4.57). Key rows hoisted (fwd's module
+        # docstring), us per kernel at N65536: coarse dQ (D64, 3 stages) 405-406 against 423-428, fine dQ (3 stages)
+        # 359-361 against 376-377, fused dQ (D128, 2 stages; 3: 2105) 1613-1616 against 1651
         wide = d > 64
         base = dict(fuse_dq=wide, fused_BM=64, fused_warps=4, fused_WN=32, BM=max(128, fq), BN=64, W=2, WN=16,
                     WSUB=1, w_stages=2, FN=256, SUB=8, QR_FINE=64,
@@ -472,7 +473,7 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
                     batched_dkv=True, dkv_W=1, dkv_slots=32, dkv_stages=3, entry_memory=0.5, entry_TK=64, entry_QR=32,
                     entry_rows=4096, entry_warps=4, entry_stages=3, hoist_runs=HOIST_RUNS,
                     hoist_stages=2 if wide else 3, fine_hoist=True, fine_hoist_stages=3)
-        if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see llsa_fwd.forward_tiles)
+        if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see fwd.forward_tiles)
             base.update(BM=max(64, fq), BN=32, FN=64, QR=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
                         dkv_coarse_stages=2, dkv_stages=2, entry_stages=2, hoist_runs=0, fine_hoist=False)
     return {**base, **overrides("bwd")}
@@ -486,7 +487,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     its own); dlse ``(B, H, N)`` fp32 or None; offsets/rows: the CSC of ``sel`` (``csc.selection_csc``). dq, dk, dv
     are contiguous (autograd stacks them into a fused projection's gradient fastest that way), and the kernels
     address them so, with no stride arguments (dQ's strides, live across the coarse dQ's loop, took it from 128 to
-    144 registers at L=3: one CTA per SM instead of two, 1.69 -> 2.52 ms at B2 H8 N262144 D64 on an H100); dkc, dvc
+    144 registers at L=3: one CTA per SM instead of two, 2.52 ms against 1.69 at B2 H8 N262144 D64 on an H100); dkc, dvc
     ``(B, Hk, T_1 + ... + T_L, D)`` fp32 are the gradients of the pooled levels; with ``fuse_pool`` dk, dv already
     include them (through the pooling).
     """
@@ -570,7 +571,7 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
             part_v = torch.empty_like(part_k)
             part_off = 0
         pooled = (dkc, dvc) if fine else (kc, vc)  # read at the fine level only; elsewhere inputs as the unused
-        # pointers, never the stored part_k, part_v (common.launcher; tests/test_triton_writes.py)
+        # pointers, never the stored part_k, part_v (_runtime.registry.launcher; tests/test_triton_writes.py)
         launcher(_sparse_dkv_kernel)[(parents, bsz * kv_heads, splits)](
             q, k, v, kc, vc, do, lse, delta, offsets, rows, meta, dk, dv, *pooled, part_k, part_v,
             *q_strides, *do_strides, *kv_strides, *c_strides, part_k.stride(0) if splits > 1 else 0,

@@ -2,12 +2,12 @@
 
 At a coarse level l (1 <= l < L) the queries under one level-(l+1) token r (``b^{l+1}`` consecutive fine rows)
 all attend the same keys: the ``b`` level-l children of each of r's ``K_{l+1}`` selected tokens (``S_{l+1}[r]``).
-The key-major kernel (``llsa_bwd._sparse_dkv_kernel``) walks, per selected token, the CSC list of the rows that
+The key-major kernel (``bwd._sparse_dkv_kernel``) walks, per selected token, the CSC list of the rows that
 selected it, so every query row is read ``K_{l+1}`` times and the matrix products are only ``b`` keys wide.
 Here instead:
 
 1. ``_entry_dkv_kernel``: one program per (token r, chunk of ``TK`` of its ``K_{l+1} b`` keys, split of its rows,
-   query head) runs the top level's dense key-major step (``common.dkv_rows``) over r's rows: each row is read
+   query head) runs the top level's dense key-major step (``common.jit.dkv_rows``) over r's rows: each row is read
    once per chunk, the products are ``TK`` keys wide. It stores the chunk's partial dK (scaled) and dV, fp32, in slot
    ``j b + c`` (child c of the j-th selected token) of r's row of a partial table ``(B H, T_{l+1}, splits, slots,
    D)``.

@@ -9,10 +9,10 @@ logit bias ``log2(count)``. The fine level and that coarse loop run in one of tw
    block's ``K_1 * b`` fine keys of ``S_1`` in chunks of ``WN`` as batched 3-d products (``(TB, b, keys)``; with one
    block per warp the row reductions stay in the warp and P in registers), then reshapes its softmax state to
    ``TB * b`` rows for the coarse loop and stores the output and the natural-log LSE. The partial state never leaves
-   the registers (session 18: the former pair of kernels wrote and re-read a bf16 partial output and its LSE; 0.721
-   -> 0.689 ms for both at B2 H8 N65536 D64, 1.586 -> 1.321 at D128, on an H100). Fine keys first (session 39; the
-   coarse loop came first before): the kernel 654-664 -> 576-583 us at B2 H8 N65536 D64 on an H200, 2697 -> 2345
-   at N262144 L3, 141 -> 121 at N16384.
+   the registers (two kernels sharing a bf16 partial output and its LSE through memory, as in 2. below, took 0.721
+   ms against 0.689 at B2 H8 N65536 D64 and 1.586 against 1.321 at D128 on an H100). Fine keys first: with the
+   coarse loop first the kernel took 654-664 us against 576-583 at B2 H8 N65536 D64 on an H200, 2697 against 2345
+   at N262144 L3, 141 against 121 at N16384.
 2. Otherwise ``_coarse_fwd_kernel`` stores the normalised partial output and its LSE (log2 units), and
    ``_fine_fwd_ragged_kernel`` (any N and b, ``FQ`` rows per step, with masks) starts from that partial state
    (running max = partial LSE, running sum 1, accumulator = partial output).
@@ -28,9 +28,9 @@ pipeliner puts that load and the dependent ``cp.async`` of the chunk in one stag
 of its copies: a CTA never overlaps its own gathers with its products. ``_fused_fwd_kernel`` with ``HOIST`` reads
 the list once as runs of ``b`` rows (``listed_runs``) and the tile's ``S_1`` once, and computes each chunk's rows in
 registers (a compare-and-sum over the runs or ids). The coarse loop then keeps the next chunk's copies in flight on
-3 stages (``DEPBAR.LE SB0, 0x2`` in the SASS, against ``0x0``). H100, B2 H8 b16 K8, session 35: the kernel 700-703
--> 673-678 us at N65536 D64, 1300-1303 -> 1185-1195 at D128; but 16 runs (N262144 L3) took 160 registers instead
-of 128 and 2726 -> 2844-2848 us, hence the cap. The dQ kernels (``llsa_bwd``) hoist theirs the same way.
+3 stages (``DEPBAR.LE SB0, 0x2`` in the SASS, against ``0x0``). H100, B2 H8 b16 K8: the kernel 673-678 us against
+700-703 unhoisted at N65536 D64, 1185-1195 against 1300-1303 at D128; but 16 runs (N262144 L3) took 160 registers
+instead of 128 and 2844-2848 us against 2726, hence the cap. The dQ kernels (``bwd``) hoist theirs the same way.
 """
 from __future__ import annotations
 
@@ -218,15 +218,15 @@ def _fused_fwd_kernel(Q, K, V, KC, VC, LIST, LOG2C, SEL, META, O, LSE, q_b, q_h,
     for c in tl.range(0, KEYS, WN, num_stages=W_STAGES):
         tok = fine_tokens(sel, blk, ids, c, WN, BLOCK, KEYS // BLOCK, TOPK1P, HOIST)
         s = mm(q, tl.trans(load_slab(kb, tok, k_n, dim, D, BD)), IEEE)
-        if KV_ROWS:  # v's token stride is k's: one address computation for both gathers (H200, session 32: the
-            # kernel 693-695 against 698 us at B2 H8 N65536 D64, 1253-1266 against 1274-1282 at D128)
+        if KV_ROWS:  # v's token stride is k's: one address computation for both gathers (H200: the kernel
+            # 693-695 against 698 us at B2 H8 N65536 D64, 1253-1266 against 1274-1282 at D128, coarse loop first)
             v_slab = load_slab(vb, tok, k_n, dim, D, BD)
         else:
             v_slab = load_slab(vb, tok, v_n, dim, D, BD)
         m, l, acc = softmax_step(s, SCALE2, v_slab, m, l, acc, IEEE)
     # q loaded again in the coarse products' layout: reshaping the fine loop's copy kept both live (at D=64 and fine
-    # chunks of 32, 168 registers against 128 here, offline sm_90 compile; H200, session 39: the kernel 636 -> 576-583
-    # us at B2 H8 N65536)
+    # chunks of 32, 168 registers against 128 here, offline sm_90 compile; H200: the kernel 636 against 576-583 us at
+    # B2 H8 N65536)
     rows = tl.reshape(rows, (BM,))
     # from the blocks' flags: the equal `program_id(0) * BM + arange(BM) < N` took D=128 from 194 to 244 registers
     real = tl.reshape(tl.broadcast_to(real[:, None], (TB, BLOCK)), (BM,))
@@ -315,7 +315,7 @@ def _fine_fwd_ragged_kernel(Q, K, V, SEL, META, O, LSE, q_b, q_h, q_n, k_b, k_h,
 
 
 def batched_blocks(levels: Levels) -> bool:
-    """Whether the fine level runs batched (``_fused_fwd_kernel``, ``llsa_bwd._fine_dq_kernel``): b a power of two
+    """Whether the fine level runs batched (``_fused_fwd_kernel``, ``bwd._fine_dq_kernel``): b a power of two
     >= 16 that divides N."""
     return levels.block >= 16 and levels.block & (levels.block - 1) == 0 and levels.n % levels.block == 0
 
@@ -362,8 +362,8 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
         base = dict(fused_BM=32, fused_warps=2, BM=32, BN=32, WN=32, w_stages=1, FN=64, SUB=2, warps=4, stages=1,
                     fine_warps=4, fine_stages=1, hoist_runs=HOIST_RUNS, hoist_stages=1)
     else:
-        # WN: fine keys per step of the fused kernel; 64 up to D=32, else 32 (H200, session 39, fine keys first, B2
-        # H8 N65536 b16 K8, the kernel in us: D64 617 at 64 against 574-591 at 32; D32 393 at 64 against 407 at 32)
+        # WN: fine keys per step of the fused kernel; 64 up to D=32, else 32 (H200, B2 H8 N65536 b16 K8, the kernel
+        # in us: D64 617 at 64 against 574-591 at 32; D32 393 at 64 against 407 at 32)
         base = dict(fused_BM=64, fused_warps=4, BM=128, BN=64, WN=64 if d <= 32 else 32, w_stages=2, FN=256, SUB=8,
                     warps=8, stages=2, fine_warps=4, fine_stages=2 if d > 64 else 3,
                     hoist_runs=HOIST_RUNS if d <= 128 else 0, hoist_stages=3)
@@ -401,7 +401,7 @@ def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int)
 
 
 def fused_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int, fine_cap: int):
-    """Grid and constants of the fused kernels (``_fused_fwd_kernel``, ``llsa_bwd._fused_dq_kernel``;
+    """Grid and constants of the fused kernels (``_fused_fwd_kernel``, ``bwd._fused_dq_kernel``;
     ``batched_blocks`` holds, so ``BM = TB * b``): ``coarse_launch``'s, and the fine level's ``KEYS = K_1 b`` keys
     per query block in chunks of ``WN`` (``key_chunk`` of ``fine_cap``), ``TOPK1P = pow2(K_1)``."""
     grid, coarse = coarse_launch(q, levels, rows_cap, keys_cap)

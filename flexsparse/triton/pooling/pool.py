@@ -1,7 +1,7 @@
 """Mean-pooling pyramid: levels 1..L of ``x (B, H, N, D)`` concatenated along the token dim.
 
 Level l holds the true means of the real fine tokens under each span of ``b^l`` (fp32 sums, built
-recursively from the previous level's sums, as ``flexsparse.masks.pool_pyramid`` does). One pass over x
+recursively from the previous level's sums, as ``naive.pool_pyramid`` does). One pass over x
 makes levels 1 and 2 (a program sums the ``b x b`` fine tokens of one level-2 token: its ``b`` level-1 sums,
 then their sum), so x is read once; each deeper level is one more pass over the level-2 sums. LLSA's q, k and v
 take their first pass in one launch (``pool_qkv``).
@@ -121,7 +121,8 @@ def sums_step(d: int, device: torch.device) -> int:
 
 
 PASS_PROGRAMS = {"cuda": 1024}  # a pass from sums takes fewer tokens per program until it has this many programs:
-# with whole tiles, level 3 at N262144 (64 tokens a head) ran one program per head, 22.7 us a pass (H200, session 37)
+# with whole tiles, level 3 at N262144 (64 tokens a head) would run one program per head: 22.7 us a pass against
+# 2-4 (H200)
 
 
 def pass_step(d: int, device: torch.device, tokens: int, heads: int) -> int:
@@ -136,15 +137,16 @@ def pass_step(d: int, device: torch.device, tokens: int, heads: int) -> int:
 def warps_for(step: int, bd: int) -> int:
     """Warps of a pass of ``step`` tokens per program: a warp per 1024 elements of its ``(step, bd)`` tile (32 per
     thread and load), at least 2 and at most 8 (the first pass at b=16, D=64, B2 H8 N65536: 153 us against 164 on
-    one warp, H100, session 34; 4 warps 155; at D=128, 4 warps measured 338 against 311)."""
+    one warp, H100; 4 warps 155; at D=128, 4 warps measured 338 against 311)."""
     return max(2, min(8, pow2(step) * bd // 1024))
 
 
 def first_pass_warps(step: int, bd: int, keep_sums: bool) -> int:
     """Warps of the first pass: ``warps_for``, but 4 where the pass keeps sums for a third level on tiles of 1024
-    elements (b=16, D=64). H200, B2 H8 bf16, session 37, the pass in a graph-replayed forward: N262144 L3 526 -> 418
-    us (the op alone at N1048576: 2108 -> 1680); not at D=32 (216 -> 223 us there), nor at L=2 (N65536 114.5 ->
-    117.9 us, the op alone) or D=128 (216 -> 282 at L=2, 850 -> 1112 at L=3, the op alone)."""
+    elements (b=16, D=64). H200, B2 H8 bf16, the pass in a graph-replayed forward: N262144 L3 418 us against 526
+    on 2 warps (the op alone at N1048576: 1680 against 2108); not at D=32 (223 against 216 us there), nor at L=2
+    (N65536 117.9 against 114.5 us, the op alone) or D=128 (282 against 216 at L=2, 1112 against 850 at L=3, the op
+    alone)."""
     return 4 if pow2(step) * bd == 1024 and keep_sums else warps_for(step, bd)
 
 
@@ -186,7 +188,7 @@ def pool_pyramid(x: torch.Tensor, levels: Levels) -> torch.Tensor:
     launcher(_pool_kernel)[(programs, bsz * heads)](
         x, sums, means, x, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n, n, 0,
         levels.rows[1][1], dst_tokens, levels.block, up_off, up_tokens, FROM_SUMS=False, HAS_LOW=False,
-        **constants)  # x: LOW unused (common.launcher)
+        **constants)  # x: LOW unused (_runtime.registry.launcher)
     deeper_levels(x, sums, means, x, levels, next_level, False)
     return means
 

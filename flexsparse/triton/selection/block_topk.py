@@ -4,7 +4,7 @@ Scores are fp32 dots of pooled q ``(B, H, Tq, D)`` against pooled k ``(B, Hk, Tk
 accuracy: three-pass TF32 tensor-core products (``tf32x3``), as LLSA's selection. A row's order is (largest
 score, then smallest key id); the top set is the first ``topk`` of that order and the optional bottom set the
 last ``bottomk``, so they never overlap. Output rows are ascending. Given the same fp32 scores the selection
-equals a stable descending sort bit for bit (``masks.sorted_block_topk``; NaN counts as the largest value, as
+equals a stable descending sort bit for bit (``naive.sorted_block_topk``; NaN counts as the largest value, as
 in ``torch.sort``).
 
 Rows of up to ``ROW_LIMIT`` keys take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so
@@ -17,20 +17,20 @@ that the second kernel reads the scores from L2 rather than HBM; whole rows, at 
    Products of values with few mantissa bits (the tests' grid values) are exact, so every summation order
    gives the same scores there.
 2. ``_select_kernel``: one program (``Tk / 1024`` warps, at least 1) per row, the row in registers (32 keys
-   per lane), selected by ``bisect.first_k_rows``. The scores become int32 keys with the order of the floats
+   per lane), selected by ``common.bisect.first_k_rows``. The scores become int32 keys with the order of the floats
    (``-0.0`` as ``+0.0``, NaN on top);
    the ``topk``-th largest key is found exactly by a bisection over ``[min, max]`` (one count of
    ``key >= mid`` per pass) that stops as soon as a count is exactly ``topk``. The first 24 passes split at
    the halfway *value* (when its key lies inside the interval), later ones at the halfway key: on scores
    spread around zero halfway keys waste ~6 passes on exponents (simulated on normal rows of 1024 keys,
-   K = 51: 14.4 passes by keys, 9.2 by values; 32 + 24 at most). Then a prefix sum takes the ties at the
-   threshold by id (first ones for top, last ones for bottom; only when some ties are left out) and another
-   compacts the row in id order. The bottom set is the same search read as ``~key`` (reversed compares on the
+   K = 51: 14.4 passes by keys, 9.2 by values; 32 + 24 at most). Then the ties at the threshold are taken by id
+   (first ones for top, last ones for bottom; only when some ties are left out, the cut found by a bisection over
+   the columns) and a prefix sum compacts the row in id order. The bottom set is the same search read as ``~key`` (reversed compares on the
    same registers). A pass costs 32 compares per lane and a warp reduction (plus one shared-memory round
    when a row spans several warps, Tk > 1024); 96-128 registers at Tk = 1024 (sm_90).
 
-Measured (H100, B H = 16, D = 64, session 8): scores 0.048 ms at Tq = Tk = 1024 and 0.162 ms at 2048 (IEEE
-fp32 FMA dots before: 0.174 / 0.664 ms); the selection ~0.1 ms at 1024 (K = 51).
+Measured (H100, B H = 16, D = 64): scores 0.048 ms at Tq = Tk = 1024 and 0.162 ms at 2048 (IEEE fp32 FMA dots:
+0.174 / 0.664 ms); the selection ~0.1 ms at 1024 (K = 51).
 
 Rows longer than ``ROW_LIMIT`` keys (more than 16 warps of 32 keys per lane) stream through in chunks with
 the K-pass merge of ``merge_topk`` (slow for large K).

@@ -18,7 +18,7 @@ whose address ``torch.compile``'s write analysis sees as depending on the pyrami
 (``tests/test_triton_writes.py``); compiled graphs copy them only where something reads them after the launch,
 which LLSA's calls do not. Ties go to the smallest key id (candidates are laid out in id order: the parent's
 selection is ascending); rows are stored ascending. The result
-equals ``flexsparse.masks.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the
+equals ``naive.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the
 tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
 ``top_split`` (``TOP_PARTS``), ``child_split`` (``CHILD_PARTS``), ``top_warps``, ``top_precision``, ``bucket``
 (the children's int32 pass, default on).
@@ -46,7 +46,7 @@ PACKED = tl.constexpr(SEARCH_PACKED)  # the same, in the kernels
 @triton.jit
 def level_bases(QP, KP, META, b, h, qp_b, qp_h, kp_b, kp_h, GROUP, LEVEL):
     """Query head ``(b, h)``'s and its KV head's pyramids, the tokens of ``LEVEL`` and their first pyramid row;
-    read-only (``common.program_heads``)."""
+    read-only (``common.jit.program_heads``)."""
     return (QP + b.to(tl.int64) * qp_b + h.to(tl.int64) * qp_h,
             KP + b.to(tl.int64) * kp_b + (h // GROUP).to(tl.int64) * kp_h, tl.load(META + LEVEL * 6 + T),
             tl.load(META + LEVEL * 6 + KV_OFF))
@@ -225,27 +225,29 @@ def _select_children_kernel(QP, KP, SEL, META, qp_b, qp_h, kp_b, kp_h, H, GROUP,
 
 
 DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tokens x head dims) than
-DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys). Set when the dense kernel held the
-# level's whole fp32 keys in shared memory (1024 x 64 needed 260 KB, over sm_90's 227 KB, and failed to launch:
-# benchmarks/sm90_fit.py); its head-dim chunks now take 66 KB at 1024 x 32, but wider levels were not measured
-CHILD_PARENTS = 1  # parents per program below the top level (H100, session 34, B2 H8 b16 K8, us, one warp each:
-# N65536 D64 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186. Session 17, H200, bisection: 2 parents
-# 102 against 111 with 1 and 110 with 4)
+DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys). A level's whole fp32 keys in shared
+# memory take 260 KB at 1024 x 64, over sm_90's 227 KB (benchmarks/sm90_fit.py); with its head-dim chunks the dense
+# kernel takes 66 KB at 1024 x 32, but wider dense levels are not measured, so the bound stays
+CHILD_PARENTS = 1  # parents per program below the top level (H100, B2 H8 b16 K8, us, one warp each: N65536 D64
+# 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186. With a bisection search, H200: 2 parents 102
+# against 111 with 1 and 110 with 4)
 HEAD_CHUNK = 16  # head dims per step of the scores (children, one warp: 32 and 64 spilled, 134 and 215 us against 97)
-TOP_PARTS, CHILD_PARTS = 4, 2  # candidate parts (a warp each) of packed-searched rows (H100, session 36, B2 H8 b16
-# K8, us per launch, the same selections: top level of 256 tokens D64 27.3 -> 14.1 (8 parts 16.6, 16 parts 23.1),
-# D128 47.3 -> 18.2 (session 34's whole-row programs on 4 / 8 warps); of 64 tokens 6.1-6.7 -> 4.8-5.5; children rows
-# of 128 candidates D64 86.6 -> 81.8 (4 parts 94.2, 8 parts 137), D128 120.9 (top_mask) -> 113.5, at N262144 L3
-# 160-161 either way)
-# The searches that ran faster (us per launch at B2 H8 b16 K8): packed (bitonic) for top levels of <= 256 tokens
-# (H200, session 32: D64 34.7 -> 30.2, D128 77.8 -> 66.2, D32 28.7 -> 19.2; 64 tokens 10.0 -> 5.9; but 512 tokens
-# 136 -> 160, spilled), there with tf32x3 dots instead of IEEE (H100, session 34: D64 31.0 -> 28.2); for children rows
-# of <= 128 candidates (session 32: D64 100 -> 90-97, D32 81 -> 65; D128 in parts, above)
+TOP_PARTS, CHILD_PARTS = 4, 2  # candidate parts (a warp each) of packed-searched rows (H100, B2 H8 b16 K8, us per
+# launch, the same selections: top level of 256 tokens D64 14.1 against 27.3 in whole rows (8 parts 16.6, 16 parts
+# 23.1), D128 18.2 against 47.3 (whole rows on 4 / 8 warps); of 64 tokens 4.8-5.5 against 6.1-6.7; children rows of
+# 128 candidates D64 81.8 against 86.6 (4 parts 94.2, 8 parts 137), D128 113.5 against 120.9 with a whole-row
+# threshold search, at N262144 L3 160-161 either way)
+# The searches that run faster (us per launch at B2 H8 b16 K8): packed (bitonic) for top levels of <= 256 tokens
+# (whole rows, H200: D64 30.2 against 34.7 by bisection, D128 66.2 against 77.8, D32 19.2 against 28.7; 64 tokens 5.9
+# against 10.0; but 512 tokens 160 against 136, spilled), there with tf32x3 dots instead of IEEE (H100: D64 28.2
+# against 31.0); for children rows of <= 128 candidates (D64 90-97 against 100, D32 65 against 81; D128 in parts,
+# above)
 CHILD_SCORE_BYTES = 128 * 1024  # a program's fp32 scores (parents x rows x candidates) pass through shared memory:
-# 2 parents x 32 rows x 1024 candidates needed 270 KB at D=128 and failed to launch (H100, session 33; limit 227 KB)
+# 2 parents x 32 rows x 1024 candidates need 270 KB at D=128 and fail to launch (sm_90's limit: 227 KB)
 PACKED_TOP_KEYS, PACKED_CHILD_KEYS = 256, 128
-SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (0.167 vs 0.188 ms at 128, H100);
-# wider ones by bisection (a prefix sum at 512 columns made block top-K ~35x slower: docs/triton_llsa.md)
+SCAN_LIMIT = 256  # rows of at most this many candidates cut ties by a prefix sum (LLSA's selection with 128-candidate
+# rows by bisection: 0.167 against 0.188 ms, H100); wider ones by a bisection over the columns (a prefix sum at 512
+# columns made block top-K ~35x slower: docs/triton_sla_pieces.md)
 
 
 def search(top: bool, candidates: int) -> int:
@@ -278,7 +280,7 @@ def parts(candidates: int, kp: int, most: int) -> int:
 def child_parents(rows: int, candidates: int, most: int) -> int:
     """Parents per program of the children's selection, rows of ``candidates`` (padded) keys: ``most``, fewer
     where their fp32 scores exceed ``CHILD_SCORE_BYTES``; 0 where one parent's do (such a level goes through
-    ``masks.children_topk``)."""
+    ``naive.children_topk``)."""
     for parents in range(most, 0, -1):
         if parents * rows * candidates * 4 <= CHILD_SCORE_BYTES:
             return parents
@@ -330,9 +332,10 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
         launcher(_select_children_kernel)[(cdiv(parents, per_program), bsz * heads)](
             *args, level, parents, D=d, BD=bd, BLOCK=block, BQ=bq, BC=bc, KSEL=levels.topk[level - 1],
             W=per_program, SPLIT=split, DC=HEAD_CHUNK, SCAN=bc <= SCAN_LIMIT, SEARCH=how, KSEL2=kp,
-            # BUCKET (H200, session 38, B2 H8 b16 K8, the children's kernel in us, the same selections: N65536 D64
-            # 80.5 -> 73.5, D32 64.7 -> 54.8, D128 109 -> 103, N262144 L3 162.7 -> 147.2, N16384 23.2 -> 25.3; 168
-            # registers instead of 137. The top level lost with it: 256 tokens D32 11.5 -> 16.5, D128 18.4 -> 26.2)
+            # BUCKET (H200, B2 H8 b16 K8, the children's kernel in us, the same selections: N65536 D64 73.5 against
+            # 80.5 without, D32 54.8 against 64.7, D128 103 against 109, N262144 L3 147.2 against 162.7, but N16384
+            # 25.3 against 23.2; 168 registers instead of 137. At the top level it loses: 256 tokens D32 16.5 against
+            # 11.5, D128 26.2 against 18.4)
             LOW=bc.bit_length() - 1, BUCKET=how == SEARCH_PACKED and tiles.get("bucket", True),
             SLOTS=pow2(levels.topk[level]),
             num_warps=per_program * split)
@@ -340,7 +343,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
 
 
 def wide_children(q_pyr: torch.Tensor, k_pyr: torch.Tensor, sel: torch.Tensor, levels: Levels, level: int) -> None:
-    """``S_level`` written into the packed ``sel`` by ``masks.children_topk`` (fp32, memory-bounded chunks), for rows
+    """``S_level`` written into the packed ``sel`` by ``naive.children_topk`` (fp32, memory-bounded chunks), for rows
     of candidates too wide for ``_select_children_kernel`` (``child_parents``)."""
     packed = levels.unpack(sel)
     packed.indices[level - 1].copy_(children_topk(levels.split_pyramid(q_pyr)[level - 1],
