@@ -1,12 +1,19 @@
 """full, topk and vsa: torch backend vs the dense fp64 reference on identical selections."""
+import dataclasses
+
 import pytest
 import torch
 
 import flexsparse as fs
-from flexsparse.methods._blocks import select_blocks
-from flexsparse.reference import block_select_bruteforce
+from flexsparse.backends import BACKENDS
+from flexsparse.methods.blocks import select_blocks
+from flexsparse.methods.dense import block_select_bruteforce
 
 from helpers import grads, qkv, rel_err
+
+# the single-level block methods of the registry: a block-sparse branch configured by block_q, block_k and topk
+BLOCK_METHODS = [name for name, method in fs.METHODS.items() if method.sparse_branch == "block"
+                 and {"block_q", "block_k", "topk"} <= {f.name for f in dataclasses.fields(method.config)}]
 
 CASES = [  # (N, block_q, block_k, heads, kv_heads, topk)
     (1, 4, 4, 2, 1, 1), (15, 4, 4, 2, 2, 2), (17, 8, 4, 4, 2, 3), (17, 4, 16, 1, 1, 1),
@@ -23,7 +30,7 @@ def run_both(q, k, v, cfg, params=None):
     return outs
 
 
-@pytest.mark.parametrize("method", ["topk", "vsa"])
+@pytest.mark.parametrize("method", BLOCK_METHODS)
 @pytest.mark.parametrize("n, block_q, block_k, heads, kv_heads, topk", CASES)
 def test_block_methods_match_reference(method, n, block_q, block_k, heads, kv_heads, topk):
     q, k, v = qkv(heads=heads, kv_heads=kv_heads, n=n, d=8, requires_grad=True)
@@ -68,7 +75,7 @@ def test_vsa_gate_needs_params_in_functional_api():
 def test_block_selection_matches_bruteforce(n, block_q, block_k, heads, kv_heads, topk):
     q, k, _ = qkv(heads=heads, kv_heads=kv_heads, n=n, d=8)
     cfg = fs.Config.from_dict({"method": "topk", "block_q": block_q, "block_k": block_k, "topk": topk})
-    sel = select_blocks(q, k, cfg)
+    sel = select_blocks(q, k, cfg, BACKENDS["torch"])
     assert torch.equal(sel.indices, block_select_bruteforce(q, k, topk, block_q, block_k).indices)
 
 

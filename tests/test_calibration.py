@@ -18,9 +18,10 @@ from torch import nn
 import flexsparse
 from flexsparse.config import Config
 from flexsparse.integration import SparseSDPA
-from flexsparse.masks import soft_topk, standardize_rows
-from flexsparse.methods import sla2 as sla2_method
-from flexsparse.reference import expand_kv_heads, span_means
+from flexsparse.backends import BACKENDS
+from flexsparse.methods.dense import expand_kv_heads, span_means
+from flexsparse.methods.sla2.router import route, standardize_rows
+from flexsparse.methods.sla2.softtopk import soft_topk
 from flexsparse.training import QKVRecorder, calibrate_sla2, prepare_stage2, select_layers
 
 from _sla_testing import assert_all_close, leaf_params, leaf_qkv, run
@@ -81,8 +82,8 @@ def test_softtopk_standardize_mask_and_torch_matches_reference():
     cfg = Config.from_dict({**SLA2, "block_q": 8, "block_k": 4, "topk_ratio": 0.25, "router": "soft",
                             "softtopk_standardize": True, "smooth_k": "router"})
     q, k, v = leaf_qkv(2, 2, 1, 70, 8)
-    params = leaf_params(sla2_method.init_params(cfg, 8, 2, 70))
-    mask = sla2_method.route(q.detach(), k.detach(), cfg, params["proj_q"], params["proj_k"])
+    params = leaf_params(flexsparse.METHODS["sla2"].init_params(cfg, 8, 2, 70))
+    mask = route(q.detach(), k.detach(), cfg, BACKENDS["torch"], params["proj_q"], params["proj_k"])
     kk = expand_kv_heads(k.detach(), 2)
     raw = (span_means(q.detach(), 8) @ params["proj_q"].T) @ (
         span_means(kk - kk.mean(2, keepdim=True), 4) @ params["proj_k"].T).mT / math.sqrt(8)
@@ -90,8 +91,8 @@ def test_softtopk_standardize_mask_and_torch_matches_reference():
     torch.testing.assert_close(standardize_rows(raw), standardized)
     torch.testing.assert_close(torch.sigmoid(mask.logits), soft_topk(standardized, 4, cfg.tau, 30), rtol=1e-10,
                                atol=1e-10)
-    hard = sla2_method.route(q.detach(), k.detach(), dataclasses.replace(cfg, router="hard"), params["proj_q"],
-                             params["proj_k"])
+    hard = route(q.detach(), k.detach(), dataclasses.replace(cfg, router="hard"), BACKENDS["torch"],
+                 params["proj_q"], params["proj_k"])
     assert torch.equal(hard.indices.long().sort(-1).values, standardized.topk(4, -1).indices.sort(-1).values)
     assert_all_close(run(q, k, v, cfg, params, "torch"), run(q, k, v, cfg, params, "reference"), 1e-9, 1e-9)
     assert torch.equal(standardize_rows(torch.ones(2, 5)), torch.zeros(2, 5)), "a constant row gives zeros"

@@ -2,8 +2,12 @@ import pytest
 import torch
 
 import flexsparse as fs
-from flexsparse.config import Config, LLSAConfig, SLAConfig, TopKConfig
+from flexsparse.config import Config
+from flexsparse.methods.llsa.config import LLSAConfig
+from flexsparse.methods.sla.config import SLAConfig
+from flexsparse.methods.topk.config import TopKConfig
 
+from _sla_testing import assert_all_close, leaf_params, leaf_qkv, run
 from helpers import qkv, rel_err
 
 EXAMPLES = [
@@ -15,6 +19,7 @@ EXAMPLES = [
     {"method": "llsa", "block_size": 4, "topk": [2, 3, 4], "levels": 3, "deterministic": True},
     {"method": "sla", "block_q": 64, "block_k": 32, "topk_ratio": 0.1, "linear": "full", "feature_map": "elu"},
     {"method": "sla2", "topk_ratio": 0.03, "router": "soft", "tau": 0.2, "alpha_per_head": True},
+    *(method.example for method in fs.METHODS.values()),     # every registered method's example
 ]
 
 
@@ -113,3 +118,35 @@ def test_replace_revalidates():
     with pytest.raises(ValueError):
         cfg.replace(topk=-1)
     assert isinstance(SLAConfig().replace(linear="full"), SLAConfig)
+
+
+def test_config_registry_and_method_registry_agree():
+    """Each method of ``flexsparse.METHODS`` registers its config class under its name, and nothing else does."""
+    assert Config.registry.keys() == fs.METHODS.keys() and fs.METHODS is fs.methods.METHODS
+    for name, method in fs.METHODS.items():
+        assert method.name == name and method.config.method == name
+        assert method.config is Config.registry[name]
+        assert isinstance(Config.from_dict({"method": name}), method.config)
+
+
+# A small size at which every method's example fits (e.g. 8 of 9 key blocks of 64 tokens), ragged for every block
+# size, with GQA.
+EXAMPLE_SIZE = dict(batch=1, heads=2, kv_heads=1, n=520, d=16)
+
+
+@pytest.mark.parametrize("name", list(fs.METHODS))
+def test_every_method_example_matches_the_reference(name):
+    """The registry's example config of each method validates, and on the torch backend gives the reference
+    backend's output, LSE and gradients (q, k, v and every learnable parameter, perturbed from their initial values
+    so that every part is active) in fp64."""
+    method = fs.METHODS[name]
+    cfg = Config.from_dict(method.example)
+    assert isinstance(cfg, method.config) and cfg.to_dict() == Config.from_dict(cfg.to_dict()).to_dict()
+    size = EXAMPLE_SIZE
+    q, k, v = leaf_qkv(size["batch"], size["heads"], size["kv_heads"], size["n"], size["d"])
+    params = leaf_params(method.init_params(cfg, size["d"], size["heads"], size["n"]))
+    got = run(q, k, v, method.example, params, "torch")
+    want = run(q, k, v, method.example, params, "reference")
+    assert got[0].shape == q.shape and got[1].shape == q.shape[:3]
+    assert_all_close(got, want, rtol=1e-10, atol=1e-10)
+    assert all(g is not None and g.abs().sum() > 0 for g in got[2][:3]), "q, k and v all get gradients"

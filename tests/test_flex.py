@@ -13,13 +13,20 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import flexsparse
 from flexsparse import backends
-from flexsparse.backends import flex, torch_sparse
+from flexsparse.backends import BACKENDS
+from flexsparse.backends import flex_backend as flex
 from flexsparse.config import Config
-from flexsparse.masks import BlockSelection, block_topk, llsa_topk, mean_pool, pool_pyramid
+from flexsparse.masks import BlockSelection
 from flexsparse.masks.block_mask import block_selection_to_block_mask, block_tables, llsa_block_mask
-from flexsparse.methods import llsa
-from flexsparse.methods._blocks import select_blocks
-from flexsparse.reference import llsa_dense, topk_dense, vsa_dense
+from flexsparse.methods import METHODS
+from flexsparse.methods.blocks import select_blocks
+from flexsparse.methods.dense import block_sparse_dense
+from flexsparse.methods.llsa.reference import llsa_dense
+from flexsparse.methods.vsa.reference import vsa_dense
+from flexsparse.triton.block_sparse import naive as block_naive
+from flexsparse.triton.llsa import naive as llsa_naive
+from flexsparse.triton.pooling.naive import mean_pool, pool_pyramid
+from flexsparse.triton.selection.naive import block_topk, llsa_topk
 from helpers import rel_err
 
 gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
@@ -42,6 +49,13 @@ def _qkv(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu", seed=0):
 
 def _f64(*xs):
     return [x.detach().double() for x in xs]
+
+
+def _without_triton(name):
+    """Method ``name`` with the backends reference, torch and flex only (``backends.resolve``'s "auto" then never
+    picks triton, whatever the machine)."""
+    method = METHODS[name]
+    return type(type(method).__name__, (type(method),), {"backends": ("reference", "torch", "flex")})()
 
 
 def _random_ids(b, h, rows, cols, k, seed=0):
@@ -79,7 +93,7 @@ def test_eager_flex_honours_the_selection():
     top, _ = block_topk(mean_pool(q, 32), mean_pool(k, 16), 5)
     selection = BlockSelection(top, 32, 16, 300, 300)
     out = flex_attention(q, k, v, block_mask=block_selection_to_block_mask(selection), scale=0.2, enable_gqa=True)
-    torch.testing.assert_close(out, torch_sparse.block_sparse_attention(q, k, v, selection, 0.2)[0],
+    torch.testing.assert_close(out, block_naive.block_sparse_attention(q, k, v, selection, 0.2)[0],
                                atol=1e-5, rtol=1e-5)
 
     levels, topk = 2, (3, 2)
@@ -90,7 +104,7 @@ def test_eager_flex_honours_the_selection():
     v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
     out = flex_attention(q, k_ext, v_ext, score_mod=flex.llsa_score_mod(layout),
                          block_mask=mask, scale=0.2, enable_gqa=True)
-    ref, _ = torch_sparse.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
+    ref, _ = llsa_naive.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -110,8 +124,8 @@ def test_topk_and_vsa_forward_cpu(case):
     cfg = Config.from_dict({"method": "topk", "block_q": bq, "block_k": bk, "topk": topk})
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg, backend="flex", scale=scale)
-        selection = select_blocks(q, k, cfg)
-        ref, _ = topk_dense(*_f64(q, k, v), selection, scale)
+        selection = select_blocks(q, k, cfg, BACKENDS["flex"])
+        ref, _ = block_sparse_dense(*_f64(q, k, v), selection, scale)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out, flexsparse.attention(q, k, v, cfg, backend="torch", scale=scale),
                                    atol=2e-5, rtol=2e-5)
@@ -157,11 +171,11 @@ def test_cpu_flex_refuses_backward_and_lse_and_auto_falls_back():
         flex.block_sparse_attention(q, k, v, selection, 0.1)
     with pytest.raises(ValueError, match="no LSE"):
         flexsparse.attention(q.detach(), k, v, cfg, backend="flex", return_lse=True)
-    cpu, supported = torch.device("cpu"), ("reference", "torch", "flex")
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=True) == "torch"
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, needs_lse=True) == "torch"
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, dtype=torch.float64) == "torch"
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False) == "flex"
+    cpu, topk = torch.device("cpu"), _without_triton("topk")
+    assert backends.resolve("auto", topk, cpu, needs_grad=True).name == "torch"
+    assert backends.resolve("auto", topk, cpu, needs_grad=False, needs_lse=True).name == "torch"
+    assert backends.resolve("auto", topk, cpu, needs_grad=False, dtype=torch.float64).name == "torch"
+    assert backends.resolve("auto", topk, cpu, needs_grad=False).name == "flex"
     out, lse = flexsparse.attention(q, k, v, cfg, return_lse=True)       # auto -> torch: trains on CPU
     (out.sum() + lse.sum()).backward()
     assert q.grad is not None
@@ -174,12 +188,13 @@ def test_cpu_flex_refuses_the_block_sizes_its_kernel_gets_wrong():
     cfg = {"method": "topk", "block_q": 16, "block_k": 8, "topk": 3}
     with torch.no_grad(), pytest.raises(ValueError, match="wrong results for head dim 16 with blocks of \\[8\\]"):
         flexsparse.attention(q, k, v, cfg, backend="flex")
-    cpu, supported = torch.device("cpu"), ("reference", "torch", "flex")
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, blocks=(16, 24), head_dim=8) == "torch"
-    assert backends.resolve("auto", "topk", supported, cpu, needs_grad=False, blocks=(16, 8), head_dim=32) == "flex"
+    cpu, topk = torch.device("cpu"), _without_triton("topk")
+    assert backends.resolve("auto", topk, cpu, needs_grad=False, blocks=(16, 24), head_dim=8).name == "torch"
+    assert backends.resolve("auto", topk, cpu, needs_grad=False, blocks=(16, 8), head_dim=32).name == "flex"
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg)
-        ref, _ = topk_dense(*_f64(q, k, v), select_blocks(q, k, Config.from_dict(cfg)), q.shape[-1] ** -0.5)
+        selection = select_blocks(q, k, Config.from_dict(cfg), BACKENDS["torch"])
+        ref, _ = block_sparse_dense(*_f64(q, k, v), selection, q.shape[-1] ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -279,15 +294,13 @@ METHOD_CASES = {  # method -> (config, N): GQA 4 -> 2 heads, odd lengths
 
 
 def _reference_of(method, cfg, q, k, v, scale):
-    """fp64 reference on the method's own selection (computed from the same inputs)."""
+    """fp64 reference on the method's own selection on the flex backend (computed from the same inputs)."""
+    selection = METHODS[method].select(q, k, v, cfg, BACKENDS["flex"], {})
     if method == "llsa":
-        levels, topk = llsa.plan(cfg, q.shape[2])
-        selection = llsa_topk(q, k, topk, cfg.block_size)
-        return lambda q64, k64, v64: llsa_dense(q64, k64, v64, selection, scale)
-    selection = select_blocks(q, k, cfg)
+        return lambda q64, k64, v64: llsa_dense(q64, k64, v64, selection.selection, scale)
     if method == "vsa":
-        return lambda q64, k64, v64: vsa_dense(q64, k64, v64, selection, scale, None)
-    return lambda q64, k64, v64: topk_dense(q64, k64, v64, selection, scale)
+        return lambda q64, k64, v64: vsa_dense(q64, k64, v64, selection.blocks, scale, None)
+    return lambda q64, k64, v64: block_sparse_dense(q64, k64, v64, selection, scale)
 
 
 @gpu
@@ -321,14 +334,23 @@ def test_gpu_block_sizes_bf16(blocks, head_dim, record_property):
 @gpu
 @pytest.mark.parametrize("blocks", [(128, 128), (128, 64), (64, 128)], ids=lambda b: f"{b[0]}x{b[1]}")
 def test_gpu_long_sequence_large_blocks_compile_and_match_triton(blocks):
-    """At N = 65536 the 128 x 128 forward tile ran out of shared memory on Hopper (short sequences compiled)."""
+    """At N = 65536 the 128 x 128 forward tile ran out of shared memory on Hopper (short sequences compiled). Both
+    backends attend the flex backend's selection (the triton backend selects with its own kernels, whose fp32
+    scores may break a near-tie the other way)."""
     cfg = Config.from_dict({"method": "topk", "block_q": blocks[0], "block_k": blocks[1], "topk": 4})
     q, k, v = _qkv(1, 2, 2, 65536, 65536, 64, torch.bfloat16, "cuda", 5)
+    method = METHODS["topk"]
+    selection = method.select(q, k, v, cfg, BACKENDS["flex"], {})
     grad = torch.randn_like(q)
     results = []
     for backend in ("flex", "triton"):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-        out = flexsparse.attention(*leaves, cfg, backend=backend)
+        if backend == "flex":
+            out = flexsparse.attention(*leaves, cfg, backend=backend)
+        else:
+            chosen = BACKENDS[backend]
+            inputs = chosen.prepare_inputs(*leaves, keep_views=method.keeps_views, needs_grad=True)
+            out, _ = chosen.attend(method, *inputs, selection, cfg, scale=64 ** -0.5, params={}, need_lse=False)
         results.append([out, *torch.autograd.grad(out, leaves, grad)])
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
         assert rel_err(got, want) < 1e-2, name
@@ -341,7 +363,7 @@ def test_gpu_llsa_levels(case, dtype, record_property):
     n, topk = case
     cfg = Config.from_dict({"method": "llsa", "block_size": 16, "topk": list(topk)})
     q, k, v = _cuda_qkv(4, 1, n, 64, dtype, seed=3)
-    selection = llsa_topk(q, k, topk, 16)
+    selection = BACKENDS["flex"].llsa_select(q.detach(), k.detach(), v.detach(), 16, topk).selection
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
     _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype, record_property)
 
@@ -400,9 +422,9 @@ def test_gpu_static_graphs_per_shape_then_dynamic(monkeypatch):
 
 @gpu
 def test_gpu_auto_picks_flex_for_training():
-    supported = ("reference", "torch", "flex")
-    assert backends.resolve("auto", "topk", supported, torch.device("cuda"), needs_grad=True,
-                            needs_lse=True, dtype=torch.bfloat16, blocks=(64, 64)) == "flex"
+    chosen = backends.resolve("auto", _without_triton("topk"), torch.device("cuda"), needs_grad=True,
+                              needs_lse=True, dtype=torch.bfloat16, blocks=(64, 64))
+    assert chosen.name == "flex"
 
 
 @gpu

@@ -3,10 +3,13 @@ import pytest
 import torch
 
 import flexsparse as fs
-from flexsparse.backends import torch_sparse
-from flexsparse.masks import auto_levels, llsa_topk, num_blocks, pool_pyramid
-from flexsparse.methods import llsa as llsa_method
-from flexsparse.reference import llsa_dense, llsa_select_bruteforce, span_means
+from flexsparse.masks import auto_levels, num_blocks
+from flexsparse.methods.dense import span_means
+from flexsparse.methods.llsa.method import plan
+from flexsparse.methods.llsa.reference import llsa_dense, llsa_select_bruteforce
+from flexsparse.triton.llsa.naive import llsa_attention
+from flexsparse.triton.pooling.naive import pool_pyramid
+from flexsparse.triton.selection.naive import llsa_topk
 
 from helpers import grads, qkv, rel_err
 
@@ -26,7 +29,7 @@ def config(n, block, levels, want=3):
 
 def selection_for(q, k, cfg):
     cfg = fs.Config.from_dict(cfg)
-    levels, topk = llsa_method.plan(cfg, q.shape[2])
+    levels, topk = plan(cfg, q.shape[2])
     return llsa_topk(q, k, topk, cfg.block_size)
 
 
@@ -69,7 +72,7 @@ def test_pooled_leaves_get_the_level_weights(n, block, levels):
     k_lv = [torch.randn_like(x, requires_grad=True) for x in pool_pyramid(k.detach(), block, levels)]
     v_lv = [torch.randn_like(x, requires_grad=True) for x in pool_pyramid(v.detach(), block, levels)]
     scale = 8**-0.5
-    o_t, lse_t = torch_sparse.llsa_attention(q, [k, *k_lv], [v, *v_lv], sel, scale)
+    o_t, lse_t = llsa_attention(q, [k, *k_lv], [v, *v_lv], sel, scale)
     o_r, lse_r = llsa_dense(q, k, v, sel, scale, k_lv, v_lv)
     assert rel_err(o_t, o_r) < 1e-12
     leaves = (q, k, v, *k_lv, *v_lv)
@@ -106,8 +109,8 @@ def test_low_precision_close_to_fp64(dtype, tol):
     sel = selection_for(q, k, cfg)
     o_r, lse_r = llsa_dense(q, k, v, sel, 32**-0.5)
     lows = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    o, lse = torch_sparse.llsa_attention(lows[0], [lows[1], *pool_pyramid(lows[1], 8, 2)],
-                                         [lows[2], *pool_pyramid(lows[2], 8, 2)], sel, 32**-0.5)
+    o, lse = llsa_attention(lows[0], [lows[1], *pool_pyramid(lows[1], 8, 2)],
+                            [lows[2], *pool_pyramid(lows[2], 8, 2)], sel, 32**-0.5)
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert rel_err(o, o_r) < tol and rel_err(lse, lse_r) < tol
     o.float().square().sum().backward()

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from flexsparse.masks import (block_topk, csr_to_csc, log_token_weights, mean_pool, pool_pyramid, stable_topk,
-                              token_counts)
-from flexsparse.reference import span_means
+from flexsparse.masks import csr_to_csc, log_token_weights, token_counts
+from flexsparse.methods.dense import span_means
+from flexsparse.triton.pooling.naive import mean_pool, pool_pyramid
+from flexsparse.triton.selection.naive import block_topk, stable_topk
 
 from helpers import NewStorages, qkv, rel_err
 
@@ -19,13 +20,14 @@ def test_mean_pool_is_the_true_mean_of_real_tokens(n, block):
 
 @pytest.mark.parametrize("n", [1000, 1024])
 def test_router_pooling_makes_no_full_size_copy(n):
-    """The router's pooling of q and k (``pooled_qk``) reads them in place: no intermediate as large as q, also at
-    a ragged length (a zero-padded copy of q and k took 0.665 ms at the public SLA shape on an H100)."""
-    from flexsparse.masks import pooled_qk
+    """The router's pooling of q and k (the torch backend's ``router_inputs``) reads them in place: no intermediate
+    as large as q, also at a ragged length (a zero-padded copy of q and k took 0.665 ms at the public SLA shape on an
+    H100)."""
+    from flexsparse.backends import BACKENDS
 
     q, k = torch.randn(2, 2, n, 16, dtype=torch.bfloat16), torch.randn(2, 2, n, 16, dtype=torch.bfloat16)
     with NewStorages(q, k) as mode:
-        pooled_qk(q, k, 64, 64, smooth_k=True)
+        BACKENDS["torch"].router_inputs(q, k, 64, 64)
     assert 0 < max(size for _, size in mode.allocated) < q.untyped_storage().nbytes() // 8
 
 
@@ -33,7 +35,7 @@ def test_router_pooling_makes_no_full_size_copy(n):
 def test_pooling_backward_writes_one_gradient_of_x(n):
     """The gradient of the block sums reaches bf16 x as one tensor written once (no zero-filled slice gradients,
     no widened copy), and it is exact: each token gets its block's gradient."""
-    from flexsparse.masks.pooling import block_sums
+    from flexsparse.triton.pooling.naive import block_sums
 
     x = torch.randn(2, 2, n, 16, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(2, 2, -(-n // 64), 16)

@@ -9,7 +9,6 @@ import torch
 
 import flexsparse
 from flexsparse.integration import FlexSparseAttnProcessor, SparseSDPA
-from flexsparse.methods import MODULES
 from stand_ins import ATTENTIONS, TimmStyleAttention, TinyModel
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -17,9 +16,23 @@ N, DIM = 64, 32
 KINDS = list(ATTENTIONS)
 ALL_BLOCKS = {"method": "topk", "block_size": 16, "topk": 4}   # every key block: equals dense attention
 ONE_BLOCK = {"method": "topk", "block_size": 16, "topk": 1}
+
+
+def small(config: dict) -> dict:
+    """``config`` with 16-token blocks and 2 (or 25% of the) key blocks."""
+    sizes = {"block_size": 16, "block_q": 16, "block_k": 16, "topk": 2, "topk_ratio": 0.25}
+    return {key: sizes.get(key, value) for key, value in config.items()}
+
+
+def learns(config: dict) -> bool:
+    cfg = flexsparse.Config.from_dict(config)
+    return bool(flexsparse.METHODS[cfg.method].init_params(cfg, DIM // 2, 2, N))
+
+
+# configs with learned parameters: vsa's gate, and every registered method's example (at a small size) that learns
 LEARNED = [{"method": "vsa", "block_size": 16, "topk": 2, "gate": True},
-           {"method": "sla", "block_size": 16, "topk_ratio": 0.25},
-           {"method": "sla2", "block_q": 16, "block_k": 16, "topk_ratio": 0.25}]
+           *(small(m.example) for m in flexsparse.METHODS.values() if learns(small(m.example)))]
+SLA2 = {"method": "sla2", "block_q": 16, "block_k": 16, "topk_ratio": 0.25}
 
 
 def layers_for(kind):
@@ -31,8 +44,8 @@ def inputs():
 
 
 def require(method):
-    if method not in MODULES:
-        pytest.skip(f"method {method!r} is not in flexsparse.methods yet")
+    if method not in flexsparse.METHODS:
+        pytest.skip(f"method {method!r} is not in flexsparse.METHODS yet")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -182,7 +195,7 @@ def test_sla2_needs_seq_len_and_a_failed_patch_changes_nothing():
     require("sla2")
     model = TinyModel("diffusers")
     with pytest.raises(ValueError, match="patching module 'blocks.1.attn': .*seq_len"):
-        flexsparse.patch(model, {**ONE_BLOCK, "overrides": {"blocks.[12].*": LEARNED[2]}})
+        flexsparse.patch(model, {**ONE_BLOCK, "overrides": {"blocks.[12].*": SLA2}})
     assert type(model.blocks[0].attn.processor).__name__ == "AttnProcessor2_0"
 
 

@@ -1,5 +1,7 @@
 """Property-based tests: random shapes and configs, torch backend == fp64 reference (values, LSE and the
 gradients of q, k, v and of the learned parameters)."""
+import dataclasses
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,9 @@ from flexsparse.masks import num_blocks
 from helpers import draw_level_topk, qkv, rel_err
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# the single-level block methods of the registry: a block-sparse branch configured by block_q, block_k and topk
+BLOCK_METHODS = [name for name, method in fs.METHODS.items() if method.sparse_branch == "block"
+                 and {"block_q", "block_k", "topk"} <= {f.name for f in dataclasses.fields(method.config)}]
 
 
 @st.composite
@@ -30,7 +35,7 @@ def block_cases(draw):
     topk = draw(st.integers(1, num_blocks(n, block_k)))
     kv_heads = draw(st.sampled_from([1, 2]))
     heads = kv_heads * draw(st.sampled_from([1, 3]))
-    method = draw(st.sampled_from(["topk", "vsa"]))
+    method = draw(st.sampled_from(BLOCK_METHODS))
     return n, {"method": method, "block_q": block_q, "block_k": block_k, "topk": topk}, heads, kv_heads
 
 

@@ -3,7 +3,10 @@ saturation, granularity, the straight-through gradients of every method and back
 the quantized attention, backend and config errors, compile, and running without torchao."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +16,6 @@ import torch
 import flexsparse
 from flexsparse import backends
 from flexsparse.config import Config, QuantConfig
-from flexsparse.methods import method_module
 from flexsparse.quant import (E4M3, block_scales, channel_scales, fake_quant, fake_quant_blocks, head_scales, quantize,
                               quantized_softmax, to_e4m3)
 
@@ -22,13 +24,30 @@ from helpers import rel_err
 pytest.importorskip("torchao")
 gpu = pytest.mark.gpu
 
-# One small config per method with quant: (config, heads, kv heads, N) with GQA and ragged lengths.
-METHODS = {
+# The methods of the registry with quant (their config has the key), and the rest.
+QUANTIZED = sorted(name for name, method in flexsparse.METHODS.items()
+                   if "quant" in {f.name for f in dataclasses.fields(method.config)})
+UNQUANTIZED = sorted(set(flexsparse.METHODS) - set(QUANTIZED))
+# One small config per method with quant: (config, heads, kv heads, N) with GQA and ragged lengths; a method not
+# listed runs its registry example with small blocks (``small_case``).
+SMALL = {
     "topk": ({"method": "topk", "block_q": 16, "block_k": 8, "topk": 3}, 4, 2, 75),
     "llsa": ({"method": "llsa", "block_size": 4, "topk": 2, "levels": 2}, 2, 1, 70),
     "sla": ({"method": "sla", "block_size": 8, "topk_ratio": 0.3, "negligible_ratio": 0.2}, 4, 2, 75),
     "sla2": ({"method": "sla2", "block_q": 16, "block_k": 8, "topk_ratio": 0.3}, 2, 2, 75),
 }
+
+
+def small_case(name: str) -> tuple[dict, int, int, int]:
+    """``(config, heads, kv heads, N)`` of method ``name`` at a small size."""
+    if name in SMALL:
+        return SMALL[name]
+    cfg = dict(flexsparse.METHODS[name].example)
+    cfg.update({key: 8 for key in ("block_size", "block_q", "block_k") if key in cfg})
+    cfg.update({key: value for key, value in (("topk", 2), ("topk_ratio", 0.3)) if key in cfg})
+    return cfg, 4, 2, 75
+
+
 QUANTS = [{}, {"qk_dtype": "int8"}, {"qk": "per_tensor", "v": "per_tensor", "p": "none"}]
 
 
@@ -150,7 +169,7 @@ def test_e4m3_error_bounds_of_v_and_p():
 # ------------------------------------------------------------------------------ attention level
 
 def _method_inputs(name, dtype=torch.float64, requires_grad=True, seed=None):
-    cfg, heads, kv_heads, n = METHODS[name]
+    cfg, heads, kv_heads, n = small_case(name)
     gen = torch.Generator().manual_seed(torch.randint(0, 2**31 - 1, ()).item() if seed is None else seed)
     d = 16
     q = torch.randn(2, heads, n, d, generator=gen, dtype=torch.float64)
@@ -158,7 +177,7 @@ def _method_inputs(name, dtype=torch.float64, requires_grad=True, seed=None):
     k = k + torch.randn(1, kv_heads, 1, d, generator=gen, dtype=torch.float64)
     v = torch.randn(2, kv_heads, n, d, generator=gen, dtype=torch.float64)
     config = Config.from_dict(cfg)
-    params = method_module(name).init_params(config, d, heads, n)
+    params = flexsparse.METHODS[name].init_params(config, d, heads, n)
     params = {key: (p.double() + 0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(dtype)
               .requires_grad_(requires_grad) for key, p in params.items()}
     return [x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v)], params, cfg
@@ -175,7 +194,7 @@ def _run(qkv, params, cfg, backend, quant=None):
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=["fp8", "int8qk", "per_tensor-p_none"])
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
     """Both in fp32, so that both quantize the same products x * s onto the same grid (fp64 products can
     round to the other side of a rounding boundary); what is left is matmul and pooling order, and the rare
@@ -193,7 +212,7 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backend):
     """Values of the quantized forward (bit for bit), gradients of the unquantized branch; also in bf16. The
     gradients are equal bit for bit on this CI machine, but a 16-core host (torch 2.11, session 22) gave the
@@ -271,22 +290,21 @@ def test_backends_that_cannot_run_quant_refuse_it_and_auto_avoids_them():
     with pytest.raises(ValueError, match="backend 'triton' cannot run method 'llsa' with config key 'quant'.*not llsa"):
         flexsparse.attention(*qkv, {**cfg, "quant": {}}, backend="triton")
     with pytest.raises(ValueError, match="backend 'flex' cannot run method 'topk' with config key 'quant'.*p='none'"):
-        flexsparse.attention(*qkv, {**METHODS["topk"][0], "quant": {}}, backend="flex")
+        flexsparse.attention(*qkv, {**small_case("topk")[0], "quant": {}}, backend="flex")
     static, none = QuantConfig(), QuantConfig(p="none")
+    llsa, topk = flexsparse.METHODS["llsa"], flexsparse.METHODS["topk"]
+    assert {"reference", "torch", "flex", "triton"} <= set(llsa.backends)
     for device in ("cpu", "cuda"):
-        picked = backends.resolve("auto", "llsa", ("reference", "torch", "flex", "triton"), torch.device(device), False,
-                                  quant=static)
-        assert picked == "torch"
-    assert backends.resolve("auto", "topk", ("reference", "torch", "flex"), torch.device("cpu"), False,
-                            quant=none) == "flex"
+        assert backends.resolve("auto", llsa, torch.device(device), False, quant=static).name == "torch"
+    assert backends.resolve("auto", topk, torch.device("cpu"), False, quant=none).name == "flex"
     with torch.no_grad():                                           # auto on CPU inference would be flex without quant
         auto = flexsparse.attention(*qkv, {**cfg, "quant": {}})
     assert torch.equal(auto, flexsparse.attention(*qkv, {**cfg, "quant": {}}, backend="torch"))
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"method": "full", "quant": {}}, "'quant'.*not supported by method 'full'.*'llsa', 'sla', 'sla2', 'topk'"),
-    ({"method": "vsa", "quant": {}}, "'quant'.*not supported by method 'vsa'"),
+    *(({"method": name, "quant": {}}, f"'quant'.*not supported by method '{name}'.*{re.escape(str(QUANTIZED))}")
+      for name in UNQUANTIZED),
     ({"method": "sla2", "router": "soft", "quant": {}}, "router='hard'"),
     ({"method": "topk", "quant": {"qk_dtype": "int4"}}, "'quant.qk_dtype' must be one of"),
     ({"method": "sla", "quant": {"p": "dynamic"}}, "'quant.p' must be one of"),
@@ -345,7 +363,9 @@ def test_importing_flexsparse_needs_no_torchao_and_quant_says_how_to_get_it():
         "    flexsparse.attention(q, q, q, cfg, backend='torch')\n"
         "except ImportError as err:\n"
         "    print(err)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this checkout's flexsparse
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert "torch.Size([1, 1, 32, 8])" in out and "pip install 'flexsparse[quant]'" in out
 
 
@@ -378,7 +398,7 @@ def test_gpu_fp8_cast_saturates_on_this_torch():
 
 
 @gpu
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_gpu_torch_backend_bf16_matches_oracle_and_gradients_are_exact(name):
     qkv, params, cfg = _method_inputs(name, torch.bfloat16, seed=0)
     qkv = [x.detach().cuda().requires_grad_() for x in qkv]
@@ -395,15 +415,14 @@ def test_gpu_torch_backend_bf16_matches_oracle_and_gradients_are_exact(name):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["topk", "sla", "llsa"])
+@pytest.mark.parametrize("name", [name for name in QUANTIZED if "flex" in flexsparse.METHODS[name].backends])
 def test_gpu_flex_qkv_quant_forward_and_exact_gradients(name):
-    cfg = {"topk": {"method": "topk", "block_size": 64, "topk": 4},
-           "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.1},
-           "llsa": {"method": "llsa", "block_size": 16, "topk": 4}}[name]
+    cfg = dict(flexsparse.METHODS[name].example)   # the example with 4 key blocks, or 10% of them
+    cfg.update({key: value for key, value in (("topk", 4), ("topk_ratio", 0.1)) if key in cfg})
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(2, 4, 2000, 64, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
            for _ in range(3)]
-    params = method_module(name).init_params(Config.from_dict(cfg), 64, 4, 2000)
+    params = flexsparse.METHODS[name].init_params(Config.from_dict(cfg), 64, 4, 2000)
     params = {k: p.cuda().requires_grad_() for k, p in params.items()}
     quant = {"p": "none"}
     out, lse, grads = _run(qkv, params, cfg, "flex", quant=quant)

@@ -1,4 +1,4 @@
-"""``flexsparse.triton.registry``: plain eager calls run the op body directly (no dispatcher, plain launches);
+"""``flexsparse.triton._runtime.registry``: plain eager calls run the op body directly (no dispatcher, plain launches);
 calls that need autograd or are traced go through the registered op."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from flexsparse.triton import registry  # noqa: E402
+from flexsparse.triton._runtime import registry  # noqa: E402
 
 CALLS = []
 
@@ -85,7 +85,7 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "tagged":
-    from flexsparse.compile_cache import tag_compile_caches
+    from flexsparse.triton._runtime.compile_cache import tag_compile_caches
     tag_compile_caches(sys.argv[1], "shifted")
 import shifted_op
 print(torch.compile(lambda x: shifted_op.shifted(x) * 2, fullgraph=True)(torch.ones(3)).tolist())
@@ -99,7 +99,9 @@ def test_compile_caches_miss_when_an_op_body_changes(tmp_path, tagged):
     body: the behaviour ``compile_cache`` guards against); tagged with the source digest, the new body's result."""
     import subprocess
     import sys
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this checkout's flexsparse
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     (tmp_path / "run.py").write_text(_COMPILE_IT)
     results = []
@@ -117,12 +119,12 @@ def test_flexsparse_source_digest_is_in_the_compile_cache_key(tmp_path):
     """Importing the ops tags torch.compile's cache keys with the package's source digest, which changes with any
     file of it."""
     import shutil
-    from flexsparse import compile_cache
+    from flexsparse.triton._runtime import compile_cache
     tag = f"flexsparse-{compile_cache.source_digest(compile_cache.PACKAGE_ROOT)}"
     assert tag in torch.compiler.config.cache_key_tag.split("|")
     copy = tmp_path / "flexsparse"
     shutil.copytree(compile_cache.PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert compile_cache.source_digest(str(copy)) == compile_cache.source_digest(compile_cache.PACKAGE_ROOT)
-    with open(copy / "triton" / "select.py", "a") as f:
+    with open(copy / "triton" / "selection" / "hierarchy.py", "a") as f:
         f.write("\n")
     assert compile_cache.source_digest(str(copy)) != compile_cache.source_digest(compile_cache.PACKAGE_ROOT)

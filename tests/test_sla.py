@@ -9,11 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexsparse
-from flexsparse.backends import torch_linear, torch_sparse
+from flexsparse.backends import BACKENDS, flex_backend
 from flexsparse.config import Config
 from flexsparse.masks import sla_block_counts
-from flexsparse.methods import sla as sla_method
-from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
+from flexsparse.methods import METHODS
+from flexsparse.methods.dense import block_select_bruteforce, expand_kv_heads, span_means
+from flexsparse.triton.block_sparse import naive as block_naive
+from flexsparse.triton.linear import naive as linear_naive
 
 from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
 from helpers import rel_err
@@ -23,8 +25,16 @@ def sla_config(**kw):
     return {"method": "sla", **kw}
 
 
+SLA = METHODS["sla"]
+
+
+def sla_select(q, k, cfg):
+    """SLA's selection on the torch backend (critical blocks and negligible blocks; v and params unused)."""
+    return SLA.select(q, k, None, cfg, BACKENDS["torch"], {})
+
+
 def params_for(cfg, d, dtype=torch.float64):
-    return leaf_params(sla_method.init_params(Config.from_dict(cfg), d, 1, None), dtype)
+    return leaf_params(SLA.init_params(Config.from_dict(cfg), d, 1, None), dtype)
 
 
 # (B, H, Hk, N, D, config): every variant, ragged and exact lengths, GQA, separate block sizes.
@@ -84,7 +94,7 @@ def test_fp32_matches_fp64_reference(linear):
     config = Config.from_dict(cfg)
 
     def select(q, k):
-        selection = sla_method.select(q, k, config)
+        selection = sla_select(q, k, config)
         return tuple(x for x in (selection.indices, selection.excluded) if x is not None)
 
     q, k, v = qkv_selecting_alike(select, 2, 4, 2, 203, 16)
@@ -113,7 +123,7 @@ def test_selection_matches_bruteforce(n, block_q, block_k, heads):
     cfg = Config.from_dict(sla_config(block_q=block_q, block_k=block_k, topk_ratio=0.25, negligible_ratio=0.25))
     q, k, _ = leaf_qkv(2, heads[0], heads[1], n, 8)
     k = k + 3 * torch.randn(8, dtype=k.dtype)                      # a large key mean: smoothing matters numerically
-    selection = sla_method.select(q, k, cfg)
+    selection = sla_select(q, k, cfg)
     tk = -(-n // block_k)
     topk, bottomk = sla_block_counts(0.25, 0.25, tk)
     assert selection.indices.dtype == torch.int32 and selection.indices.shape[-1] == topk
@@ -130,8 +140,8 @@ def test_selection_of_fp32_and_bf16_router_is_fp32():
     blocks as the fp32 copy of those bf16 values."""
     cfg = Config.from_dict(sla_config(block_size=8, topk_ratio=0.1))
     q, k, _ = leaf_qkv(1, 2, 2, 512, 64, dtype=torch.bfloat16)
-    got = sla_method.select(q, k, cfg).indices
-    want = sla_method.select(q.float(), k.float(), cfg).indices
+    got = sla_select(q, k, cfg).indices
+    want = sla_select(q.float(), k.float(), cfg).indices
     assert torch.equal(got, want)
 
 
@@ -167,8 +177,7 @@ def test_fresh_module_is_exactly_the_sparse_branch(dtype, linear):
     module = flexsparse.SparseAttention(cfg, head_dim=16, num_heads=4, backend="torch")
     q, k, v = cast(leaf_qkv(2, 4, 2, 77, 16), dtype)
     out, lse = module(q, k, v, return_lse=True)
-    sparse, sparse_lse = torch_sparse.block_sparse_attention(q, k, v, sla_method.select(q, k, module.config),
-                                                             16 ** -0.5)
+    sparse, sparse_lse = block_naive.block_sparse_attention(q, k, v, sla_select(q, k, module.config), 16 ** -0.5)
     assert torch.equal(out, sparse) and torch.equal(lse, sparse_lse)
     assert set(dict(module.named_parameters())) == {"params.proj_weight", "params.proj_bias"}
     assert all(p.dtype == torch.float32 and not p.any() for p in module.parameters())
@@ -179,7 +188,7 @@ def test_masked_and_full_differ_once_proj_is_nonzero():
     outs = {}
     for linear in ("masked", "full"):
         cfg = sla_config(block_size=8, topk_ratio=0.25, linear=linear)
-        zero = {name: p.double() for name, p in sla_method.init_params(Config.from_dict(cfg), 8, 2, None).items()}
+        zero = {name: p.double() for name, p in SLA.init_params(Config.from_dict(cfg), 8, 2, None).items()}
         outs[linear, "zero"] = flexsparse.attention(q, k, v, cfg, backend="torch", params=zero)
         outs[linear, "proj"] = flexsparse.attention(q, k, v, cfg, backend="torch", params=params_for(cfg, 8))
     assert torch.equal(outs["masked", "zero"], outs["full", "zero"])
@@ -189,12 +198,12 @@ def test_masked_and_full_differ_once_proj_is_nonzero():
 def test_masked_linear_is_exactly_zero_when_every_block_is_skipped():
     cfg = Config.from_dict(sla_config(block_size=16, topk_ratio=0.5, negligible_ratio=0.5))
     q, k, v = leaf_qkv(1, 2, 1, 40, 8)                      # Tk = 3: 1 critical + 1 negligible ...
-    sel = sla_method.select(q, k, cfg)
+    sel = sla_select(q, k, cfg)
     assert sel.indices.shape[-1] + sel.excluded.shape[-1] == 2     # ... leaves one marginal block
-    assert torch_linear.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5).abs().min() > 0
+    assert linear_naive.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5).abs().min() > 0
     full = Config.from_dict(sla_config(block_size=32, topk_ratio=0.5, negligible_ratio=0.5))
-    sel = sla_method.select(q, k, full)                             # Tk = 2: nothing left
-    out = torch_linear.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5)
+    sel = sla_select(q, k, full)                                    # Tk = 2: nothing left
+    out = linear_naive.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5)
     assert torch.equal(out, torch.zeros_like(q))
 
 
@@ -202,8 +211,8 @@ def test_masked_linear_equals_block_sums_over_marginal_blocks():
     """Independent check of 'global minus skipped': phi(Q_i) sum_marginal h_j / (eps + phi(Q_i) sum_marginal z_j)."""
     cfg = Config.from_dict(sla_config(block_q=4, block_k=8, topk_ratio=0.3, negligible_ratio=0.25))
     q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 30, 8))
-    sel = sla_method.select(q, k, cfg)
-    got = torch_linear.masked_linear_attention(q, k, v, sel, feature_map="elu", eps=1e-5)
+    sel = sla_select(q, k, cfg)
+    got = linear_naive.masked_linear_attention(q, k, v, sel, feature_map="elu", eps=1e-5)
     phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
     want = torch.empty_like(q)
     for h in range(2):
@@ -220,7 +229,7 @@ def test_long_sequence_has_no_quadratic_memory():
     """N = 131072: an N x N fp32 tensor would need 68 GB; the torch backend is O(N * K * block)."""
     cfg = sla_config(block_size=64, topk_ratio=0.002, negligible_ratio=0.002)
     q, k, v = (x.detach().float() for x in leaf_qkv(1, 1, 1, 131072, 8))
-    params = {name: p for name, p in sla_method.init_params(Config.from_dict(cfg), 8, 1, None).items()}
+    params = {name: p for name, p in SLA.init_params(Config.from_dict(cfg), 8, 1, None).items()}
     params["proj_weight"] = torch.eye(8)
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
@@ -269,7 +278,7 @@ def test_lse_is_natural_log_of_the_sparse_branch():
     cfg = Config.from_dict(sla_config(block_size=4, topk_ratio=0.5))
     q, k, v = (x.detach() for x in leaf_qkv(1, 1, 1, 12, 8))
     _, lse = flexsparse.attention(q, k, v, cfg, backend="torch", return_lse=True, params=params_for(cfg.to_dict(), 8))
-    sel = sla_method.select(q, k, cfg)
+    sel = sla_select(q, k, cfg)
     for i in range(12):
         keys = [t for t in range(12) if t // 4 in sel.indices[0, 0, i // 4].tolist()]
         want = torch.logsumexp(q[0, 0, i] @ k[0, 0, keys].T / math.sqrt(8), dim=0)
@@ -283,10 +292,10 @@ def test_dense_block_form_of_the_masked_linear_branch_matches_the_gather_form():
     for negligible in (0.0, 0.2):
         cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3,
                                            "negligible_ratio": negligible})
-        selection = sla_method.select(q, k, cfg)
+        selection = sla_select(q, k, cfg)
         for fmap in ("softmax", "elu", "relu"):
-            a = torch_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
-            b = torch_linear.masked_linear_attention_dense_blocks(q, k, v, selection, feature_map=fmap, eps=1e-5)
+            a = linear_naive.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+            b = flex_backend.masked_linear_attention_dense_blocks(q, k, v, selection, feature_map=fmap, eps=1e-5)
             assert rel_err(b, a) < 1e-10
 
 
@@ -297,11 +306,11 @@ def test_dense_block_form_in_bf16_is_close_to_fp64_with_gradients():
 
     q, k, v = qkv(heads=4, kv_heads=2, n=333, d=16)
     cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3})
-    selection = sla_method.select(q, k, cfg)
+    selection = sla_select(q, k, cfg)
     grad = torch.randn_like(q)
     results = []
-    for dtype, form in ((torch.float64, torch_linear.masked_linear_attention),
-                        (torch.bfloat16, torch_linear.masked_linear_attention_dense_blocks)):
+    for dtype, form in ((torch.float64, linear_naive.masked_linear_attention),
+                        (torch.bfloat16, flex_backend.masked_linear_attention_dense_blocks)):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         out = form(*leaves, selection, feature_map="softmax", eps=1e-5)
         assert out.dtype == dtype
@@ -319,12 +328,12 @@ def test_dense_block_form_compiles_without_graph_breaks():
     q, k, v = qkv(heads=4, kv_heads=2, n=333, d=16, dtype=torch.float32)
     cfg = flexsparse.Config.from_dict({"method": "sla", "block_q": 16, "block_k": 32, "topk_ratio": 0.3,
                                        "negligible_ratio": 0.1})
-    selection = sla_method.select(q, k, cfg)
-    args = (torch_linear.skipped_blocks(selection), selection.num_k_blocks, 16, 32, "softmax", 1e-5)
-    compiled = torch.compile(torch_linear._keep_weighted_linear, dynamic=False, fullgraph=True)
+    selection = sla_select(q, k, cfg)
+    args = (linear_naive.skipped_blocks(selection), selection.num_k_blocks, 16, 32, "softmax", 1e-5)
+    compiled = torch.compile(linear_naive.keep_weighted_linear, dynamic=False, fullgraph=True)
     grad = torch.randn_like(q)
     results = []
-    for fn in (compiled, torch_linear._keep_weighted_linear):
+    for fn in (compiled, linear_naive.keep_weighted_linear):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         out = fn(*leaves, *args)
         out.backward(grad)
@@ -345,19 +354,19 @@ def test_gpu_compiled_dense_block_form_matches_eager_and_does_not_recompile_per_
     for step in range(2):
         cfg = flexsparse.Config.from_dict({"method": "sla", "block_size": 64, "topk_ratio": 0.25,
                                            "negligible_ratio": 0.1})
-        selection = sla_method.select(q + step * torch.randn_like(q), k, cfg)
+        selection = sla_select(q + step * torch.randn_like(q), k, cfg)
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         results = []
         for precision, run_form in ((torch.float64, "gather"), (dtype, "compiled"), (dtype, "eager")):
             leaves = [x.detach().to(precision).requires_grad_() for x in (q, k, v)]
             if run_form == "gather":
-                out = torch_linear.masked_linear_attention(*leaves, selection, feature_map="softmax", eps=1e-5)
+                out = linear_naive.masked_linear_attention(*leaves, selection, feature_map="softmax", eps=1e-5)
             elif run_form == "compiled":
-                out = torch_linear.masked_linear_attention_dense_blocks(*leaves, selection, feature_map="softmax",
-                                                                        eps=1e-5)
+                out = flex_backend.masked_linear_attention_dense_blocks(*leaves, selection,
+                                                                        feature_map="softmax", eps=1e-5)
             else:
-                out = torch_linear._keep_weighted_linear(*leaves, torch_linear.skipped_blocks(selection),
-                                                         selection.num_k_blocks, 64, 64, "softmax", 1e-5)
+                out = linear_naive.keep_weighted_linear(*leaves, linear_naive.skipped_blocks(selection),
+                                                        selection.num_k_blocks, 64, 64, "softmax", 1e-5)
             out.backward(grad.to(precision))
             results.append([out.double(), *(x.grad.double() for x in leaves)])
         if step == 1:

@@ -9,12 +9,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexsparse
-from flexsparse.backends import torch_linear, torch_soft, torch_sparse
+from flexsparse.backends import BACKENDS
 from flexsparse.config import Config
-from flexsparse.masks import SoftBlockMask, key_mean, smoothed_keys, soft_topk, soft_topk_logits
-from flexsparse.methods import sla as sla_method
-from flexsparse.methods import sla2 as sla2_method
-from flexsparse.reference import block_select_bruteforce, expand_kv_heads, span_means
+from flexsparse.masks import SoftBlockMask
+from flexsparse.methods import METHODS
+from flexsparse.methods.dense import block_select_bruteforce, expand_kv_heads, span_means
+from flexsparse.methods.sla2 import router as sla2_router
+from flexsparse.methods.sla2.softtopk import soft_topk, soft_topk_logits
+from flexsparse.triton.block_sparse import naive as block_naive
+from flexsparse.triton.linear import naive as linear_naive
+from flexsparse.triton.pooling.naive import key_mean
 
 from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
 from helpers import rel_err
@@ -24,8 +28,21 @@ def sla2_config(**kw):
     return {"method": "sla2", **kw}
 
 
+SLA2 = METHODS["sla2"]
+TORCH = BACKENDS["torch"]
+
+
+def route(q, k, cfg, proj_q, proj_k):
+    """SLA2's router on the torch backend: the hard selection or the SoftTop-k mask."""
+    return sla2_router.route(q, k, cfg, TORCH, proj_q, proj_k)
+
+
+def smoothed_keys(k, k_mean):
+    return sla2_router.smoothed_keys(k, k_mean, TORCH)
+
+
 def params_for(cfg, d, heads, n, dtype=torch.float64, noise=0.3):
-    return leaf_params(sla2_method.init_params(Config.from_dict(cfg), d, heads, n), dtype, noise)
+    return leaf_params(SLA2.init_params(Config.from_dict(cfg), d, heads, n), dtype, noise)
 
 
 # ----------------------------------------------------------------------------------- SoftTop-k
@@ -80,14 +97,14 @@ def test_softtopk_bad_arguments_raise(count, tau):
 
 def test_init_params():
     cfg = Config.from_dict(sla2_config(block_q=16, alpha_init=0.7))
-    p = sla2_method.init_params(cfg, 8, 4, 33)
+    p = SLA2.init_params(cfg, 8, 4, 33)
     assert set(p) == {"proj_q", "proj_k", "alpha_logit"}
     assert torch.equal(p["proj_q"], torch.eye(8)) and torch.equal(p["proj_k"], torch.eye(8))
     assert p["alpha_logit"].shape == (1, 3) and p["alpha_logit"].dtype == torch.float32
     torch.testing.assert_close(torch.sigmoid(p["alpha_logit"]), torch.full((1, 3), 0.7))
-    assert sla2_method.init_params(cfg.replace(alpha_per_head=True), 8, 4, 33)["alpha_logit"].shape == (4, 3)
+    assert SLA2.init_params(cfg.replace(alpha_per_head=True), 8, 4, 33)["alpha_logit"].shape == (4, 3)
     with pytest.raises(ValueError, match="seq_len"):
-        sla2_method.init_params(cfg, 8, 4, None)
+        SLA2.init_params(cfg, 8, 4, None)
     with pytest.raises(ValueError, match="seq_len"):
         flexsparse.SparseAttention(cfg, head_dim=8, num_heads=4)
 
@@ -98,10 +115,10 @@ def test_untrained_router_equals_sla_selection(smooth_k, n, block_q, block_k, he
     cfg = Config.from_dict(sla2_config(block_q=block_q, block_k=block_k, topk_ratio=0.2, smooth_k=smooth_k))
     q, k, _ = (x.detach() for x in leaf_qkv(2, heads[0], heads[1], n, 8))
     k = k + 3 * torch.randn(8, dtype=k.dtype)
-    p = sla2_method.init_params(cfg, 8, heads[0], n)
-    got = sla2_method.route(q, k, cfg, p["proj_q"], p["proj_k"])
-    want = sla_method.select(q, k, Config.from_dict({"method": "sla", "block_q": block_q, "block_k": block_k,
-                                                      "topk_ratio": 0.2}))
+    p = SLA2.init_params(cfg, 8, heads[0], n)
+    got = route(q, k, cfg, p["proj_q"], p["proj_k"])
+    want = METHODS["sla"].select(q, k, None, Config.from_dict({"method": "sla", "block_q": block_q,
+                                                                "block_k": block_k, "topk_ratio": 0.2}), TORCH, {})
     assert torch.equal(got.indices, want.indices)
 
 
@@ -112,7 +129,7 @@ def test_trained_hard_router_matches_bruteforce(smooth_k):
     k = k + 2 * torch.randn(8, dtype=k.dtype)
     p = params_for(cfg.to_dict(), 8, 4, 70, noise=0.5)
     wq, wk = p["proj_q"].detach(), p["proj_k"].detach()
-    got = sla2_method.route(q, k, cfg, wq, wk)
+    got = route(q, k, cfg, wq, wk)
     want = block_select_bruteforce(q @ wq.T, k @ wk.T, 4, 8, 4, smooth_k=True)
     assert torch.equal(got.indices, want.indices)
 
@@ -149,7 +166,7 @@ def test_backward_makes_no_zero_block_sum_gradient(router, monkeypatch):
     """The smoothing mean takes no gradient, so with the hard router (no gradient to the router either) the
     backward runs no block-sum gradient pass, which would broadcast zeros over k and add them to its gradient;
     the soft router's gradient to the pooled keys does run one."""
-    from flexsparse.masks import pooling
+    from flexsparse.triton.pooling import naive as pooling
     calls = []
     backward = pooling._BlockSums.backward
 
@@ -174,7 +191,7 @@ def test_soft_router_mask(router_softmax):
                                        router_softmax=router_softmax))
     q, k, _ = (x.detach() for x in leaf_qkv(1, 2, 1, 70, 8))
     p = params_for(cfg.to_dict(), 8, 2, 70)
-    mask = sla2_method.route(q, k, cfg, p["proj_q"], p["proj_k"])
+    mask = route(q, k, cfg, p["proj_q"], p["proj_k"])
     assert isinstance(mask, SoftBlockMask) and mask.logits.requires_grad
     kk = expand_kv_heads(k, 2)
     scores = (span_means(q, 8) @ p["proj_q"].T) @ (span_means(kk - kk.mean(2, keepdim=True), 4) @ p["proj_k"].T).mT
@@ -242,7 +259,7 @@ def test_fp32_matches_fp64_reference(router):
         if router == "soft":
             return ()
         proj = [params[name].detach().to(q.dtype) for name in ("proj_q", "proj_k")]
-        return (sla2_method.route(q.detach(), k.detach(), config, *proj).indices,)
+        return (route(q.detach(), k.detach(), config, *proj).indices,)
 
     q, k, v = qkv_selecting_alike(select, 2, 4, 2, 203, 16)
     got = run(q, k, v, cfg, params, "torch")                         # reference: the same values in fp64
@@ -272,7 +289,7 @@ def test_soft_branch_chunks_equal_one_pass():
     log_w = torch.nn.functional.logsigmoid(torch.randn(1, 4, 7, 13, dtype=torch.float64)).requires_grad_()
     results = []
     for max_elements in (1 << 26, 1):
-        out, lse = torch_soft.soft_block_attention(q, k, v, log_w, 8, 4, 0.3, max_elements=max_elements)
+        out, lse = block_naive.soft_block_attention(q, k, v, log_w, 8, 4, 0.3, max_elements=max_elements)
         grads = torch.autograd.grad((out * out).sum() + lse.sum(), (q, k, v, log_w))
         results.append((out, lse, grads))
     assert_all_close(results[0], results[1], rtol=1e-12, atol=1e-12)
@@ -284,21 +301,21 @@ def test_soft_branch_chunks_equal_one_pass():
 def test_alpha_mixes_the_two_branches(logit, branch):
     cfg = Config.from_dict(sla2_config(block_q=8, block_k=4, topk_ratio=0.25, smooth_k="router"))
     q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 40, 8))
-    params = {name: p.double() for name, p in sla2_method.init_params(cfg, 8, 2, 40).items()}
+    params = {name: p.double() for name, p in SLA2.init_params(cfg, 8, 2, 40).items()}
     params["alpha_logit"] = torch.full_like(params["alpha_logit"], logit)
     out = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
-    sel = sla2_method.route(q, k, cfg, params["proj_q"], params["proj_k"])
+    sel = route(q, k, cfg, params["proj_q"], params["proj_k"])
     if branch == "sparse":
-        want, _ = torch_sparse.block_sparse_attention(q, k, v, sel, 8 ** -0.5)
+        want, _ = block_naive.block_sparse_attention(q, k, v, sel, 8 ** -0.5)
     else:
-        want = torch_linear.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5)
+        want = linear_naive.masked_linear_attention(q, k, v, sel, feature_map="softmax", eps=1e-5)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 def test_alpha_is_per_query_block():
     cfg = sla2_config(block_q=8, block_k=4, topk_ratio=0.25)
     q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 20, 8))
-    params = {name: p.double() for name, p in sla2_method.init_params(Config.from_dict(cfg), 8, 2, 20).items()}
+    params = {name: p.double() for name, p in SLA2.init_params(Config.from_dict(cfg), 8, 2, 20).items()}
     base = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
     params["alpha_logit"] = params["alpha_logit"].clone()
     params["alpha_logit"][0, 1] = -3.0                              # only tokens 8..15 change
@@ -355,7 +372,7 @@ def test_functional_call_needs_params():
 ])
 def test_bad_params_raise(change, match):
     q, k, v = leaf_qkv(1, 2, 1, 16, 8)
-    params = {**sla2_method.init_params(Config.from_dict(sla2_config(block_size=4)), 8, 2, 16), **change}
+    params = {**SLA2.init_params(Config.from_dict(sla2_config(block_size=4)), 8, 2, 16), **change}
     with pytest.raises(ValueError, match=match):
         flexsparse.attention(q, k, v, sla2_config(block_size=4), params=params)
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,11 +67,14 @@ def test_bad_backend_and_scale():
 
 def test_unavailable_backend_is_a_clear_error():
     q, k, v = qkv(n=32, d=8)
-    for backend in ("flex", "triton"):
-        supported = fs.methods.method_module("full").BACKENDS
-        if backend not in supported:
-            with pytest.raises(ValueError, match=f"backend '{backend}' is not available for method 'full'"):
-                fs.attention(q, k, v, {"method": "full"}, backend=backend)
+    refused = []
+    for name, method in fs.METHODS.items():
+        for backend in fs.backends.NAMES:
+            if backend not in (*method.backends, "auto"):
+                with pytest.raises(ValueError, match=f"backend '{backend}' is not available for method '{name}'"):
+                    fs.attention(q, k, v, method.example, backend=backend)
+                refused.append((name, backend))
+    assert refused, "some method lacks some backend"
 
 
 def test_module_checks_heads_and_dim():
@@ -82,7 +87,8 @@ def test_module_checks_heads_and_dim():
         attn(q, k, v)
 
 
-@pytest.mark.parametrize("method", ["full", "vsa"])
+@pytest.mark.parametrize("method", [name for name, m in fs.METHODS.items()
+                                    if "quant" not in {f.name for f in dataclasses.fields(m.config)}])
 def test_quant_is_refused_by_methods_without_it(method):
     with pytest.raises(ValueError, match=f"'quant'.*not supported by method '{method}'"):
         fs.attention(*qkv(n=64, d=8), {"method": method, "quant": {"dtype": "fp8_e4m3"}}, backend="torch")

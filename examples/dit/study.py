@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+import flexsparse
 from flexsparse import Config
 from flexsparse.bench import attempt
-from flexsparse.methods import MODULES
 
 from . import train
 from .model import DiT
@@ -54,6 +54,19 @@ TINY_METHODS = {
     "sla2": {"method": "sla2", "block_q": 8, "block_k": 4, "topk_ratio": 0.05},
     "llsa": {"method": "llsa", "block_size": 4, "topk": 8},
 }
+
+
+def _add_unlisted_methods() -> None:
+    """A registered method (``flexsparse.METHODS``) that no entry above runs joins under its own name with its
+    example config (with --tiny, 4-token blocks as the others)."""
+    for name, method in flexsparse.METHODS.items():
+        if all(attn["method"] != name for attn in METHODS.values()):
+            METHODS[name] = dict(method.example)
+            TINY_METHODS[name] = {key: 4 if key in ("block_size", "block_q", "block_k") else value
+                                  for key, value in method.example.items()}
+
+
+_add_unlisted_methods()
 TINY = {"image_size": 16, "throughput_sizes": [16, 32], "throughput_tokens": 1024, "throughput_steps": 2,
         "steps": 2, "batch_size": 2}
 TINY_ARCH = {"hidden": 32, "heads": 2, "depth": 2}
@@ -210,7 +223,7 @@ def main(argv=None) -> dict:
         attn = with_quant(table[name], args.attn_quant)
         result = results.setdefault(name, {})
         result["attn"] = attn
-        if attn["method"] not in MODULES:
+        if attn["method"] not in flexsparse.METHODS:
             result["error"] = f"method {attn['method']!r} is not in this flexsparse build"
             print(f"[{name}] skipped: {result['error']}")
             continue
