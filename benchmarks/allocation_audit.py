@@ -1,10 +1,13 @@
 """Which aten ops allocate a tensor as large as q on the ``triton`` backend's eager path (CPU, no GPU needed).
+Not a ``python -m flexsparse`` case: the runner times calls, this counts the allocations around the kernels.
 
 Runs every method's forward (no grad) and forward+backward on CPU tensors with ``TRITON_INTERPRET=1`` and every
 Triton launch stubbed out (so only the PyTorch glue around the kernels runs), and counts the ops that allocate a
-new storage of at least half of q's bytes (views and in-place writes into it are not counted again). Kernel outputs (``empty_like``/``new_empty``) are expected;
-anything else (copies, casts, adds, zero fills) is a full pass over memory on the GPU that a kernel could fuse.
-Paths that branch on the device (CUDA-only kernels such as SLA2's key centring) show their CPU fallbacks here.
+new storage of at least half of q's bytes (views and in-place writes into it are not counted again). Kernel
+outputs (``empty_like``/``new_empty``) are expected; anything else (copies, casts, adds, zero fills) is a full pass
+over memory on the GPU that a kernel could fuse. The block selection's kernels run stubbed too; the index tables
+the later steps read come from the PyTorch selection, outside the count (an unwritten table would fail their
+indexing).
 
     python benchmarks/allocation_audit.py [--n 2048] [--methods topk vsa llsa sla sla2]
 """
@@ -19,10 +22,11 @@ import pkgutil
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 import flexsparse  # noqa: E402
-import flexsparse.triton as kernels  # noqa: E402
+import flexsparse.triton as families  # noqa: E402
+from flexsparse.backends import BACKENDS, Backend  # noqa: E402
 
 CONFIGS = {"topk": {"method": "topk", "block_size": 64, "topk": 4},
            "vsa": {"method": "vsa", "block_size": 64, "topk": 4},
@@ -32,17 +36,36 @@ CONFIGS = {"topk": {"method": "topk", "block_size": 64, "topk": 4},
 
 
 class _NoLaunch:
-    """Stands in for ``common.launcher(kernel)``: ``launcher(kernel)[grid](...)`` does nothing."""
+    """Stands in for ``_runtime.registry.launcher(kernel)``: ``launcher(kernel)[grid](...)`` does nothing."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
 
 def stub_launches() -> None:
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"flexsparse.triton.{info.name}")
-        if hasattr(module, "launcher"):
-            module.launcher = lambda kernel: _NoLaunch()
+    """Every kernel module of the op families (``flexsparse.triton.<family>.<module>``) launches nothing; the triton
+    backend's block selection returns the PyTorch one after its (stubbed) kernels."""
+    for family in pkgutil.iter_modules(families.__path__):
+        if not family.ispkg or family.name.startswith("_"):
+            continue
+        package = importlib.import_module(f"flexsparse.triton.{family.name}")
+        for info in pkgutil.iter_modules(package.__path__):
+            try:
+                module = importlib.import_module(f"{package.__name__}.{info.name}")
+            except (ImportError, AttributeError):  # a Gluon module this triton cannot import (block_sparse.gluon)
+                if info.name.endswith("_ws"):
+                    continue
+                raise
+            if hasattr(module, "launcher"):
+                module.launcher = lambda kernel: _NoLaunch()
+    triton = BACKENDS["triton"]
+
+    def block_topk(q_pooled, k_pooled, topk, bottomk=0, _kernels=triton.block_topk):
+        _kernels(q_pooled, k_pooled, topk, bottomk)
+        with _disable_current_modes():
+            return Backend.block_topk(triton, q_pooled, k_pooled, topk, bottomk)
+
+    triton.block_topk = block_topk
 
 
 class LargeAllocations(TorchDispatchMode):

@@ -1,6 +1,7 @@
 """LLSA on the ``torch`` backend: forward and forward+backward time and peak memory against N.
 
-Each N runs in a fresh process so that its peak resident memory is its own.
+Not a ``python -m flexsparse`` case: the runner times on one process's device, this needs the peak resident memory
+of each N, so each N runs in a fresh process (``tests/test_scaling.py`` bounds it at N = 262144).
 Usage: ``python benchmarks/cpu_llsa_scaling.py [--sizes 4096 16384 ...] [--device cpu]``
 """
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """The accuracy floor of e4m3 attention on iid random inputs, independent of any kernel (CPU, a few seconds).
+Not a ``python -m flexsparse`` case: no method or backend runs, only the rounding of each operand is measured.
 
-Issue #6 asks the FP8 forward of the sparse branch for a relative L2 error <= 3 % against bf16 on random inputs,
-with P (per row, static scale) and V (per channel) in e4m3. This script computes one query row set of the
-sparse branch's shape (3264 keys per query: 51 blocks of 64, the issue's 95 % at N = 65536) exactly in fp64 and
-rounds one operand at a time onto the e4m3 grid with the recipe's scales (saturating casts), everything else
-exact: the error that rounding alone leaves, whatever kernel computes the rest.
+How close can the FP8 forward of the sparse branch come to bf16 on random inputs (a target of <= 3 % relative
+L2), with P (per row, static scale) and V (per channel) in e4m3? This script computes one query row set of the
+sparse branch's shape (3264 keys per query: 51 blocks of 64, 95 % sparsity at N = 65536) exactly in fp64 and rounds
+one operand at a time onto the e4m3 grid with the recipe's scales (saturating casts), everything else exact: the
+error that rounding alone leaves, whatever kernel computes the rest.
 
     python benchmarks/fp8_error_floor.py [--queries 2048] [--keys 3264] [--d 64] [--seeds 3]
 
 Result (2026-11-26, torch 2.13 CPU, seeds 0-2): P alone 2.6-2.7 %, V alone 2.5-2.8 %, P and V 3.6-3.9 %, Q and K
-(one scale each) 4.0-4.2 %: with e4m3 P and V the output of an iid random input cannot come within 3 % (one
-rounding to 3 mantissa bits is ~2.6 % RMS, and a sum over many incoherent keys keeps it).
+(one scale each) 4.0-4.2 %: with e4m3 P and V the output of an iid random input cannot come within 3 % (one rounding
+to 3 mantissa bits is ~2.6 % RMS, and a sum over many incoherent keys keeps it).
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""Compile the Gluon forward kernels (``block_fwd_ws``, ``sparse_linear_ws``) for sm_90 without a GPU and report
-registers, spills, shared memory and the matrix instructions, as ``triton_sm90_report.py`` does for the Triton
-kernels.
+"""Compile the Gluon forward kernels (``block_sparse/fwd_ws.py``, ``linear/mix_ws.py``) for sm_90 without a GPU and
+report registers, spills, shared memory and the matrix instructions, as ``triton_sm90_report.py`` does for the
+Triton kernels. Not a ``python -m flexsparse`` case: the runner times calls on a device, this reads the compiled
+code of each kernel, offline.
 
 Gluon kernels compile only through their launcher, so a stand-in driver names an sm_90 target and
 ``warmup`` compiles without launching (CPU tensors stand in for the arguments). Needs a triton whose Gluon API the
-package uses (3.6 as on the GPU machine: ``pip install triton==3.6.0`` in a side venv).
+package uses (3.6 as on the GPU machine: ``pip install triton==3.6.0`` in a side venv); a kernel that does not
+compile under this triton is reported as FAILED and the others go on.
 
     python benchmarks/gluon_sm90_report.py [--d 64 128] [--sass NAME]
 """
@@ -40,7 +42,7 @@ def _descriptors(d: int, bm: int, rows: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flexsparse.triton.sparse_linear_ws import square_layout
+    from flexsparse.triton.linear.mix_ws import square_layout
     x = torch.zeros(rows, d, dtype=torch.bfloat16)
     tile = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
     q = TensorDescriptor.from_tensor(x, [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d], gl.bfloat16))
@@ -56,7 +58,8 @@ def main() -> None:
     parser.add_argument("--sass", default="")
     args = parser.parse_args()
     driver.set_active(_Sm90Driver())
-    from flexsparse.triton import block_fwd_ws, sparse_linear_ws
+    from flexsparse.triton.block_sparse import fwd_ws as block_fwd_ws
+    from flexsparse.triton.linear import mix_ws
     ints = torch.zeros(64, dtype=torch.int32)
     flt = torch.zeros(64)
     low = torch.zeros(64, dtype=torch.bfloat16)
@@ -65,15 +68,18 @@ def main() -> None:
         q, kv, hw = _descriptors(d, tiles["bm"], 256)
         launch = dict(BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE2=0.18, STAGES=tiles["stages"],
                       num_warps=tiles["bm"] // 16, maxnreg=tiles["maxnreg"], grid=(1, 1))
-        name = f"ws fwd D={d}"
-        kernel = block_fwd_ws._ws_fwd_kernel.warmup(q, kv, kv, low, flt, ints, 2, 1, 256, 256, 4, 2, **launch)
-        report(name, kernel, args.sass == name)
-        for mix, store in ((1, False), (1, True), (2, False), (2, True)):
-            name = f"ws mix D={d} MIX={mix} STORE={int(store)}"
-            kernel = sparse_linear_ws._ws_mix_kernel.warmup(
-                q, kv, kv, hw, hw, low, flt, low, low, flt, low, low, ints, 2, 1, 256, 256, 4, 2, 0, EPS=1e-5,
-                FMAP=0, MIX=mix, STORE=store, **launch)
-            report(name, kernel, args.sass == name)
+        jobs = [(f"ws fwd D={d}", lambda: block_fwd_ws._ws_fwd_kernel.warmup(q, kv, kv, low, flt, ints, 2, 1, 256,
+                                                                              256, 4, 2, **launch))]
+        jobs += [(f"ws mix D={d} MIX={mix} STORE={int(store)}",
+                  lambda mix=mix, store=store: mix_ws._ws_mix_kernel.warmup(
+                      q, kv, kv, hw, hw, low, flt, low, low, flt, low, low, ints, 2, 1, 256, 256, 4, 2, 0, EPS=1e-5,
+                      FMAP=0, MIX=mix, STORE=store, **launch))
+                 for mix, store in ((1, False), (1, True), (2, False), (2, True))]
+        for name, compile_kernel in jobs:
+            try:
+                report(name, compile_kernel(), args.sass == name)
+            except Exception as exc:  # report and go on: this is a diagnostic tool
+                print(f"{name:34s} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

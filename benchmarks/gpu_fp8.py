@@ -1,4 +1,6 @@
 """FP8 QAT benchmark: speed and error of the quantized sparse forward against the bf16 one, on one backend.
+Not a ``python -m flexsparse`` case: it times the sparse branch alone on a fixed selection next to the whole method
+and measures each variant's error against the bf16 output, on random or recorded q, k, v.
 
     python benchmarks/gpu_fp8.py --backend torch --out fp8_torch.json       # B=2 H=8 D=64 N=65536, sla 95 %
     python benchmarks/gpu_fp8.py --backend flex                             # only p="none" variants run
@@ -14,7 +16,7 @@ For each variant (``bf16``: no quant; then the ``quant`` configs of ``VARIANTS``
                 unquantized branch whose gradients the straight-through estimator returns);
 ``rel_l2_branch`` / ``rel_l2_method``  ||o - o_bf16|| / ||o_bf16|| of the same backend's outputs;
 ``speedup_*``   bf16 time / variant time.
-A variant the backend cannot run is recorded with the reason (``flexsparse.quant.unsupported_reason``);
+A variant the backend cannot run is recorded with the reason (the backend's ``quant_unsupported``);
 an out-of-memory or other failure of one measurement is recorded and the others go on. Times are
 ``triton.testing.do_bench`` medians (20th/80th percentiles) in ms on CUDA, perf_counter medians on CPU.
 """
@@ -26,11 +28,11 @@ import json
 import torch
 
 import flexsparse
+from flexsparse.backends import BACKENDS
 from flexsparse.bench import attempt, bench_report, offset_qkv, rel_l2, time_spread
 from flexsparse.config import Config
-from flexsparse.methods import method_module
-from flexsparse.methods._blocks import block_attention, select_blocks
-from flexsparse.quant import unsupported_reason
+from flexsparse.methods import METHODS
+from flexsparse.methods.dense import block_sparse_dense
 
 VARIANTS = {
     "bf16": None,
@@ -38,7 +40,7 @@ VARIANTS = {
     "fp8_int8qk": {"qk_dtype": "int8"},             # SageAttention2: int8 Q, K; e4m3 P, V
     "fp8_p_none": {"p": "none"},                    # Q, K, V quantized, P not (what flex can run)
 }
-METHODS = {
+CONFIGS = {
     "sla": lambda ratio: {"method": "sla", "block_size": 64, "topk_ratio": ratio},
     "sla2": lambda ratio: {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": ratio},
     "topk": lambda ratio: {"method": "topk", "block_size": 64, "topk": None},
@@ -48,7 +50,7 @@ METHODS = {
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="torch", choices=["torch", "flex", "triton", "reference"])
-    p.add_argument("--method", default="sla", choices=sorted(METHODS))
+    p.add_argument("--method", default="sla", choices=sorted(CONFIGS))
     p.add_argument("--topk-ratio", type=float, default=0.05, help="kept fraction of key blocks (0.05: 95 %% sparse)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
@@ -71,42 +73,39 @@ def inputs(args, device: torch.device) -> list[torch.Tensor]:
 
 
 def method_config(args, n: int, quant) -> dict:
-    cfg = METHODS[args.method](args.topk_ratio)
+    cfg = CONFIGS[args.method](args.topk_ratio)
     if args.method == "topk":
         cfg["topk"] = max(1, int(args.topk_ratio * -(-n // 64)))
     return cfg if quant is None else {**cfg, "quant": quant}
 
 
-def branch_selection(args, q, k, module):
-    """The method's block selection (hard), computed once for the branch timings."""
-    cfg = module.config
+def branch_selection(args, q, k, v, module):
+    """The method's block selection (hard) on the chosen backend and the keys its sparse branch attends (SLA2's
+    smoothed keys), computed once for the branch timings."""
+    method, cfg, backend = METHODS[args.method], module.config, BACKENDS[args.backend]
     with torch.no_grad():
-        if args.method == "sla":
-            return method_module("sla").select(q, k, cfg)
-        if args.method == "sla2":
-            params = module.params
-            keys = k.float() - k.float().mean(2, keepdim=True) if cfg.smooth_k == "all" else k
-            return method_module("sla2").route(q, keys, cfg, params["proj_q"], params["proj_k"])
-        return select_blocks(q, k, cfg)
+        params = method.check_params(cfg, q, dict(module.params.items()))
+        selection = method.select(q, k, v, cfg, backend, params)
+    return (selection.mask, selection.keys) if args.method == "sla2" else (selection, k)
 
 
 def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict:
     n, d, heads = q.shape[2], q.shape[3], q.shape[1]
     cfg = method_config(args, n, quant)
     result = {"config": cfg}
-    reason = unsupported_reason(args.backend, Config.from_dict(cfg).quant, args.method)
+    reason = BACKENDS[args.backend].quant_unsupported(Config.from_dict(cfg).quant, METHODS[args.method].sparse_branch)
     if reason is not None:
         result["skipped"] = reason
         return result
     module = flexsparse.SparseAttention(cfg, head_dim=d, num_heads=heads, seq_len=n, backend=args.backend).to(device)
-    selection = branch_selection(args, q, k, module)
+    selection, branch_k = branch_selection(args, q, k, v, module)
     scale = d ** -0.5
-    branch_k = k.float() - k.float().mean(2, keepdim=True) if args.method == "sla2" else k
+    # the reference backend's sparse branch is the dense spec; the others' their block-sparse attention
+    attend = block_sparse_dense if args.backend == "reference" else BACKENDS[args.backend].block_sparse_attention
 
     def branch():
         with torch.no_grad():
-            return block_attention(q, branch_k.to(q.dtype), v, selection, scale, backend=args.backend,
-                                   quant=module.config.quant)[0]
+            return attend(q, branch_k.to(q.dtype), v, selection, scale, quant=module.config.quant)[0]
 
     def method():
         with torch.no_grad():

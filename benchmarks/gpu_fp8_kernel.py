@@ -1,4 +1,6 @@
-"""FP8 Triton forward (``block_fwd_fp8``) against the bf16 block-sparse forward (``block_fwd``) on one selection.
+"""FP8 Triton forward (``block_sparse.fwd_fp8``) against the bf16 block-sparse forward (``block_sparse.fwd``) on one
+selection. Not a ``python -m flexsparse`` case: it times the kernels and the FP8 pre-pass alone, below the ops, with
+tile sweeps of both kernels.
 
     python benchmarks/gpu_fp8_kernel.py --out fp8_kernel.json                  # B=2 H=8 N=65536, D=64 and 128
     python benchmarks/gpu_fp8_kernel.py --sweep --out fp8_kernel_sweep.json    # + tile configs of both kernels
@@ -7,9 +9,9 @@
 
 Selection: a random index table keeping ``--ratio`` (5 %) of the ``--block`` (64)-token key blocks of every
 query block, ascending (the kernels' work does not depend on which blocks). For each head dim:
-``bf16_ms``        ``block_fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
-``prepass_ms``     ``fp8_quant.quantize_qkv`` (K mean, Q and K per block, V per channel transposed);
-``fp8_kernel_ms``  ``block_fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
+``bf16_ms``        ``block_sparse.fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
+``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (K mean, Q and K per block, V per channel transposed);
+``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
 ``fp8_total_ms``   pre-pass + kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
@@ -29,8 +31,9 @@ import torch
 
 from flexsparse.bench import attempt, bench_report, offset_qkv, rel_l2, structured_qkv, time_spread
 from flexsparse.masks import num_blocks
-from flexsparse.triton import block_fwd, block_fwd_fp8
-from flexsparse.triton.fp8_quant import quantize_qkv
+from flexsparse.triton.block_sparse import fwd as block_fwd
+from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
+from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
 SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only

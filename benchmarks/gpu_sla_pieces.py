@@ -1,24 +1,22 @@
 """GPU benchmark of two SLA / SLA2 pieces in Triton: the router's block top-K and the masked linear branch.
+Not a ``python -m flexsparse`` case: the runner times whole methods, this times these two steps and each of their
+kernels alone, with their strategies, tile choices and scratch sizes.
 
-``bench_block_topk`` times ``masks.block_topk`` on CUDA (the ``flexsparse::block_topk`` kernels) against the
-sorted PyTorch path (``masks.sorted_block_topk``), checks they agree, splits the time into its kernels (scores,
-selection) and, with ``--topk-sweep``, times tile choices (``FLEXSPARSE_TRITON_TILES`` kind ``block_topk``) and
-scratch sizes. ``bench_masked_linear`` times
-``triton_linear.masked_linear_attention`` forward (no grad) and forward+backward, its kernels alone (key-block
-states; forward and backward of both strategies, gather and dense block sums; the CSC; the gathered L2 -> SM
-bytes and GB/s), the ``torch``
-gather form (small N) and the ``flex`` dense-block form, next to the previous implementation's numbers
-(``--previous``, a JSON of this script from before the fused kernels: matching rows give ``previous_*``).
-do_bench medians in ms; bf16 inputs; fixed SLA selections (smoothed pooled router). Both functions return
-dicts, so other benchmark scripts can call them.
+``bench_block_topk`` times the triton backend's ``block_topk`` (the ``flexsparse::block_topk`` kernels) against the
+sorted PyTorch path (``flexsparse.triton.selection.naive.sorted_block_topk``), checks they agree, splits the time
+into its kernels (scores, selection) and, with ``--topk-sweep``, times tile choices (``FLEXSPARSE_TRITON_TILES``
+kind ``block_topk``) and scratch sizes. ``bench_masked_linear`` times the triton backend's
+``masked_linear_attention`` forward (no grad) and forward+backward, its kernels alone (key-block states; forward
+and backward of both strategies, gather and dense block sums; the CSC; the gathered L2 -> SM bytes and GB/s), the
+``torch`` gather form (small N) and the ``flex`` dense-block form, next to the numbers of an earlier run of this
+script (``--previous``, its JSON: matching rows give ``previous_*``). do_bench medians in ms; bf16 inputs; fixed SLA
+selections (smoothed pooled router). Both functions return dicts, so other benchmark scripts can call them.
 
     python benchmarks/gpu_sla_pieces.py [--out pieces.json] [--linear 65536:64:51:0,32760:128:25:0:16] [--topk ...]
-        [--topk-sweep]
+        [--topk-sweep] [--previous old_pieces.json]
 
 ``--linear`` entries are ``N:D:K:Kx[:H]`` (B=2, H=8 unless given, 64 x 64 blocks), ``--topk`` entries
-``Tq:Tk:D:K:Kb`` (B*H=16; block top-K recorded before the two-kernel design, H200, 2026-11-22:
-1024:1024:64:51:0 0.75 ms, 2048:2048:64:102:0 2.76 ms).
-``--tiles`` overrides the kernels' tiles (``FLEXSPARSE_TRITON_TILES``, kind
+``Tq:Tk:D:K:Kb`` (B*H=16). ``--tiles`` overrides the kernels' tiles (``FLEXSPARSE_TRITON_TILES``, kind
 ``linear``: ``'{"linear": {"TQ": 64, "stages": 2}}'``).
 """
 from __future__ import annotations
@@ -31,21 +29,30 @@ import os
 import torch
 from gpu_llsa import bench, kernel_times
 
-from flexsparse.backends import torch_linear, triton_linear
-from flexsparse.backends.torch_linear import skipped_blocks
-from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sorted_block_topk
-from flexsparse.triton import block_topk as topk_module
-from flexsparse.triton.csc import block_csc
-from flexsparse.triton.layout import pow2
-from flexsparse.triton.linear_bwd import linear_backward
-from flexsparse.triton.linear_fwd import DENSE_NEVER, dense, key_states, linear_forward, linear_tiles, state_dtype
+from flexsparse.backends import BACKENDS
+from flexsparse.backends.flex_backend import masked_linear_attention_dense_blocks
+from flexsparse.masks import BlockSelection
+from flexsparse.triton._runtime.sizes import pow2
+from flexsparse.triton.common.csc import block_csc
+from flexsparse.triton.linear import naive as linear_naive
+from flexsparse.triton.linear.bwd import linear_backward
+from flexsparse.triton.linear.fwd import DENSE_NEVER, dense, key_states, linear_forward, linear_tiles, state_dtype
+from flexsparse.triton.linear.naive import skipped_blocks
+from flexsparse.triton.selection import block_topk as topk_module
+from flexsparse.triton.selection.naive import sorted_block_topk
 
 B, H, BLOCK = 2, 8, 64
 DEVICE = "cuda"
+TRITON = BACKENDS["triton"]
+
+
+def block_topk(q_pooled, k_pooled, topk: int, bottomk: int = 0):
+    """The triton backend's block top-K (the ``flexsparse::block_topk`` kernels)."""
+    return TRITON.block_topk(q_pooled, k_pooled, topk, bottomk)
 
 
 def bench_block_topk(tq: int, tk: int, d: int, topk: int, bottomk: int, sweep: bool = False) -> dict:
-    """``masks.block_topk`` (kernels) vs ``sorted_block_topk`` at B=2, H=8 (pooled inputs, fp32)."""
+    """``block_topk`` (kernels) vs ``sorted_block_topk`` at B=2, H=8 (pooled inputs, fp32)."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     qp = torch.randn(B, H, tq, d, device=DEVICE, generator=gen)
     kp = torch.randn(B, H, tk, d, device=DEVICE, generator=gen)
@@ -89,7 +96,7 @@ def _sweep_block_topk(qp, kp, topk: int, bottomk: int, want) -> list[dict]:
 
 
 def _selection(q, k, topk: int, bottomk: int) -> BlockSelection:
-    q_bar, k_bar = pooled_qk(q, k, BLOCK, BLOCK, smooth_k=True)
+    q_bar, k_bar = TRITON.router_inputs(q, k, BLOCK, BLOCK)
     top, bottom = block_topk(q_bar, k_bar, topk, bottomk=bottomk)
     return BlockSelection(top, BLOCK, BLOCK, q.shape[2], k.shape[2], excluded=bottom)
 
@@ -147,19 +154,19 @@ def bench_masked_linear(n: int, d: int, topk: int, bottomk: int, feature_map: st
         row[f"{prefix}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return fwd_bwd
 
-    fwd_bwd = timed(triton_linear.masked_linear_attention, "triton")
+    fwd_bwd = timed(TRITON.masked_linear_attention, "triton")
     row.update(_linear_kernels(q, k, v, selection, feature_map))
     if phases:
         row["kernels_fwd_bwd_ms"] = kernel_times(fwd_bwd)
     if with_torch:
-        timed(torch_linear.masked_linear_attention, "torch")
+        timed(linear_naive.masked_linear_attention, "torch")
     if with_dense_blocks:
-        timed(torch_linear.masked_linear_attention_dense_blocks, "dense_blocks")
+        timed(masked_linear_attention_dense_blocks, "dense_blocks")
     return row
 
 
 def _previous(path: str) -> dict:
-    """Rows of an older run of this script by ``(N, D, H, K, Kx)`` (H=8 where it is missing); {} without a file."""
+    """Rows of an earlier run of this script by ``(N, D, H, K, Kx)`` (H=8 where it is missing); {} without one."""
     if not path or not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -175,8 +182,7 @@ def main():
     parser.add_argument("--topk-sweep", action="store_true", help="time block top-K tile choices and scratch sizes")
     parser.add_argument("--linear", default="16384:64:12:0,65536:64:51:0,131072:64:102:0,32760:128:25:0:16,"
                                             "65536:64:51:102,65536:64:16:0,131072:64:16:0")
-    parser.add_argument("--previous", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                           "gpu_sla_pieces_h200.json"))
+    parser.add_argument("--previous", default=None, help="JSON of an earlier run: its matching rows as previous_*")
     parser.add_argument("--tiles", default=None, help="FLEXSPARSE_TRITON_TILES JSON")
     args = parser.parse_args()
     if args.tiles:

@@ -1,5 +1,6 @@
 """One LLSA ``backend="triton"`` forward+backward for Nsight Compute: warm-up calls first, then the profiled call
-between ``cudaProfilerStart``/``Stop``, so ``ncu --profile-from-start off`` sees only the kernels of one call.
+between ``cudaProfilerStart``/``Stop``, so ``ncu --profile-from-start off`` sees only the kernels of one call. Not a
+``python -m flexsparse`` case: the runner times many calls, a profiler wants exactly one between its marks.
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats python benchmarks/ncu_llsa.py [--n 65536 --levels 2 --d 64]

@@ -1,7 +1,8 @@
 """Does every Triton kernel a call launches fit an H100/H200? Without a GPU: the methods' real host code runs on CPU
 tensors, and each launch compiles its kernel for sm_90 instead of running it; the report lists shared memory
 against the 227 KB an sm_90 block may take (a launch over it fails at run time with ``OutOfResources``) and the
-bytes each thread spills.
+bytes each thread spills. Not a ``python -m flexsparse`` case: the runner launches on a device, this compiles every
+launch of many shapes offline.
 
     python benchmarks/sm90_fit.py [--dtypes bf16 fp16 fp32] [--dims 32 64 96 128] [--llsa 2 7]
 
@@ -18,6 +19,7 @@ import argparse
 import importlib
 import itertools
 import os
+import pkgutil
 import re
 import sys
 
@@ -29,8 +31,6 @@ from gluon_sm90_report import _Sm90Driver  # noqa: E402
 from triton_sm90_report import cuobjdump  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KB)
-MODULES = ("block_bwd", "block_fwd", "block_topk", "center", "csc", "lerp_bwd", "linear_bwd", "linear_fwd", "llsa_bwd",
-           "llsa_entry_dkv", "llsa_fwd", "pool", "rows", "select")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -57,15 +57,43 @@ def _stack_bytes(compiled) -> int:
     return int(re.search(r"STACK:(\d+)", cuobjdump(compiled, "--dump-resource-usage")).group(1))
 
 
+def kernel_modules() -> list:
+    """Every module of the op families (``flexsparse.triton.<family>.<module>``; not ``_runtime``), less the Gluon
+    kernel modules where this triton's Gluon API cannot import them (the package then runs the Triton kernels)."""
+    import flexsparse.triton as families
+    modules = []
+    for family in pkgutil.iter_modules(families.__path__):
+        if family.ispkg and not family.name.startswith("_"):
+            package = importlib.import_module(f"flexsparse.triton.{family.name}")
+            for info in pkgutil.iter_modules(package.__path__):
+                try:
+                    modules.append(importlib.import_module(f"{package.__name__}.{info.name}"))
+                except (ImportError, AttributeError):  # as flexsparse.triton.block_sparse.gluon
+                    if not info.name.endswith("_ws"):
+                        raise
+    return modules
+
+
 def _on_gpu_tiles():
     """The launches use the GPU's tiles and kernels although the tensors live on the CPU."""
-    from flexsparse.triton import block_fwd, block_ops, ops, sla_ops
+    from flexsparse.backends import BACKENDS, Backend, triton_backend
+    from flexsparse.triton.block_sparse import fwd as block_fwd
     cuda = torch.device("cuda")
-    for module in (ops, block_ops, sla_ops):
-        module.use_kernels = lambda *tensors: True
+    modules = kernel_modules()
+    for module in (*modules, triton_backend):
+        if hasattr(module, "use_kernels"):
+            module.use_kernels = lambda *tensors: True
     block_fwd.gluon_runs = lambda *args, **kwargs: False      # Gluon kernels: gluon_sm90_report.py
-    for name in MODULES:
-        module = importlib.import_module(f"flexsparse.triton.{name}")
+    triton = BACKENDS["triton"]
+
+    def block_topk(q_pooled, k_pooled, topk, bottomk=0, _kernels=triton.block_topk):
+        """The selection kernels are compiled; the host code after them reads the PyTorch selection (the kernels'
+        outputs are never written here, and a garbage index table fails the host code's own indexing)."""
+        _kernels(q_pooled, k_pooled, topk, bottomk)
+        return Backend.block_topk(triton, q_pooled, k_pooled, topk, bottomk)
+
+    triton.block_topk = block_topk
+    for module in modules:
         if hasattr(module, "launcher"):
             module.launcher = CompileOnly
         for tiles in ("forward_tiles", "backward_tiles", "linear_tiles"):  # each module's own (imported) reference
@@ -74,21 +102,22 @@ def _on_gpu_tiles():
 
 
 def llsa_case(n, block, topk, heads, kv_heads, d, dtype):
-    from flexsparse.backends import triton_sparse
+    from flexsparse.backends import BACKENDS
+    triton = BACKENDS["triton"]
     q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
-    o, lse = triton_sparse.llsa(q, k, v, block, topk, d**-0.5)
+    o, lse = triton.llsa_attention(q, k, v, triton.llsa_select(q, k, v, block, tuple(topk)), d**-0.5)
     torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
 
 
 def block_case(n, block_q, block_k, topk, heads, kv_heads, d, dtype):
-    from flexsparse.backends import triton_sparse
+    from flexsparse.backends import BACKENDS
     from flexsparse.masks import BlockSelection, num_blocks
     q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
     tq, tk = num_blocks(n, block_q), num_blocks(n, block_k)
     ids = torch.rand(1, heads, tq, tk).argsort(-1)[..., :topk].sort(-1).values.to(torch.int32).contiguous()
-    o, lse = triton_sparse.block_sparse_attention(q, k, v, BlockSelection(ids, block_q, block_k, n, n), d**-0.5)
+    o, lse = BACKENDS["triton"].sparse_softmax(q, k, v, BlockSelection(ids, block_q, block_k, n, n), d**-0.5)
     torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
 
 
@@ -127,13 +156,13 @@ def method_case(cfg, n, heads, kv_heads, d, dtype):
     from flexsparse.config import Config
     q = torch.randn(1, heads, n, d, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
-    method = importlib.import_module(f"flexsparse.methods.{cfg['method']}")
+    method = flexsparse.METHODS[cfg["method"]]
     params = {name: p.requires_grad_() for name, p in method.init_params(Config.from_dict(cfg), d, heads, n).items()}
     o = flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
     torch.autograd.grad(o.float().sum(), (q, k, v, *params.values()), allow_unused=True)
 
 
-METHODS = ({"method": "sla", "block_size": 64, "topk_ratio": 0.05}, {"method": "sla", "block_q": 128, "block_k": 64},
+CONFIGS = ({"method": "sla", "block_size": 64, "topk_ratio": 0.05}, {"method": "sla", "block_q": 128, "block_k": 64},
            {"method": "sla", "block_size": 32, "linear": "full"}, {"method": "sla2", "block_q": 128, "block_k": 64},
            {"method": "sla2", "block_size": 64, "topk_ratio": 0.2}, {"method": "vsa", "block_size": 64, "topk": 6},
            {"method": "vsa", "block_size": 16, "topk": 6})
@@ -156,7 +185,7 @@ def main() -> None:
         for block_q, block_k in BLOCK_PAIRS if args.llsa is None else ():
             cases.append((f"block {dt} D{d} {block_q}x{block_k}", block_case, (3000, block_q, block_k, 5, 4, 2, d,
                                                                                 dtype)))
-        for cfg in METHODS if args.llsa is None else ():
+        for cfg in CONFIGS if args.llsa is None else ():
             cases.append((f"{dt} D{d} {cfg}", method_case, (cfg, 4000, 4, 2, d, dtype)))
     sys.exit(1 if fit(cases) else 0)
 

@@ -1,6 +1,7 @@
 """Compile the LLSA, block-sparse, FP8, block top-K and masked linear kernels for sm_90 without a GPU and report
 registers, spills, shared memory and the matrix instructions in the SASS (HGMMA = Hopper wgmma, QGMMA its fp8
-form; HMMA = the older mma.sync path).
+form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the runner times calls on a device,
+this reads the compiled code of each kernel, offline.
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
 [--d 64] [--dtype bf16] [--only NAME_PART] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
@@ -18,9 +19,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexsparse.triton import (block_bwd, block_fwd, block_fwd_fp8, block_topk, csc, fp8_quant, linear_bwd,
-                               linear_fwd, llsa_bwd, llsa_entry_dkv, llsa_fwd, pool, select)
-from flexsparse.triton.layout import pow2
+from flexsparse.triton._runtime.sizes import pow2
+from flexsparse.triton.block_sparse import bwd as block_bwd
+from flexsparse.triton.block_sparse import fp8_quant
+from flexsparse.triton.block_sparse import fwd as block_fwd
+from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
+from flexsparse.triton.common import csc
+from flexsparse.triton.linear import bwd as linear_bwd
+from flexsparse.triton.linear import fwd as linear_fwd
+from flexsparse.triton.llsa import bwd as llsa_bwd
+from flexsparse.triton.llsa import entry_dkv as llsa_entry_dkv
+from flexsparse.triton.llsa import fwd as llsa_fwd
+from flexsparse.triton.pooling import pool
+from flexsparse.triton.selection import block_topk
+from flexsparse.triton.selection import hierarchy as select
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
