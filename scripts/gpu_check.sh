@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (e.g. through the device tool): the GPU tests of the given test files, then each
-# benchmark command, with logs and a device line under $OUT. torchao is installed from a carried .whl/.
+# benchmark command, with logs and a device line under $OUT. The project runs from this checkout (PYTHONPATH,
+# no pip install: the machine has torch and triton but no package index); torchao is installed from a carried .whl/.
 # The device tool returns at most 8 files: with more under $OUT, all of them go into $OUT/all.tgz and only
 # that archive and the three logs stay.
 #   OUT=/tmp/out bash scripts/gpu_check.sh "tests/test_a.py tests/test_b.py" 'python benchmarks/x.py --out $OUT/x.json'
@@ -10,7 +11,8 @@ export OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 if ! python3 -c "import torchao" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
