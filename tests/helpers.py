@@ -17,6 +17,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def config_fields(method: str) -> set[str]:
+    """The keys of a method's config (``flexsparse.methods.METHODS[method].config``): what a test that draws configs
+    for every method of the registry may set."""
+    import dataclasses
+
+    from flexsparse.methods import METHODS
+    return {field.name for field in dataclasses.fields(METHODS[method].config)}
+
+
 def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = None) -> list[int]:
     """Hypothesis draw of LLSA's K per level, finest first, for N tokens: each K at most the blocks of its level,
     at most the candidates of a ragged parent set (``(K_{l+1} - 1) * block + 1``) and at most ``cap``."""
@@ -33,14 +42,16 @@ def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = Non
 
 def selections_by_search(q_pyr: torch.Tensor, k_pyr: torch.Tensor, n: int, block: int, topk,
                          widest: int | None = None) -> list[torch.Tensor]:
-    """LLSA's packed selections from pooled pyramids by each search of the selection kernels: the packed search with
-    rows cut into parts (``flexsparse.triton.selection.hierarchy.parts``), with whole rows, and in parts on int64 keys only
-    (tile override ``bucket`` off: no int32 pass first), and bisection (``flexsparse.triton.selection.hierarchy.search`` forced
-    each way; rows of more than ``widest`` candidates always bisect): ``[parts, whole, int64, bisection]``."""
+    """LLSA's packed selections from pooled pyramids by each search of the selection kernels
+    (``flexsparse.triton.selection.hierarchy``): the packed search with rows cut into parts (``hierarchy.parts``),
+    with whole rows, and in parts on int64 keys only (tile override ``bucket`` off: no int32 pass first), and
+    bisection (``hierarchy.search`` forced each way; rows of more than ``widest`` candidates always bisect):
+    ``[parts, whole, int64, bisection]``."""
     import json
     import os
     from triton_support import env_var
-    from flexsparse.triton.selection import hierarchy as select  # not at import: interpreter tests set TRITON_INTERPRET first
+    # not at import: interpreter tests set TRITON_INTERPRET first
+    from flexsparse.triton.selection import hierarchy as select
     from flexsparse.triton.selection.op import llsa_select
     chosen, sels = select.search, []
     tiles = json.loads(os.environ.get("FLEXSPARSE_TRITON_TILES") or "{}")
@@ -68,7 +79,9 @@ def qkv(batch=2, heads=2, kv_heads=None, n=64, d=16, dtype=torch.float64, device
     def rand(h):
         return torch.randn(batch, h, n, d, generator=gen, dtype=torch.float64)
 
-    q, k, v = rand(heads), rand(kv_heads) + 0.5 * torch.randn(1, kv_heads, 1, d, generator=gen, dtype=torch.float64), rand(kv_heads)
+    q = rand(heads)
+    k = rand(kv_heads) + 0.5 * torch.randn(1, kv_heads, 1, d, generator=gen, dtype=torch.float64)
+    v = rand(kv_heads)
     return tuple(x.to(dtype=dtype, device=device).requires_grad_(requires_grad) for x in (q, k, v))
 
 

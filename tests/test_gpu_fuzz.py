@@ -23,15 +23,17 @@ import triton_support as ts
 pytest.importorskip("triton")
 
 import flexsparse  # noqa: E402
-from flexsparse.backends import torch_sparse, triton_sparse  # noqa: E402
-from flexsparse.masks import llsa_topk, num_blocks  # noqa: E402
+from flexsparse.backends import BACKENDS  # noqa: E402
+from flexsparse.masks import num_blocks  # noqa: E402
+from flexsparse.methods import METHODS  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
-from helpers import draw_level_topk, grads, selections_by_search  # noqa: E402
-from test_triton_blocks import NAMES, _method_params, grad_run  # noqa: E402
+from helpers import config_fields, draw_level_topk, grads, selections_by_search  # noqa: E402
+from test_triton_blocks import NAMES, _method_params, grad_run, torch_branch, triton_branch  # noqa: E402
 from test_triton_llsa import _leaf_run  # noqa: E402
 
 gpu = ts.gpu
+TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 # no shrinking: GPU time is scarce, and a failing case is reported as drawn
 EXAMPLES = int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "8"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
@@ -76,23 +78,33 @@ def fp8_cases(draw):
             block_q, block_k, draw(st.integers(1, min(num_blocks(n, block_k), 40))))
 
 
+def draw_options(draw, cfg: dict, fields: set[str]) -> dict:
+    """``cfg`` with the sparse-linear options its method has drawn: feature map, SLA's linear branch."""
+    if "feature_map" in fields:
+        cfg["feature_map"] = draw(st.sampled_from(["softmax", "elu", "relu"]))
+    if "linear" in fields:
+        cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
+    return cfg
+
+
 @st.composite
 def method_cases(draw):
-    """(config, N, H, Hk, D, layout): every method on random blocks and sparsities, deterministic or not, on
-    contiguous inputs or views (``method_leaves``)."""
-    method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
+    """(config, N, H, Hk, D, layout): every method of the registry on ``backend="triton"`` on random blocks and
+    sparsities (by its config's keys: hierarchical ``levels``, a block ``topk`` or a ``topk_ratio``), deterministic or
+    not, on contiguous inputs or views (``method_leaves``)."""
+    method = draw(st.sampled_from(ts.triton_methods()))
+    fields = config_fields(method)
     n = draw(st.integers(1, 5000))
-    if method in ("topk", "vsa", "llsa"):
-        block = draw(st.sampled_from([8, 16] if method == "llsa" else [16, 32, 64, 128]))
-        cfg = {"method": method, "block_size": block, "topk": draw(st.integers(1, min(num_blocks(n, block), 12)))}
-    else:
-        cfg = {"method": method, "block_q": draw(st.sampled_from([32, 64, 128])),
-               "block_k": draw(st.sampled_from([32, 64])),
-               "topk_ratio": draw(st.sampled_from([0.05, 0.2, 0.5])),
-               "feature_map": draw(st.sampled_from(["softmax", "elu", "relu"]))}
-        if method == "sla":
-            cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
-    cfg["deterministic"] = draw(st.booleans())
+    cfg = {"method": method}
+    if "topk_ratio" in fields:
+        cfg.update(block_q=draw(st.sampled_from([32, 64, 128])), block_k=draw(st.sampled_from([32, 64])),
+                   topk_ratio=draw(st.sampled_from([0.05, 0.2, 0.5])))
+        draw_options(draw, cfg, fields)
+    elif "topk" in fields:
+        block = draw(st.sampled_from([8, 16] if "levels" in fields else [16, 32, 64, 128]))
+        cfg.update(block_size=block, topk=draw(st.integers(1, min(num_blocks(n, block), 12))))
+    if "deterministic" in fields:
+        cfg["deterministic"] = draw(st.booleans())
     kv_heads = draw(st.sampled_from([1, 2]))
     return (cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 128])),
             draw(st.sampled_from(["bhnd", "bnhd"])))
@@ -111,23 +123,23 @@ def method_leaves(n, heads, kv_heads, d, dtype, layout: str, grid: bool = False)
 
 @st.composite
 def flex_cases(draw):
-    """(config, N, H, Hk, D, dtype): every method with the block sizes flex takes on CUDA (multiples of 16,
-    query and key blocks apart where the method has both), D 32..128, bf16 / fp16 / fp32."""
-    method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
+    """(config, N, H, Hk, D, dtype): every method of the registry on ``backend="flex"`` with the block sizes flex
+    takes on CUDA (multiples of 16, query and key blocks apart where the method has both), D 32..128, bf16 / fp16 /
+    fp32."""
+    method = draw(st.sampled_from([name for name, m in METHODS.items() if "flex" in m.backends]))
+    fields = config_fields(method)
     n = draw(st.integers(1, 5000))
-    if method == "llsa":
+    cfg = {"method": method}
+    if "levels" in fields:
         block = draw(st.sampled_from([16, 32]))
-        cfg = {"method": method, "block_size": block, "topk": draw(st.integers(1, min(num_blocks(n, block), 12)))}
-    elif method in ("topk", "vsa"):
+        cfg.update(block_size=block, topk=draw(st.integers(1, min(num_blocks(n, block), 12))))
+    elif "topk" in fields:
         block_q, block_k = draw(st.sampled_from([16, 32, 64, 128])), draw(st.sampled_from([16, 32, 64, 128]))
-        cfg = {"method": method, "block_q": block_q, "block_k": block_k,
-               "topk": draw(st.integers(1, min(num_blocks(n, block_k), 12)))}
-    else:
-        cfg = {"method": method, "block_q": draw(st.sampled_from([32, 64, 128])),
-               "block_k": draw(st.sampled_from([16, 32, 64])), "topk_ratio": draw(st.sampled_from([0.05, 0.2, 0.5])),
-               "feature_map": draw(st.sampled_from(["softmax", "elu", "relu"]))}
-        if method == "sla":
-            cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
+        cfg.update(block_q=block_q, block_k=block_k, topk=draw(st.integers(1, min(num_blocks(n, block_k), 12))))
+    elif "topk_ratio" in fields:
+        cfg.update(block_q=draw(st.sampled_from([32, 64, 128])), block_k=draw(st.sampled_from([16, 32, 64])),
+                   topk_ratio=draw(st.sampled_from([0.05, 0.2, 0.5])))
+        draw_options(draw, cfg, fields)
     kv_heads = draw(st.sampled_from([1, 2]))
     return (cfg, n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads, draw(st.sampled_from([32, 64, 96, 128])),
             draw(st.sampled_from(["bf16", "fp16", "fp32"])))
@@ -149,8 +161,8 @@ def test_gpu_fuzz_block_sparse_kernels(case):
     bsz, nq, nk, block_q, block_k, heads, kv_heads, d, topk, dtype = case
     q, k, v = ts.make_qkv(bsz, heads, kv_heads, nq, nk, d, LOW[dtype], "cuda")
     selection = ts.random_selection(bsz, heads, nq, nk, block_q, block_k, topk, "cuda")
-    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, d**-0.5)
-    want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, d**-0.5)
+    got = grad_run(triton_branch, q, k, v, selection, d**-0.5)
+    want = grad_run(torch_branch, q.float(), k.float(), v.float(), selection, d**-0.5)
     _assert_near(NAMES, got, want)
 
 
@@ -162,11 +174,10 @@ def test_gpu_fuzz_llsa_kernels(case):
     pyramid (separate leaves) within bf16/fp16 rounding of the fp32 torch backend on the same selection."""
     n, block, topk, heads, kv_heads, d, dtype = case
     q, k, v = ts.make_qkv(1, heads, kv_heads, n, n, d, LOW[dtype], "cuda")
-    selection = llsa_topk(q, k, topk, block)
+    selection = TRITON.llsa_select(q, k, v, block, topk).selection
     levels = len(topk)
-    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
-    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5,
-                     q.dtype)
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, levels, d**-0.5, q.dtype)
+    want = _leaf_run(TORCH.llsa_softmax, q.float(), k.float(), v.float(), selection, levels, d**-0.5, q.dtype)
     _assert_near(["o", "lse", "dq"] + [f"dk{i}" for i in range(levels + 1)] + [f"dv{i}" for i in range(levels + 1)],
                  got, want)
 
@@ -175,16 +186,16 @@ def test_gpu_fuzz_llsa_kernels(case):
 @FUZZ
 @given(case=llsa_cases(), grid=st.booleans())
 # found on an H100 (session 33): rows of 736 candidates (b=32, K_2=23) at D=128 needed 270 KB of shared memory
-# for two parents per program (select.child_parents now takes one, or masks.children_topk)
+# for two parents per program (selection.hierarchy.child_parents now takes one, or selection.naive.children_topk)
 @example(case=(33940, 32, (12, 23), 2, 2, 128, "bf16"), grid=False)
 def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
-    """LLSA's selection kernels by each of their searches (``select.search`` forced each way; rows of more than 256
-    candidates, whose int64 keys would spill heavily, always bisect): the same packed selection, on random or grid
+    """LLSA's selection kernels by each of their searches (``hierarchy.search`` forced each way; rows of more than
+    256 candidates, whose int64 keys would spill heavily, always bisect): the same packed selection, on random or grid
     (tie-rich) inputs."""
-    from flexsparse.triton import ops
+    from flexsparse.triton.pooling.op import llsa_pool
     n, block, topk, heads, kv_heads, d, dtype = case
     q, k, _ = method_leaves(n, heads, kv_heads, d, LOW[dtype], "bhnd", grid)
-    q_pyr, k_pyr = (ops.llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
+    q_pyr, k_pyr = (llsa_pool(x.detach(), block, len(topk)) for x in (q, k))
     split, whole, int64, bisection = selections_by_search(q_pyr, k_pyr, n, block, topk, widest=256)
     assert torch.equal(split, bisection) and torch.equal(whole, bisection) and torch.equal(int64, bisection)
 
@@ -194,11 +205,12 @@ def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
 @given(case=method_cases())
 def test_gpu_fuzz_methods_fp32(case):
     """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32,
-    on contiguous inputs or on a model's ``(B, N, H, D)`` views: triton against torch. Both select with the same
-    kernels on CUDA, so the selections agree. ``deterministic=True``: a second triton run gives the same bits."""
+    on contiguous inputs or on a model's ``(B, N, H, D)`` views: triton against torch. The triton backend selects
+    with the Triton kernels and the torch backend in PyTorch: inputs on which the two select alike
+    (``ts.draw_selecting_alike``). ``deterministic=True``: a second triton run gives the same bits."""
     cfg, n, heads, kv_heads, d, layout = case
-    leaves = method_leaves(n, heads, kv_heads, d, torch.float32, layout)
     params = _method_params(cfg, d, heads, n, "cuda")
+    leaves = ts.draw_selecting_alike(lambda: method_leaves(n, heads, kv_heads, d, torch.float32, layout), cfg, params)
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "torch")
     if cfg["deterministic"]:
@@ -239,7 +251,7 @@ def test_gpu_fuzz_fp8_kernel(case):
 @example(case=({"method": "vsa", "block_q": 16, "block_k": 16, "topk": 1}, 73, 1, 1, 32, "fp16"))
 def test_gpu_fuzz_flex_methods(case):
     """``backend="flex"`` (compiled FlexAttention, fresh graphs per case) against ``backend="torch"`` (fp32
-    arithmetic) on the same inputs, so on the same selection: output, LSE and the gradients of q, k, v and of the
+    arithmetic) on the same inputs, so on the same selection (both select in PyTorch): output, LSE and the gradients of q, k, v and of the
     learned parameters, fp32 tight, bf16 / fp16 within their rounding. Catches block / head-dim / dtype
     combinations that fail to compile (``NoValidChoicesError``, shared memory) as well as wrong values."""
     cfg, n, heads, kv_heads, d, dtype = case

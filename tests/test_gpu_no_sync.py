@@ -12,10 +12,8 @@ import pytest
 import torch
 
 import flexsparse
-from flexsparse.bench import DEMO_CONFIGS
-from triton_support import gpu
-
-METHODS = ["topk", "vsa", "llsa", "sla", "sla2"]
+from flexsparse.methods import METHODS
+from triton_support import gpu, triton_methods
 
 
 @contextlib.contextmanager
@@ -38,10 +36,11 @@ def test_gpu_sync_debug_mode_catches_a_synchronizing_call():
 
 @gpu
 @pytest.mark.parametrize("n", [16384, 16000])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", triton_methods())
 def test_gpu_eager_forward_backward_never_synchronizes(method, n):
+    """Every method of the registry on ``backend="triton"``, its example config."""
     heads, dim = 4, 64
-    module = flexsparse.SparseAttention(DEMO_CONFIGS[method], head_dim=dim, num_heads=heads, seq_len=n,
+    module = flexsparse.SparseAttention(METHODS[method].example, head_dim=dim, num_heads=heads, seq_len=n,
                                         backend="triton").cuda()
     q, k, v = (torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

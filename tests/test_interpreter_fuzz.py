@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from flexsparse.masks import num_blocks  # noqa: E402
 
 from _sla_testing import run  # noqa: E402
-from helpers import draw_level_topk  # noqa: E402
+from helpers import config_fields, draw_level_topk  # noqa: E402
 from test_triton_blocks import _method_params  # noqa: E402
 from test_triton_llsa import _qkv as llsa_qkv  # noqa: E402
 
@@ -37,30 +37,32 @@ def test_interpreter_suite():
     ts.check_interpreter_suite(__file__)
 
 
+# the options drawn where a method's config has them, with their choices
+OPTIONS = {"gate": [False, True], "feature_map": ["softmax", "elu", "relu"], "linear": ["masked", "full"],
+           "smooth_k": ["all", "router"], "deterministic": [False, True]}
+
+
 @st.composite
 def method_cases(draw):
-    """(config, B, N, H, Hk, D): a method with random blocks and sparsity on up to 700 tokens."""
-    method = draw(st.sampled_from(["topk", "vsa", "llsa", "sla", "sla2"]))
-    if method == "llsa":
+    """(config, B, N, H, Hk, D): a method of the registry on ``backend="triton"`` with random blocks and sparsity
+    (by its config's keys: hierarchical ``levels``, a block ``topk`` or a ``topk_ratio``) and options (``OPTIONS``)
+    on up to 700 tokens."""
+    method = draw(st.sampled_from(ts.triton_methods()))
+    fields = config_fields(method)
+    cfg = {"method": method}
+    if "levels" in fields:
         n, block, levels = draw(st.integers(1, 700)), draw(st.sampled_from([4, 8, 16])), draw(st.integers(1, 3))
-        cfg = {"method": "llsa", "block_size": block, "levels": levels,
-               "topk": draw_level_topk(draw, n, block, levels, cap=12)}
+        cfg.update(block_size=block, levels=levels, topk=draw_level_topk(draw, n, block, levels, cap=12))
     else:
         n = draw(st.integers(1, 400))
-        cfg = {"method": method, "block_q": draw(st.sampled_from([16, 32, 64])),
-               "block_k": draw(st.sampled_from([16, 32, 64]))}
-        if method in ("topk", "vsa"):
+        cfg.update(block_q=draw(st.sampled_from([16, 32, 64])), block_k=draw(st.sampled_from([16, 32, 64])))
+        if "topk" in fields:
             cfg["topk"] = draw(st.integers(1, num_blocks(n, cfg["block_k"])))
-            if method == "vsa":
-                cfg["gate"] = draw(st.booleans())
-        else:
+        elif "topk_ratio" in fields:
             cfg["topk_ratio"] = draw(st.sampled_from([0.05, 0.2, 0.5, 1.0]))
-            cfg["feature_map"] = draw(st.sampled_from(["softmax", "elu", "relu"]))
-            if method == "sla":
-                cfg["linear"] = draw(st.sampled_from(["masked", "full"]))
-            else:
-                cfg["smooth_k"] = draw(st.sampled_from(["all", "router"]))
-    cfg["deterministic"] = draw(st.booleans())
+    for key, choices in OPTIONS.items():
+        if key in fields:
+            cfg[key] = draw(st.sampled_from(choices))
     kv_heads = draw(st.sampled_from([1, 2]))
     return (cfg, draw(st.sampled_from([1, 2])), n, kv_heads * draw(st.sampled_from([1, 2])), kv_heads,
             draw(st.sampled_from([16, 32])))
@@ -71,16 +73,19 @@ def method_cases(draw):
 @given(case=method_cases())
 def test_methods_match_reference_on_random_configs(case):
     """``backend="triton"`` (interpreted kernels) against ``"reference"`` on the same fp32 inputs and parameters.
-    LLSA's two backends select with different code (Triton kernels, ``masks``), so its inputs are grid values
-    (one batch) whose ragged tail repeats one row, on which both score exactly alike; the other methods share one
-    selection."""
+    The two backends select with different code (Triton kernels, PyTorch): LLSA's inputs are grid values (one
+    batch) whose ragged tail repeats one row, on which both score exactly alike; the other methods' inputs are
+    random, drawn again where a near-tie of two blocks' scores made the selections differ
+    (``ts.draw_selecting_alike``: equal selections asserted)."""
     cfg, bsz, n, heads, kv_heads, d = case
-    if cfg["method"] == "llsa":
-        tensors = llsa_qkv(n, heads, kv_heads, d, grid=True, pooled=(cfg["block_size"], cfg["levels"]))
-    else:
-        tensors = ts.make_qkv(bsz, heads, kv_heads, n, n, d)
-    leaves = [x.requires_grad_() for x in tensors]
     params = _method_params(cfg, d, heads, n)
+    if "levels" in cfg:
+        def draw():
+            return llsa_qkv(n, heads, kv_heads, d, grid=True, pooled=(cfg["block_size"], cfg["levels"]))
+    else:
+        def draw():
+            return ts.make_qkv(bsz, heads, kv_heads, n, n, d)
+    leaves = [x.requires_grad_() for x in ts.draw_selecting_alike(draw, cfg, params, ("triton", "reference"))]
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "reference")
     ts.assert_runs_near(got, want, 1e-4, 1e-3)

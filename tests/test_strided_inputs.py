@@ -1,7 +1,7 @@
 """q, k, v as strided views of one fused projection ``(B, N, 3, H, D)``, a DiT's usual layout.
 
 The triton backend's kernels read contiguous ``(B, H, N, D)`` rows, so ``flexsparse.attention`` copies such views
-once (op ``flexsparse::contiguous_rows``, kernel ``triton/rows.py``) before the method runs. LLSA's kernels read
+once (op ``flexsparse::contiguous_rows``, kernel ``triton/common/rows.py``) before the method runs. LLSA's kernels read
 them in place, forward and backward (except in compiled training, where the API copies them: ``api.attention``),
 and its output lies in q's memory order. Before, every op made its own copy: LLSA's forward copied each of q, k, v
 twice and its backward once more (2.15 instead of 1.00 ms at B2 H8 N65536 D64 on an H100). Values and gradients
@@ -20,11 +20,14 @@ import torch
 
 import flexsparse
 import triton_support as ts
-from flexsparse.methods import method_module
+from flexsparse.methods import METHODS
 
-CONFIGS = [{"method": "llsa", "block_size": 16, "topk": 2}, {"method": "sla", "block_size": 16, "topk_ratio": 0.25},
-           {"method": "topk", "block_size": 16, "topk": 3}, {"method": "sla2", "block_q": 32, "block_k": 16,
-                                                              "topk_ratio": 0.25}]
+# every method of the registry on backend="triton": its example on 16-token blocks with K = 3 or 25% of the key
+# blocks, changed as listed here
+CHANGES = {"llsa": {"topk": 2}, "sla2": {"block_q": 32, "block_k": 16}}
+CONFIGS = [ts.example_config(name, **ts.merged({"block_size": 16, "topk": 3, "topk_ratio": 0.25},
+                                                CHANGES.get(name, {})))
+           for name in ts.triton_methods()]
 
 
 def _fused_views(n: int, heads: int = 2, dim: int = 16, dtype=torch.float32, device="cpu"):
@@ -66,22 +69,22 @@ def test_interpreter_suite():
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 @pytest.mark.parametrize("backend, grad", [("triton", True), ("triton", False), ("torch", True)])
 def test_triton_backend_gets_contiguous_rows_once(config, backend, grad, monkeypatch):
-    """Copied once on ``triton``, except for LLSA, whose kernels read the views in place (``STRIDED_INPUTS``). Views
-    pass through on ``torch``."""
-    module = method_module(config["method"])
+    """Copied once on ``triton``, except for methods whose kernels read the views in place (``keeps_views``: LLSA).
+    Views pass through on ``torch``."""
+    method = METHODS[config["method"]]
     seen = []
 
     def spy(q, k, v, *args, **kwargs):
         seen.append([x.is_contiguous() for x in (q, k, v)])
-        return forward(q, k, v, *args, **kwargs)
+        return select(q, k, v, *args, **kwargs)
 
-    forward = module.forward
-    monkeypatch.setattr(module, "forward", spy)
+    select = method.select
+    monkeypatch.setattr(method, "select", spy)
     _, (q, k, v) = _fused_views(200, dtype=torch.float64)
     assert not any(x.is_contiguous() for x in (q, k, v))
     with torch.set_grad_enabled(grad):
         flexsparse.SparseAttention(config, head_dim=16, num_heads=2, seq_len=200, backend=backend).double()(q, k, v)
-    copied = backend == "triton" and config["method"] != "llsa"
+    copied = backend == "triton" and not method.keeps_views
     assert seen == [[copied] * 3]
 
 
@@ -98,14 +101,14 @@ def _inference_on(q, k, v, block: int = 16):
 def test_compiled_llsa_copies_views_only_for_training(grad, monkeypatch):
     """In a compiled graph LLSA gets contiguous copies where gradients are recorded (inductor fuses the copies into
     their producers; compiled DiT-S training measured faster so) and the views without; values as eager's."""
-    module = method_module("llsa")
-    seen, forward = [], module.forward
+    method = METHODS["llsa"]
+    seen, select = [], method.select
 
     def spy(q, k, v, *args, **kwargs):
         seen.append([x.is_contiguous() for x in (q, k, v)])
-        return forward(q, k, v, *args, **kwargs)
+        return select(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(module, "forward", spy)
+    monkeypatch.setattr(method, "select", spy)
     cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
     qkv, _ = _fused_views(256)
 
@@ -120,12 +123,12 @@ def test_compiled_llsa_copies_views_only_for_training(grad, monkeypatch):
 
 def _forbid_copies(monkeypatch):
     """Any copy of a tensor by the triton ops fails the test."""
-    from flexsparse.triton import ops
+    from flexsparse.triton.common import inputs
 
     def no_copy(t):
         raise AssertionError(f"copied a {tuple(t.shape)} view")
 
-    monkeypatch.setattr(ops, "_copied", no_copy)
+    monkeypatch.setattr(inputs, "_copied", no_copy)
 
 
 @ts.cpu_only
@@ -224,7 +227,7 @@ def test_strided_upstream_gradient_as_contiguous(config):
 @pytest.mark.parametrize("view", ["fused", "heads_last", "sliced"])
 @pytest.mark.parametrize("n, dim", [(1, 16), (130, 24), (77, 64)])
 def test_copy_rows_kernel_equals_contiguous(view, n, dim):
-    from flexsparse.triton.ops import contiguous_rows
+    from flexsparse.triton.common.inputs import contiguous_rows
     base = torch.randn(2, n, 3, 3, dim + 8)
     x = {"fused": base[..., :dim].permute(2, 0, 3, 1, 4)[1],          # (2, 3, n, dim): rows 3 (dim + 8) apart
          "heads_last": base[:, :, 0, :, :dim].transpose(1, 2),        # heads and tokens interleaved
@@ -239,7 +242,7 @@ def test_copy_rows_kernel_equals_contiguous(view, n, dim):
 
 @ts.cpu_parent
 def test_copy_rows_opcheck_cpu_fallback():
-    from flexsparse.triton.ops import contiguous_rows
+    from flexsparse.triton.common.inputs import contiguous_rows
     x = torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0].requires_grad_()
     with ts.interpreter_env(False):
         torch.library.opcheck(contiguous_rows.op, (x,))
@@ -248,7 +251,7 @@ def test_copy_rows_opcheck_cpu_fallback():
 @ts.gpu
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_copy_rows_bf16(dim):
-    from flexsparse.triton.ops import contiguous_rows
+    from flexsparse.triton.common.inputs import contiguous_rows
     _, (q, k, v) = _fused_views(4099, heads=4, dim=dim, dtype=torch.bfloat16, device="cuda")
     for x in (q, k, v):
         out = contiguous_rows(x)

@@ -1,13 +1,14 @@
-"""Single-level block top-K in Triton (``flexsparse.triton.block_topk``, op ``flexsparse::block_topk``).
+"""Single-level block top-K in Triton (``flexsparse.triton.selection.block_topk``, op ``flexsparse::block_topk``).
 
-CPU (CI): the kernels run through the Triton interpreter and must equal ``masks.sorted_block_topk`` exactly:
+CPU (CI): the kernels run through the Triton interpreter and must equal ``selection.naive.sorted_block_topk``
+exactly:
 grid-valued inputs (exact scores with many ties), random inputs, top and bottom sets, GQA, K = 1, K = Tk, odd
 sizes, fp16 inputs, row chunks of the score scratch, and the streaming path. The selection kernel alone is
 compared with a stable sort on the same fp32 scores for every K (random, tied and special values: +-0, +-inf,
 NaN, subnormals). They run in a child pytest started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``,
 see ``triton_support``).
 GPU (``pytest -m gpu``): realistic sizes (Tk up to 16384 in registers, longer rows streaming), the selection
-kernel bit for bit against ``torch.sort`` on random scores, ``masks.block_topk`` dispatch,
+kernel bit for bit against ``torch.sort`` on random scores, the triton backend's ``block_topk``,
 ``torch.compile(fullgraph=True)``, opcheck.
 """
 from __future__ import annotations
@@ -19,10 +20,12 @@ import triton_support as ts
 
 pytest.importorskip("triton")
 
-from flexsparse.masks import block_topk, sorted_block_topk  # noqa: E402
-from flexsparse.triton import sla_ops  # noqa: E402
+from flexsparse.backends import BACKENDS  # noqa: E402
+from flexsparse.triton.selection import op as selection_op  # noqa: E402
+from flexsparse.triton.selection.naive import block_topk, sorted_block_topk  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
+TRITON = BACKENDS["triton"]   # its block_topk: the kernels (op ``flexsparse::block_topk``) with the counts checked
 
 
 @cpu_parent
@@ -51,7 +54,7 @@ def _pooled(b, h, hk, tq, tk, d):
 
 
 def _check(qp, kp, topk, bottomk, **kwargs):
-    from flexsparse.triton.block_topk import block_topk as topk_kernel
+    from flexsparse.triton.selection.block_topk import block_topk as topk_kernel
     top, bottom = topk_kernel(qp, kp, topk, bottomk, **kwargs)
     want_top, want_bottom = sorted_block_topk(qp, kp, topk, bottomk=bottomk)
     assert torch.equal(top, want_top)
@@ -64,7 +67,7 @@ def _check(qp, kp, topk, bottomk, **kwargs):
 @cpu_only
 @pytest.mark.parametrize("b,h,hk,tq,tk,d,topk,bottomk,row_limit,scratch", CASES)
 def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit, scratch):
-    from flexsparse.triton.block_topk import ROW_LIMIT, SCRATCH
+    from flexsparse.triton.selection.block_topk import ROW_LIMIT, SCRATCH
     qp, kp = _pooled(b, h, hk, tq, tk, d)
     _check(qp, kp, topk, bottomk, row_limit=row_limit or ROW_LIMIT, scratch=scratch or SCRATCH)
 
@@ -88,7 +91,7 @@ def _sorted_ids(scores, topk, bottomk):
 
 
 def _select(scores, topk, bottomk, row0=0, tq=None, warps=None):
-    from flexsparse.triton.block_topk import select_scores
+    from flexsparse.triton.selection.block_topk import select_scores
     bh, rows, tk = scores.shape
     tq = tq or rows
     top = torch.full((1, bh, tq, topk), -1, dtype=torch.int32, device=scores.device)
@@ -138,7 +141,7 @@ def test_selection_writes_its_row_chunk_only():
 def test_ties_go_to_the_smallest_ids_and_bottom_to_the_largest():
     """Every score equal: top = the first K ids, bottom = the last Kb ids."""
     qp, kp = torch.ones(1, 1, 3, 4), torch.ones(1, 1, 10, 4)
-    top, bottom = sla_ops.block_topk(qp, kp, 3, 4)
+    top, bottom = selection_op.block_topk(qp, kp, 3, 4)
     assert torch.equal(top, torch.arange(3, dtype=torch.int32).expand(1, 1, 3, 3))
     assert torch.equal(bottom, torch.arange(6, 10, dtype=torch.int32).expand(1, 1, 3, 4))
 
@@ -147,19 +150,20 @@ def test_ties_go_to_the_smallest_ids_and_bottom_to_the_largest():
 def test_cpu_keeps_the_sorted_path_and_checks_counts():
     qp, kp = _pooled(1, 2, 1, 6, 9, 8)
     with ts.interpreter_env(False):
-        top, bottom = sla_ops.block_topk(qp, kp, 2, 0)
+        top, bottom = selection_op.block_topk(qp, kp, 2, 0)
     assert torch.equal(top, block_topk(qp, kp, 2)[0]) and bottom.shape == (1, 2, 6, 0)
-    with pytest.raises(ValueError, match="bottomk"):
-        block_topk(qp, kp, 5, bottomk=5)
-    with pytest.raises(ValueError, match="topk"):
-        block_topk(qp, kp, 0)
+    for select in (block_topk, TRITON.block_topk):     # the torch and the triton backends' entry points
+        with pytest.raises(ValueError, match="bottomk"):
+            select(qp, kp, 5, bottomk=5)
+        with pytest.raises(ValueError, match="topk"):
+            select(qp, kp, 0)
 
 
 @cpu_parent
 def test_opcheck_cpu_fallback():
     qp, kp = _pooled(1, 2, 1, 6, 9, 8)
     with ts.interpreter_env(False):
-        torch.library.opcheck(sla_ops.block_topk.op, (qp, kp, 3, 2))
+        torch.library.opcheck(selection_op.block_topk.op, (qp, kp, 3, 2))
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -172,13 +176,13 @@ def test_opcheck_cpu_fallback():
     (2, 2, 256, 257, 64, 1, 256), (2, 1, 33, 17000, 64, 8, 16)])    # the last one streams (Tk > 16384)
 def test_gpu_equals_sorted_topk(h, hk, tq, tk, d, topk, bottomk):
     qp, kp = (x.cuda() for x in _pooled(2, h, hk, tq, tk, d))
-    top, bottom = block_topk(qp, kp, topk, bottomk=bottomk)
+    top, bottom = TRITON.block_topk(qp, kp, topk, bottomk)
     want_top, want_bottom = sorted_block_topk(qp, kp, topk, bottomk=bottomk)
     assert torch.equal(top, want_top)
     assert torch.equal(bottom, want_bottom) if bottomk else bottom is None
     # random scores: summation orders differ from cuBLAS, so only near-ties may flip
     qp, kp = torch.randn_like(qp), torch.randn_like(kp)
-    top, _ = block_topk(qp, kp, topk, bottomk=bottomk)
+    top, _ = TRITON.block_topk(qp, kp, topk, bottomk)
     assert (top == sorted_block_topk(qp, kp, topk)[0]).all(-1).float().mean().item() > 0.99
 
 
@@ -187,7 +191,7 @@ def test_gpu_equals_sorted_topk(h, hk, tq, tk, d, topk, bottomk):
 def test_gpu_selection_bit_identical_to_sort(tk):
     """The selection kernel on given fp32 scores against ``torch.sort(stable=True)``: identical sets, K = 5%
     (+ a bottom set), K = 1 and K = Tk, random and special-valued rows, half / default / twice the warps per row."""
-    from flexsparse.triton.block_topk import topk_tiles
+    from flexsparse.triton.selection.block_topk import topk_tiles
     gen = torch.Generator().manual_seed(tk)
     rows = max(8, min(1024, (1 << 22) // tk))
     scores = _special_scores(2 * rows, tk, gen).view(2, rows, tk)
@@ -212,25 +216,25 @@ def _difference(got, want, scores):
 
 @gpu
 def test_gpu_chunks_bf16_and_determinism():
-    from flexsparse.triton.block_topk import block_topk as topk_kernel
+    from flexsparse.triton.selection.block_topk import block_topk as topk_kernel
     qp, kp = (x.cuda() for x in _pooled(2, 4, 2, 300, 1500, 64))
     want = sorted_block_topk(qp, kp, 75, bottomk=30)
     for scratch in (8 * 1500 * 7, 8 * 1500 * 300):     # 43 row chunks, one chunk
         top, bottom = topk_kernel(qp, kp, 75, 30, scratch=scratch)
         assert torch.equal(top, want[0]) and torch.equal(bottom, want[1])
-    top, bottom = block_topk(qp.bfloat16(), kp.bfloat16(), 75, bottomk=30)   # grid values are exact in bf16
+    top, bottom = TRITON.block_topk(qp.bfloat16(), kp.bfloat16(), 75, 30)   # grid values are exact in bf16
     assert torch.equal(top, want[0]) and torch.equal(bottom, want[1])
     qp, kp = torch.randn_like(qp), torch.randn_like(kp)
-    first = block_topk(qp, kp, 75, bottomk=30)
-    assert all(torch.equal(a, b) for a, b in zip(first, block_topk(qp, kp, 75, bottomk=30)))
+    first = TRITON.block_topk(qp, kp, 75, 30)
+    assert all(torch.equal(a, b) for a, b in zip(first, TRITON.block_topk(qp, kp, 75, 30)))
 
 
 @gpu
 def test_gpu_compiled_fullgraph_and_opcheck():
     qp, kp = (x.cuda() for x in _pooled(2, 4, 2, 256, 256, 64))
-    fn = torch.compile(lambda q, k: block_topk(q, k, 13, bottomk=26), fullgraph=True)
+    fn = torch.compile(lambda q, k: TRITON.block_topk(q, k, 13, 26), fullgraph=True)
     top, bottom = fn(qp, kp)
     want_top, want_bottom = sorted_block_topk(qp, kp, 13, bottomk=26)
     assert torch.equal(top, want_top) and torch.equal(bottom, want_bottom)
-    torch.library.opcheck(sla_ops.block_topk.op, (qp, kp, 13, 26))
-    torch.library.opcheck(sla_ops.block_topk.op, (qp[:, :, :100], kp[:, :, :17000], 8, 0))
+    torch.library.opcheck(selection_op.block_topk.op, (qp, kp, 13, 26))
+    torch.library.opcheck(selection_op.block_topk.op, (qp[:, :, :100], kp[:, :, :17000], 8, 0))

@@ -1,7 +1,7 @@
 """The ``triton`` backend of the block-sparse branch (``topk``, ``vsa``, ``sla``, ``sla2``).
 
 CPU (CI): the kernels run through the Triton interpreter in fp32 on tiny shapes against
-``torch_sparse.block_sparse_attention`` and the dense reference on identical selections (O, LSE, dQ/dK/dV
+the torch backend's ``sparse_softmax`` and the dense reference on identical selections (O, LSE, dQ/dK/dV
 with a gradient through the LSE; block_q != block_k, ragged N, Nq != Nk, GQA, head dims that are not a
 power of two, K = 1 and K = all blocks, split tiles), the block CSC, determinism and the methods end to
 end. They run in a child pytest started with ``TRITON_INTERPRET=1`` (see ``triton_support``). The parent
@@ -23,14 +23,12 @@ pytest.importorskip("triton")
 
 import flexsparse  # noqa: E402
 from flexsparse import backends  # noqa: E402
-from flexsparse.backends import flex, torch_sparse, triton_sparse  # noqa: E402
+from flexsparse.backends import BACKENDS  # noqa: E402
 from flexsparse.config import Config  # noqa: E402
 from flexsparse.masks import csr_to_csc  # noqa: E402
-from flexsparse.methods import sla as sla_method  # noqa: E402
-from flexsparse.methods import sla2 as sla2_method  # noqa: E402
-from flexsparse.methods import vsa as vsa_method  # noqa: E402
-from flexsparse.reference import topk_dense  # noqa: E402
-from flexsparse.triton import block_ops  # noqa: E402
+from flexsparse.methods import METHODS  # noqa: E402
+from flexsparse.methods.dense import block_sparse_dense  # noqa: E402
+from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
 
 from _sla_testing import leaf_params, run  # noqa: E402
 
@@ -45,6 +43,8 @@ def gpu(test):
 
 
 random_selection, make_qkv = ts.random_selection, ts.make_qkv
+# the block-sparse branch of each backend on a given selection: ``(q, k, v, selection, scale) -> (o, lse)``
+triton_branch, torch_branch, flex_branch = (BACKENDS[name].sparse_softmax for name in ("triton", "torch", "flex"))
 
 
 @cpu_parent
@@ -54,14 +54,14 @@ def test_interpreter_suite():
 
 @cpu_parent
 def test_without_gluon_the_triton_kernels_serve():
-    """A triton whose Gluon lacks what the sm_90 kernels use: the package imports, warns, and ``block_fwd`` /
-    ``block_bwd`` have their Gluon paths off (the Triton kernels serve every call)."""
+    """A triton whose Gluon lacks what the sm_90 kernels use: the package imports, warns, and
+    ``block_sparse.fwd`` / ``block_sparse.bwd`` have their Gluon paths off (the Triton kernels serve every call)."""
     code = ("import sys, warnings\n"
             "sys.modules['triton.experimental.gluon'] = None\n"
             "with warnings.catch_warnings(record=True) as caught:\n"
             "    warnings.simplefilter('always')\n"
-            "    from flexsparse.triton import block_bwd, block_fwd\n"
-            "assert block_fwd.block_fwd_ws is None and block_bwd.block_bwd_ws is None\n"
+            "    from flexsparse.triton.block_sparse import bwd, fwd\n"
+            "assert fwd.block_fwd_ws is None and bwd.block_bwd_ws is None\n"
             "assert any('Gluon kernels are unavailable' in str(w.message) for w in caught)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ts.ROOT)
 
@@ -101,9 +101,9 @@ def test_matches_torch_backend_and_reference(bsz, nq, nk, block_q, block_k, head
     """Identical selection: O, LSE and gradients against the torch backend and the dense fp64 reference."""
     q, k, v = make_qkv(bsz, heads, kv_heads, nq, nk, d)
     selection = random_selection(bsz, heads, nq, nk, block_q, block_k, topk)
-    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, d**-0.5)
-    want = grad_run(torch_sparse.block_sparse_attention, q, k, v, selection, d**-0.5)
-    ref = grad_run(topk_dense, q.double(), k.double(), v.double(), selection, d**-0.5)
+    got = grad_run(triton_branch, q, k, v, selection, d**-0.5)
+    want = grad_run(torch_branch, q, k, v, selection, d**-0.5)
+    ref = grad_run(block_sparse_dense, q.double(), k.double(), v.double(), selection, d**-0.5)
     for name, a, b, c in zip(NAMES, got, want, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert ts.rel_err(a, b) < 1e-5, name
@@ -126,8 +126,8 @@ def test_tile_overrides(name, monkeypatch):
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", tiles)
     q, k, v = make_qkv(1, 2, 1, 90, 90, 16)
     selection = random_selection(1, 2, 90, 90, block_q, block_k, topk)
-    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.3)
-    want = grad_run(torch_sparse.block_sparse_attention, q, k, v, selection, 0.3)
+    got = grad_run(triton_branch, q, k, v, selection, 0.3)
+    want = grad_run(torch_branch, q, k, v, selection, 0.3)
     for name, a, b in zip(NAMES, got, want):
         assert ts.rel_err(a, b) < 1e-5, name
 
@@ -135,7 +135,7 @@ def test_tile_overrides(name, monkeypatch):
 @cpu_only
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_block_csc_is_transpose(deterministic):
-    from flexsparse.triton.csc import block_csc
+    from flexsparse.triton.common.csc import block_csc
     tk = 7
     selection = random_selection(2, 3, 100, 7 * 16, 8, 16, 3)
     offsets, rows = block_csc(selection.indices.contiguous(), tk, deterministic)
@@ -156,30 +156,32 @@ def test_block_csc_is_transpose(deterministic):
 def test_deterministic_gradients_are_bitwise_reproducible():
     q, k, v = make_qkv(1, 2, 1, 50, 50, 16)
     selection = random_selection(1, 2, 50, 50, 16, 16, 2)
-    first, second = (grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.25, deterministic=True)
+    first, second = (grad_run(triton_branch, q, k, v, selection, 0.25, deterministic=True)
                      for _ in range(2))
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
 
 
+# the CPU cases of a method: its registry example on small blocks (16-token query blocks, 8-token key blocks, K = 3 or
+# 30% of the key blocks), changed as listed here where a method has options to exercise
+VARIANTS = {
+    "vsa": [{"block_size": 16, "topk": 2}],
+    "sla": [{"negligible_ratio": 0.2}, {"block_size": 16, "topk_ratio": 0.4, "linear": "full", "feature_map": "elu"}],
+    "sla2": [{"block_q": 32, "block_k": 16, "deterministic": True}],
+}
+
+
 def _method_configs():
-    return [
-        {"method": "topk", "block_q": 16, "block_k": 8, "topk": 3},
-        {"method": "vsa", "block_size": 16, "topk": 2},
-        {"method": "sla", "block_q": 16, "block_k": 8, "topk_ratio": 0.3, "negligible_ratio": 0.2},
-        {"method": "sla", "block_size": 16, "topk_ratio": 0.4, "linear": "full", "feature_map": "elu"},
-        {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.3, "deterministic": True},
-    ]
+    """Every block-sparse method of the registry on ``backend="triton"``, in the cases of ``VARIANTS``."""
+    return [ts.example_config(name, **ts.merged({"block_q": 16, "block_k": 8, "topk": 3, "topk_ratio": 0.3}, variant))
+            for name in ts.triton_methods("block") for variant in VARIANTS.get(name, [{}])]
 
 
 def _method_params(cfg: dict, d: int, heads: int, n: int, device="cpu") -> dict:
     """The method's learned parameters (none for ``topk``, ``llsa`` and ``vsa`` without its gate) plus noise: fp32
     leaves on ``device``."""
     config = Config.from_dict(cfg)
-    modules = {"sla": sla_method, "sla2": sla2_method, "vsa": vsa_method}
-    if cfg["method"] not in modules:
-        return {}
-    params = leaf_params(modules[cfg["method"]].init_params(config, d, heads, n), torch.float32)
+    params = leaf_params(METHODS[config.method].init_params(config, d, heads, n), torch.float32)
     return {name: p.detach().to(device).requires_grad_() for name, p in params.items()}
 
 
@@ -187,10 +189,12 @@ def _method_params(cfg: dict, d: int, heads: int, n: int, device="cpu") -> dict:
 @pytest.mark.parametrize("cfg", _method_configs(), ids=lambda c: f"{c['method']}-{c.get('linear', '')}")
 def test_methods_match_reference(cfg):
     """``flexsparse.attention(..., backend="triton")``: output, LSE and the gradients of q, k, v and of the
-    method's parameters against the dense reference (same fp32 inputs, so the same selection)."""
+    method's parameters against the dense reference, on the same fp32 inputs, on which the Triton selection kernels
+    (interpreted) select as the reference backend's PyTorch selection (``ts.draw_selecting_alike``)."""
     n, d, heads, kv_heads = 75, 16, 2, 1
-    leaves = [x.requires_grad_() for x in make_qkv(1, heads, kv_heads, n, n, d)]
     params = _method_params(cfg, d, heads, n)
+    leaves = [x.requires_grad_() for x in ts.draw_selecting_alike(lambda: make_qkv(1, heads, kv_heads, n, n, d), cfg,
+                                                                  params, ("triton", "reference"))]
     got = run(*leaves, cfg, params, "triton")
     want = run(*leaves, cfg, params, "reference")
     ts.assert_runs_near(got, want, 1e-5, 1e-4, lse=ts.rel_err)
@@ -198,7 +202,7 @@ def test_methods_match_reference(cfg):
 
 @cpu_parent
 def test_dkv_program_order_is_head_major_longest_first():
-    from flexsparse.triton.block_bwd import longest_first
+    from flexsparse.triton.block_sparse.bwd import longest_first
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
     selection.indices[:, :, :, 0] = 3                                   # key block 3: picked by every row
     offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets
@@ -214,7 +218,7 @@ def test_dkv_program_order_is_head_major_longest_first():
 @cpu_parent
 def test_dkv_blocks_repeat_each_row_per_query_tile():
     """The dK/dV kernel's index table: each block of several tiles becomes one row per tile, ragged tail cut."""
-    from flexsparse.triton.block_bwd import dkv_blocks
+    from flexsparse.triton.block_sparse.bwd import dkv_blocks
     indices = torch.randint(0, 9, (2, 3, 3, 4), dtype=torch.int32)
     per_tile, block = dkv_blocks(indices, 32, 70, 16)              # 3 blocks of 32 rows, 70 tokens: 5 tiles of 16
     assert block == 16 and per_tile.shape == (2, 3, 5, 4) and per_tile.is_contiguous()
@@ -230,17 +234,16 @@ def test_cpu_fallback_without_interpreter():
     q, k, v = make_qkv(1, 4, 2, 70, 61, 16)
     selection = random_selection(1, 4, 70, 61, 16, 8, 3)
     with ts.interpreter_env(False):
-        got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.25)
-    want = grad_run(torch_sparse.block_sparse_attention, q, k, v, selection, 0.25)
+        got = grad_run(triton_branch, q, k, v, selection, 0.25)
+    want = grad_run(torch_branch, q, k, v, selection, 0.25)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @cpu_parent
-@pytest.mark.parametrize("method", ["topk", "sla"])
+@pytest.mark.parametrize("method", ts.triton_methods("block"))
 def test_cpu_fallback_of_methods(method):
-    cfg = ({"method": "topk", "block_size": 16, "topk": 2} if method == "topk"
-           else {"method": "sla", "block_size": 16, "topk_ratio": 0.3})
+    cfg = ts.example_config(method, block_size=16, topk=2, topk_ratio=0.3)
     q, k, v = make_qkv(1, 2, 2, 70, 70, 16)
     params = _method_params(cfg, 16, 2, 70)
     with ts.interpreter_env(False):
@@ -258,7 +261,7 @@ def test_opcheck_cpu_fallback():
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices, 16, 16, 0.25, False)
     with ts.interpreter_env(False):
-        torch.library.opcheck(block_ops.block_attn.op, args)
+        torch.library.opcheck(block_op.block_attn.op, args)
 
 
 @cpu_parent
@@ -266,20 +269,18 @@ def test_selection_that_does_not_fit_raises():
     q, k, v = make_qkv(1, 2, 1, 40, 40, 16)
     selection = random_selection(1, 2, 48, 40, 16, 16, 2)
     with pytest.raises(ValueError, match="selection does not fit"):
-        triton_sparse.block_sparse_attention(q, k, v, selection, 0.25)
+        triton_branch(q, k, v, selection, 0.25)
 
 
 @cpu_parent
-@pytest.mark.parametrize("method", ["topk", "vsa", "sla", "sla2"])
-def test_auto_picks_triton_only_where_it_runs(method):
-    supported = flexsparse.methods.method_module(method).BACKENDS
-    assert "triton" in supported
-    cpu = torch.device("cpu")
+@pytest.mark.parametrize("name", ts.triton_methods())
+def test_auto_picks_triton_only_where_it_runs(name):
+    method, cpu = METHODS[name], torch.device("cpu")
     with ts.interpreter_env(False):
-        assert backends.resolve("auto", method, supported, cpu, needs_grad=True) == "torch"
-        assert backends.resolve("auto", method, supported, cpu, needs_grad=False) == "flex"
+        assert backends.resolve("auto", method, cpu, needs_grad=True).name == "torch"
+        assert backends.resolve("auto", method, cpu, needs_grad=False).name == "flex"
     with ts.interpreter_env(True):
-        assert backends.resolve("auto", method, supported, cpu, needs_grad=True) == "triton"
+        assert backends.resolve("auto", method, cpu, needs_grad=True).name == "triton"
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -303,16 +304,16 @@ def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, bl
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, block_k, topk, dtype)
     scale = d**-0.5
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, scale)
-    want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, scale)
+    got = grad_run(triton_branch, q, k, v, selection, scale)
+    want = grad_run(torch_branch, q.float(), k.float(), v.float(), selection, scale)
     for name, a, b in zip(NAMES, got, want):
         assert ts.rel_err(a, b) < tol, f"torch {name}"
     if d & (d - 1) == 0:  # flex wants power-of-two head dims
-        other = grad_run(flex.block_sparse_attention, q, k, v, selection, scale)
+        other = grad_run(flex_branch, q, k, v, selection, scale)
         for name, a, b in zip(NAMES, got, other):
             assert ts.rel_err(a, b) < 3e-2, f"flex {name}"
     if n <= 4096:
-        ref = grad_run(topk_dense, q.double(), k.double(), v.double(), selection, scale)
+        ref = grad_run(block_sparse_dense, q.double(), k.double(), v.double(), selection, scale)
         for name, a, b in zip(NAMES, got, ref):
             assert ts.rel_err(a, b) < tol, f"reference {name}"
 
@@ -320,9 +321,12 @@ def test_gpu_matches_torch_flex_and_reference(n, heads, kv_heads, d, block_q, bl
 @gpu
 @pytest.mark.parametrize("cfg", ts.GPU_METHODS, ids=lambda c: c["method"])
 def test_gpu_methods_match_torch_backend(cfg):
+    """bf16 on ``backend="triton"`` against fp32 on ``backend="torch"``, on inputs where the two backends' selections
+    (Triton kernels, PyTorch) agree (``ts.draw_selecting_alike``)."""
     n, d, heads = 4096, 64, 4
-    q, k, v = make_qkv(1, heads, 2, n, n, d, torch.bfloat16, "cuda")
     params = _method_params(cfg, d, heads, n, "cuda")
+    q, k, v = ts.draw_selecting_alike(lambda: make_qkv(1, heads, 2, n, n, d, torch.bfloat16, "cuda"), cfg, params,
+                                      ("triton", ("torch", lambda *x: [t.float() for t in x])))
     got = run(*[x.clone().requires_grad_() for x in (q, k, v)], cfg, params, "triton")
     want = run(*[x.float().requires_grad_() for x in (q, k, v)], cfg, params, "torch")
     assert ts.rel_err(got[0], want[0]) < 2e-2
@@ -333,7 +337,7 @@ def test_gpu_methods_match_torch_backend(cfg):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [ts.GPU_METHODS[0], ts.GPU_METHODS[2], ts.GPU_METHODS[3]], ids=["topk", "sla", "sla2"])
+@pytest.mark.parametrize("cfg", [c for c in ts.GPU_METHODS if c["method"] != "vsa"], ids=lambda c: c["method"])
 def test_gpu_compiled_training_no_recompiles(cfg):
     """fullgraph compile of forward + backward, 3 steps with new inputs (new selections): one graph, no
     breaks, no recompiles; matches eager."""
@@ -360,14 +364,24 @@ def test_gpu_compiled_training_no_recompiles(cfg):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def _fixes_length(cfg: dict) -> bool:
+    """Whether the method's parameters are sized by the sequence length (SLA2's alpha per query block)."""
+    config = Config.from_dict(cfg)
+    try:
+        METHODS[config.method].init_params(config, 64, 4, None)
+    except ValueError:
+        return True
+    return False
+
+
 @gpu
-@pytest.mark.parametrize("cfg", [c for c in ts.GPU_METHODS if c["method"] != "sla2"]
-                         + [{"method": "llsa", "block_size": 16, "topk": 8}],
-                         ids=lambda c: c["method"])
+@pytest.mark.parametrize("cfg", [c for c in ts.GPU_METHODS + [ts.example_config(m) for m in ts.triton_methods("llsa")]
+                                 if not _fixes_length(c)], ids=lambda c: c["method"])
 def test_gpu_compiled_over_sequence_lengths(cfg):
     """A model that sees several resolutions: ``torch.compile(fullgraph=True)`` at three lengths (a ragged one;
     dynamo makes the length symbolic from the second), forward and backward against the same module run eagerly,
-    and no failed write analysis on the way (``conftest``). Not SLA2: its per-query-block alphas fix the length."""
+    and no failed write analysis on the way (``conftest``). Not methods whose parameters fix the length (SLA2: its
+    per-query-block alphas)."""
     module = flexsparse.SparseAttention(cfg, head_dim=64, num_heads=4, backend="triton").cuda()
     with torch.no_grad():
         for p in module.parameters():
@@ -391,7 +405,7 @@ def test_gpu_compiled_over_sequence_lengths(cfg):
 @gpu
 def test_gpu_deterministic():
     (q, k, v), selection = _gpu_case(16384, 4, 2, 64, 64, 64, 13)
-    first, second = (grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.125, deterministic=True)
+    first, second = (grad_run(triton_branch, q, k, v, selection, 0.125, deterministic=True)
                      for _ in range(2))
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
@@ -400,7 +414,7 @@ def test_gpu_deterministic():
 @gpu
 @pytest.mark.parametrize("det", [False, True])
 def test_gpu_block_csc_is_transpose(det):
-    from flexsparse.triton.csc import block_csc
+    from flexsparse.triton.common.csc import block_csc
     selection = random_selection(2, 4, 8192, 8192, 64, 64, 9, "cuda")
     offsets, rows = block_csc(selection.indices.contiguous(), selection.num_k_blocks, det)
     want = csr_to_csc(selection.indices, selection.num_k_blocks)
@@ -418,14 +432,14 @@ def test_gpu_block_csc_is_transpose(det):
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_case(1000, 2, 1, 64, 64, 64, 4)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices, 64, 64, 0.125, False)
-    torch.library.opcheck(block_ops.block_attn.op, args)
+    torch.library.opcheck(block_op.block_attn.op, args)
 
 
 def _ws_backward_case(n, heads, kv_heads, d, block_q, topk, deterministic):
     """Inputs of the Gluon backward tests (skipped off sm_90): contiguous q, k, v, a random dO, the index table
     (64-token key blocks), the forward's O and LSE and the table's CSC."""
-    from flexsparse.triton import block_fwd
-    from flexsparse.triton.csc import block_csc
+    from flexsparse.triton.block_sparse import fwd as block_fwd
+    from flexsparse.triton.common.csc import block_csc
     ts.skip_unless_sm90()
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk)
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -444,7 +458,8 @@ def _ws_backward_case(n, heads, kv_heads, d, block_q, topk, deterministic):
 def test_gpu_warp_specialized_forward_matches_triton_kernel(n, heads, kv_heads, d, block_q, topk, dtype):
     """The Gluon forward (``block_fwd_ws``; ragged tails, GQA, 64-, 128- and 256-row query blocks) against the
     Triton kernel on the same selection; they sum in the same order."""
-    from flexsparse.triton import block_fwd, block_fwd_ws
+    from flexsparse.triton.block_sparse import fwd as block_fwd
+    from flexsparse.triton.block_sparse import fwd_ws as block_fwd_ws
     ts.skip_unless_sm90()
     (q, k, v), selection = _gpu_case(n, heads, kv_heads, d, block_q, 64, topk, dtype)
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -486,7 +501,8 @@ def test_gpu_compiled_warp_specialized_forward():
 def test_gpu_warp_specialized_dkv_matches_triton_kernel(n, heads, d, block_q, topk):
     """The Gluon dK/dV (``block_bwd_ws``; ragged tails, key blocks nobody selected, 64- to 256-row query
     blocks) against the Triton kernel on the same CSC; with a deterministic CSC it is bitwise reproducible."""
-    from flexsparse.triton import block_bwd, block_bwd_ws
+    from flexsparse.triton.block_sparse import bwd as block_bwd
+    from flexsparse.triton.block_sparse import bwd_ws as block_bwd_ws
     q, k, v, do, indices, o, lse, offsets, rows = _ws_backward_case(n, heads, heads, d, block_q, topk, True)
     if topk == 1:  # 16 query blocks picking one of 16 key blocks each: some key block has an empty list
         assert (offsets[..., 1:] == offsets[..., :-1]).any()
@@ -505,8 +521,8 @@ def test_gpu_warp_specialized_backward_end_to_end():
     """D=64 without GQA and lists of >= ``WS_DKV_MIN_STEPS`` tiles (the Gluon dK/dV's case), ragged N: the default
     Triton path against the torch backend."""
     (q, k, v), selection = _gpu_case(3001, 4, 4, 64, 64, 64, 20)
-    got = grad_run(triton_sparse.block_sparse_attention, q, k, v, selection, 0.125)
-    want = grad_run(torch_sparse.block_sparse_attention, q.float(), k.float(), v.float(), selection, 0.125)
+    got = grad_run(triton_branch, q, k, v, selection, 0.125)
+    want = grad_run(torch_branch, q.float(), k.float(), v.float(), selection, 0.125)
     for name, a, b in zip(NAMES, got, want):
         assert ts.rel_err(a, b) < 2e-2, name
 
@@ -518,7 +534,8 @@ def test_gpu_warp_specialized_backward_end_to_end():
 def test_gpu_warp_specialized_dq_matches_triton_kernel(n, heads, kv_heads, d, block_q, topk, with_dlse):
     """The Gluon dQ and Delta (``block_bwd_ws.ws_dq``; ragged tails, GQA, a gradient on the LSE) against the
     Triton kernel's."""
-    from flexsparse.triton import block_bwd, block_bwd_ws
+    from flexsparse.triton.block_sparse import bwd as block_bwd
+    from flexsparse.triton.block_sparse import bwd_ws as block_bwd_ws
     q, k, v, do, indices, o, lse, offsets, rows = _ws_backward_case(n, heads, kv_heads, d, block_q, topk, False)
     dlse = torch.randn_like(lse) if with_dlse else None
     tiles = block_bwd.backward_tiles(q.device, d, q.dtype)

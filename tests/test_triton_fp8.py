@@ -1,5 +1,5 @@
 """The FP8 (e4m3) Triton forward of the quantized block-sparse branch (``flexsparse::block_attn_fp8``:
-``triton/fp8_quant.py`` pre-pass + ``triton/block_fwd_fp8.py`` kernel; docs/methods.md "FP8 QAT").
+``triton/block_sparse/fp8_quant.py`` pre-pass + ``triton/block_sparse/fwd_fp8.py`` kernel; docs/methods.md "FP8 QAT").
 
 CPU (CI): the kernels run through the Triton interpreter on fp16 stand-ins of the e4m3 values (tiny shapes,
 odd N, GQA, several block sizes and tile choices, fp32/fp16/bf16 inputs) in a child pytest started with
@@ -27,23 +27,27 @@ pytest.importorskip("torchao")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import dataclasses  # noqa: E402
+
 import flexsparse  # noqa: E402
 from flexsparse import backends  # noqa: E402
-from flexsparse.backends import triton_sparse  # noqa: E402
+from flexsparse.backends import BACKENDS  # noqa: E402
+from flexsparse.backends.triton_backend import fp8_block_sparse_attention  # noqa: E402
 from flexsparse.bench import structured_qkv  # noqa: E402
 from flexsparse.config import Config, QuantConfig  # noqa: E402
 from flexsparse.masks import BlockSelection, num_blocks  # noqa: E402
-from flexsparse.methods import method_module  # noqa: E402
-from flexsparse.methods._blocks import block_attention  # noqa: E402
+from flexsparse.methods import METHODS  # noqa: E402
 from flexsparse.quant import E4M3, block_scales, channel_scales, quantize  # noqa: E402
-from flexsparse.triton import block_ops  # noqa: E402
-from flexsparse.triton.block_fwd import geometry  # noqa: E402
-from flexsparse.triton.block_fwd_fp8 import block_attend_fp8, forward_tiles  # noqa: E402
-from flexsparse.triton.common import launcher  # noqa: E402
-from flexsparse.triton.fp8_quant import quantize_blocks, quantize_qkv, quantize_v_transposed, to_e4m3  # noqa: E402
+from flexsparse.triton._runtime.registry import launcher  # noqa: E402
+from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
+from flexsparse.triton.block_sparse.fp8_quant import (quantize_blocks, quantize_qkv,  # noqa: E402
+                                                      quantize_v_transposed, to_e4m3)
+from flexsparse.triton.block_sparse.fwd import geometry  # noqa: E402
+from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 random_selection = ts.random_selection
+TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
 @cpu_parent
@@ -65,7 +69,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale: float, tiles: dict):
     """The kernel's math in PyTorch fp32 on the pre-pass outputs, with its key tiles in its order (``list_rows``
-    of ``block_fwd``): per step raw ``s = q8 k8^T``, the factor ``c = scale log2(e) / s_q * (1 / s_k)``, running
+    of ``block_sparse.fwd``): per step raw ``s = q8 k8^T``, the factor ``c = scale log2(e) / s_q * (1 / s_k)``, running
     max of ``s c``, ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator), ``l`` summed from the
     unquantized ``p``, ``acc = acc alpha + e4m3(p) v8``; ``o = acc / (l s_v)``, LSE with the smoothing term.
     Vectorized over (batch, head, query block). Returns o ``(B, H, Nq, D)`` fp32 and the LSE."""
@@ -124,7 +128,7 @@ def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale
 def fake_quant_branch(q, k, v, selection: BlockSelection, scale: float):
     """The ``torch`` backend's fake-quantized branch (the spec in fp32), o and LSE."""
     with torch.no_grad():
-        return block_attention(q, k, v, selection, scale, backend="torch", quant=QuantConfig())
+        return TORCH.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
 
 
 def spec_bound(pre, selection: BlockSelection, scale: float) -> torch.Tensor:
@@ -232,7 +236,7 @@ def test_kernel_matches_its_emulation_and_the_fake_quant_spec(bsz, n, block_q, b
     spec_o, spec_lse = fake_quant_branch(q, k, v, selection, scale)
     assert ((o - spec_o).abs() <= spec_bound(pre, selection, scale)).all()
     assert ts.rel_err(o, spec_o) < 0.05 and ts.rel_err(lse, spec_lse) < 1e-5
-    got_o, got_lse = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, scale)      # the op, end to end
+    got_o, got_lse = fp8_block_sparse_attention(q, k, v, selection, scale)      # the op, end to end
     assert torch.equal(got_o, o) and torch.equal(got_lse, lse)
 
 
@@ -264,22 +268,31 @@ def test_half_precision_inputs(dtype):
     """fp16/bf16 q, k, v: the pre-pass reads them, the output is in their dtype."""
     q, k, v = make_qkv(1, 2, 1, 45, 16, dtype)
     selection = random_selection(1, 2, 45, 45, 16, 16, 2)
-    o, lse = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, 0.25)
+    o, lse = fp8_block_sparse_attention(q, k, v, selection, 0.25)
     assert o.dtype == dtype and lse.dtype == torch.float32
     pre = quantize_qkv(q, k, v, 16, 16)
     want_o, want_lse = emulate_kernel(pre, selection.indices, 16, 16, 0.25, forward_tiles(q.device, 16))
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
 
 
-METHOD_CONFIGS = [
-    {"method": "topk", "block_q": 16, "block_k": 8, "topk": 3},
-    {"method": "sla", "block_size": 16, "topk_ratio": 0.4, "negligible_ratio": 0.2},
-    {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.4},
-]
+def fp8_methods() -> list[str]:
+    """The methods of the registry whose quantized sparse branch the FP8 kernel runs: a ``quant`` config key, and the
+    triton backend takes their branch with the default ``QuantConfig``."""
+    return [name for name in ts.triton_methods()
+            if "quant" in {field.name for field in dataclasses.fields(METHODS[name].config)}
+            and TRITON.quant_unsupported(QuantConfig(), METHODS[name].sparse_branch) is None]
+
+
+# the CPU cases: each FP8 method's registry example on 16-token query and 8-token key blocks with K = 3 or 40% of
+# the key blocks, changed as listed here
+VARIANTS = {"sla": {"block_size": 16, "negligible_ratio": 0.2}, "sla2": {"block_q": 32, "block_k": 16}}
+METHOD_CONFIGS = [ts.example_config(name, **ts.merged({"block_q": 16, "block_k": 8, "topk": 3, "topk_ratio": 0.4},
+                                                      VARIANTS.get(name, {})))
+                  for name in fp8_methods()]
 
 
 def _params(cfg: dict, d: int, heads: int, n: int, device="cpu") -> dict:
-    params = method_module(cfg["method"]).init_params(Config.from_dict(cfg), d, heads, n)
+    params = METHODS[cfg["method"]].init_params(Config.from_dict(cfg), d, heads, n)
     return {name: (p + 0.1 * torch.randn(p.shape)).to(device).requires_grad_() for name, p in params.items()}
 
 
@@ -295,11 +308,13 @@ def test_methods_forward_is_the_kernel_and_gradients_are_the_unquantized_ones(cf
     """``flexsparse.attention(..., backend="triton")`` with ``quant``: the values of the no-grad (kernel) run,
     within the FP8 error of the torch backend's fake quantization, and exactly the gradients (q, k, v and
     the method's parameters but SLA2's alpha, which multiplies the quantized output) of the unquantized
-    Triton branch."""
+    Triton branch. Inputs on which the triton backend's selection (interpreted kernels) is the torch backend's
+    (``ts.draw_selecting_alike``)."""
     n, d, heads = 75, 16, 2
-    q, k, v = (x.requires_grad_() for x in make_qkv(1, heads, 1, n, d))
     params = _params(cfg, d, heads, n)
     config = {**cfg, "quant": {}}
+    q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(lambda: make_qkv(1, heads, 1, n, d), config,
+                                                                   params, ("triton", "torch")))
     out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
     with torch.no_grad():
         frozen, frozen_lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
@@ -324,7 +339,7 @@ def test_cpu_fallback_is_the_torch_fake_quant():
     q, k, v = make_qkv(1, 4, 2, 70, 16)
     selection = random_selection(1, 4, 70, 70, 16, 8, 3)
     with ts.interpreter_env(False):
-        o, lse = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, 0.25)
+        o, lse = fp8_block_sparse_attention(q, k, v, selection, 0.25)
     want_o, want_lse = fake_quant_branch(q, k, v, selection, 0.25)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
@@ -334,7 +349,7 @@ def test_opcheck_cpu_fallback():
     q, k, v = make_qkv(1, 2, 1, 40, 16)
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     with ts.interpreter_env(False):
-        torch.library.opcheck(block_ops.block_attn_fp8.op, (q, k, v, selection.indices, 16, 16, 0.25))
+        torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 16, 16, 0.25))
 
 
 @cpu_parent
@@ -369,23 +384,20 @@ def test_fullgraph_trace_of_quantized_training_step():
     ("sla", {"v": "per_tensor"}, "v='per_channel' only"),
 ])
 def test_triton_refuses_what_the_kernel_cannot_run_and_auto_skips_it(method, quant, match):
-    cfg = {"llsa": {"method": "llsa", "block_size": 8, "topk": 2}, "sla": {"method": "sla", "block_size": 16},
-           "topk": {"method": "topk", "block_size": 16, "topk": 2},
-           "sla2": {"method": "sla2", "block_size": 16}}[method]
+    cfg = ts.example_config(method, block_size=8 if method == "llsa" else 16, topk=2)
     q, k, v = make_qkv(1, 2, 2, 64, 16)
     params = _params(cfg, 16, 2, 64)
     with pytest.raises(ValueError, match=f"backend 'triton' cannot run method '{method}' with config key 'quant'.*"
                                          + match):
         flexsparse.attention(q, k, v, {**cfg, "quant": quant}, backend="triton", params=params)
-    supported = method_module(method).BACKENDS
+    cpu = torch.device("cpu")
     with ts.interpreter_env(True):
-        picked = backends.resolve("auto", method, supported, torch.device("cpu"), True, quant=QuantConfig(**quant))
-        assert picked == "torch"
-        assert backends.resolve("auto", "sla", method_module("sla").BACKENDS, torch.device("cpu"), True,
-                                quant=QuantConfig()) == "triton"
+        assert backends.resolve("auto", METHODS[method], cpu, True, quant=QuantConfig(**quant)).name == "torch"
+        for name in fp8_methods():
+            assert backends.resolve("auto", METHODS[name], cpu, True, quant=QuantConfig()).name == "triton"
     with pytest.raises(ValueError, match="backend 'triton' cannot run config key 'quant'"):
-        block_attention(q, k, v, random_selection(1, 2, 64, 64, 16, 16, 2), 0.25, backend="triton",
-                        quant=QuantConfig(**quant) if quant else QuantConfig(p="none"))
+        TRITON.block_sparse_attention(q, k, v, random_selection(1, 2, 64, 64, 16, 16, 2), 0.25,
+                                      quant=QuantConfig(**quant) if quant else QuantConfig(p="none"))
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -444,7 +456,7 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
     if n <= 4096:
         bound = spec_bound(pre, selection, scale) + 2.0**-7 * spec_o.abs()           # + both outputs' bf16 rounding
         assert ((o.float() - spec_o).abs() <= bound).all()
-    plain_o, plain_lse = triton_sparse.block_sparse_attention(q, k, v, selection, scale)
+    plain_o, plain_lse = TRITON.sparse_softmax(q, k, v, selection, scale)
     assert 1e-3 < ts.rel_err(o, plain_o) < 0.07 and ts.rel_err(lse, plain_lse) < 1e-2
 
 
@@ -453,12 +465,12 @@ def test_gpu_structured_inputs_error_against_bf16():
     """Low-rank smooth tokens (V with a mean): the FP8 error drops well below the random-input one."""
     q, k, v = structured_qkv(1, 2, 4096, 64, gain=1.5, seed=0, device="cuda", dtype=torch.bfloat16)
     selection = random_selection(1, 2, 4096, 4096, 64, 64, 16, "cuda")
-    o, _ = triton_sparse.fp8_block_sparse_attention(q, k, v, selection, 0.125)
-    plain, _ = triton_sparse.block_sparse_attention(q, k, v, selection, 0.125)
+    o, _ = fp8_block_sparse_attention(q, k, v, selection, 0.125)
+    plain, _ = TRITON.sparse_softmax(q, k, v, selection, 0.125)
     assert ts.rel_err(o, plain) < 0.03
 
 
-GPU_METHODS = [cfg for cfg in ts.GPU_METHODS if cfg["method"] != "vsa"]   # the FP8 kernel's methods
+GPU_METHODS = [cfg for cfg in ts.GPU_METHODS if cfg["method"] in fp8_methods()]   # the FP8 kernel's methods
 
 
 @gpu
@@ -467,15 +479,17 @@ def test_gpu_methods_quantized_forward_and_exact_gradients(cfg):
     """Forward within the FP8 error of the torch fake quantization; gradients those of the unquantized Triton
     branch: bitwise for the method's parameters (deterministic dK/dV, so that two backward runs can be compared
     bit for bit), and for q, k, v of ``sla`` / ``sla2`` up to the rounding of the two branches' sum (the unquantized
-    path adds them in fp32 inside the linear kernels, ``sla_ops.sparse_linear_mix``; the quantized one runs the
+    path adds them in fp32 inside the linear kernels, ``linear.op.sparse_linear_mix``; the quantized one runs the
     branches as two ops, whose bf16 gradients autograd adds). ``sla``'s projection weight to the same bound: its
     gradient ``dO^T O_l`` reads the O_l of each path, which on sm_90 the unquantized one computes in the Gluon
-    sparse kernel's epilogue (``sparse_linear_ws``; another summation order, last bits)."""
+    sparse kernel's epilogue (``linear.mix_ws``; another summation order, last bits). Inputs on which the torch
+    backend's selection (PyTorch) is the triton backend's (``ts.draw_selecting_alike``)."""
     cfg = {**cfg, "deterministic": True}
     n, d, heads = 4096, 64, 4
-    q, k, v = (x.requires_grad_() for x in make_qkv(1, heads, 2, n, d, torch.bfloat16, "cuda"))
     params = _params(cfg, d, heads, n, "cuda")
     config = {**cfg, "quant": {}}
+    q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(
+        lambda: make_qkv(1, heads, 2, n, d, torch.bfloat16, "cuda"), config, params, ("triton", "torch")))
     out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
     with torch.no_grad():
         spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
@@ -494,7 +508,7 @@ def test_gpu_methods_quantized_forward_and_exact_gradients(cfg):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [GPU_METHODS[0], GPU_METHODS[1]], ids=["topk", "sla"])
+@pytest.mark.parametrize("cfg", [c for c in GPU_METHODS if c["method"] != "sla2"], ids=lambda c: c["method"])
 def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
     """fullgraph compile of forward + backward with quant on triton: one graph, no breaks, no recompiles over
     3 steps with new inputs; matches eager."""
@@ -527,7 +541,7 @@ def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
 @gpu
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_inputs(1000, 2, 1, 64, 64, 64, 4)
-    torch.library.opcheck(block_ops.block_attn_fp8.op, (q, k, v, selection.indices, 64, 64, 0.125))
+    torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 64, 64, 0.125))
 
 
 @cpu_only

@@ -1,21 +1,22 @@
-"""The masked linear branch of SLA / SLA2 in Triton (``backends.triton_linear``, ops ``flexsparse::masked_linear``
-and ``masked_linear_bwd``; kernels ``triton.linear_fwd`` / ``linear_bwd``).
+"""The masked linear branch of SLA / SLA2 in Triton (the triton backend's ``masked_linear_attention``,
+``mixed_linear_output`` and ``sparse_linear_output``; ops ``flexsparse::masked_linear`` and ``masked_linear_bwd``;
+kernels ``triton.linear.fwd`` / ``linear.bwd``).
 
 CPU (CI): the kernels run through the Triton interpreter in fp32 (and fp16) on tiny shapes, both strategies (gather,
 dense block sums; forced through ``FLEXSPARSE_TRITON_TILES``), against the PyTorch path of the same ops (fp64
-inputs, exact) and ``torch_linear``'s references (outputs and gradients of q, k, v):
+inputs, exact) and the PyTorch branch's references (``triton.linear.naive``) (outputs and gradients of q, k, v):
 with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that are not powers of two, the
 three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
-gives exactly 0; opcheck of both ops; ``mixed_output`` (op ``masked_linear_mix``: SLA's projection and SLA2's
+gives exactly 0; opcheck of both ops; ``mixed_linear_output`` (op ``masked_linear_mix``: SLA's projection and SLA2's
 alpha lerp in the output kernel) against the branch combined in PyTorch (outputs and the gradients of q, k, v,
 o_s, weight, bias, alpha); SLA2's one-pass kernels ``lerp_mix_bwd`` (the lerp's backward) and ``center_tokens``
 (smoothed keys) against their PyTorch paths. They run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_suite``).
 GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
 against the PyTorch path (fp64); the default strategy against the torch backend, eager and
-``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_output`` in bf16 against the
+``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_linear_output`` in bf16 against the
 unfused combine, eager and compiled; ``lerp_mix_bwd`` and ``center_tokens`` in bf16 (bitwise against PyTorch); on
-sm_90 the Gluon forward that mixes the branch in its epilogue (``sparse_linear_ws``) against the two ops.
+sm_90 the Gluon forward that mixes the branch in its epilogue (``linear.mix_ws``) against the two ops.
 """
 from __future__ import annotations
 
@@ -28,14 +29,19 @@ import triton_support as ts
 
 pytest.importorskip("triton")
 
-from flexsparse.backends import torch_linear, triton_linear, triton_sparse  # noqa: E402
-from flexsparse.backends.torch_linear import skipped_blocks  # noqa: E402
-from flexsparse.masks import BlockSelection, block_topk, pooled_qk, sla_block_counts, num_blocks  # noqa: E402
-from flexsparse.reference import block_mask_dense  # noqa: E402
-from flexsparse.reference.sla import sparse_linear_dense  # noqa: E402
-from flexsparse.triton import sla_ops  # noqa: E402
+from flexsparse.backends import BACKENDS  # noqa: E402
+from flexsparse.backends.base import Backend  # noqa: E402
+from flexsparse.backends.triton_backend import TritonBackend  # noqa: E402
+from flexsparse.masks import BlockSelection, num_blocks, sla_block_counts  # noqa: E402
+from flexsparse.methods.dense import block_mask_dense, sparse_linear_dense  # noqa: E402
+from flexsparse.triton.linear import naive as linear_naive  # noqa: E402
+from flexsparse.triton.linear import op as linear_op  # noqa: E402
+from flexsparse.triton.linear.naive import skipped_blocks  # noqa: E402
+from flexsparse.triton.pooling.op import center_tokens  # noqa: E402
+from flexsparse.triton.selection.naive import block_topk  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
+TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
 @cpu_parent
@@ -50,7 +56,7 @@ def _inputs(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu"):
 def _selection(q, k, block_q, block_k, topk_ratio, negligible_ratio):
     """SLA's router on the given q, k: ``BlockSelection`` with ``excluded`` when ``negligible_ratio > 0``."""
     topk, bottomk = sla_block_counts(topk_ratio, negligible_ratio, num_blocks(k.shape[2], block_k))
-    q_bar, k_bar = pooled_qk(q.float(), k.float(), block_q, block_k, smooth_k=True)
+    q_bar, k_bar = TORCH.router_inputs(q.float(), k.float(), block_q, block_k)
     top, bottom = block_topk(q_bar, k_bar, topk, bottomk=bottomk)
     return BlockSelection(top, block_q, block_k, q.shape[2], k.shape[2], excluded=bottom)
 
@@ -79,8 +85,8 @@ def test_matches_torch_backend(b, h, hk, nq, nk, d, bq, bk, ratio, negligible, f
     q, k, v = _inputs(b, h, hk, nq, nk, d)
     selection = _selection(q, k, bq, bk, ratio, negligible)
     assert (selection.excluded is not None) == (negligible > 0)
-    got = _run(triton_linear.masked_linear_attention, q, k, v, selection, fmap)
-    want = _run(torch_linear.masked_linear_attention, q, k, v, selection, fmap)
+    got = _run(TRITON.masked_linear_attention, q, k, v, selection, fmap)
+    want = _run(linear_naive.masked_linear_attention, q, k, v, selection, fmap)
     for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
         assert ts.rel_err(a, w) < 1e-5, name
 
@@ -95,7 +101,7 @@ def test_matches_dense_reference(fmap):
     # minus selected" sums cancel (dk off by ~1e-3 in 1 of ~50 draws; fp64 dense has no subtraction)
     q = q + 1.0
     selection = _selection(q, k, bq, bk, 0.25, 0.25)
-    got = _run(triton_linear.masked_linear_attention, q, k, v, selection, fmap)
+    got = _run(TRITON.masked_linear_attention, q, k, v, selection, fmap)
     skipped = block_mask_dense(skipped_blocks(selection), n, n, bq, bk)
 
     def dense(q, k, v, selection, feature_map, eps):
@@ -113,7 +119,7 @@ def test_every_block_skipped_gives_exactly_zero(ratio, negligible):
     q, k, v = _inputs(1, 2, 1, 40, 40, 8)
     selection = _selection(q, k, 16, 16, ratio, negligible)
     assert skipped_blocks(selection).shape[-1] == 3                       # Tk = 3
-    out = triton_linear.masked_linear_attention(q, k, v, selection, feature_map="softmax", eps=1e-5)
+    out = TRITON.masked_linear_attention(q, k, v, selection, feature_map="softmax", eps=1e-5)
     assert torch.equal(out, torch.zeros_like(q))
 
 
@@ -121,7 +127,7 @@ def _op_run(q, k, v, skipped, bq, bk, fmap, eps=1e-5):
     """``flexsparse::masked_linear``: output, query-block states and the gradients of q, k, v of a fixed
     random loss (torch.autograd through the registered backward)."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, rows_h, rows_z = sla_ops.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
+    out, rows_h, rows_z = linear_op.masked_linear(*leaves, skipped, bq, bk, fmap, eps)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
     (out.double() * weight.double()).sum().backward()
     return [out, rows_h, rows_z] + [x.grad for x in leaves]
@@ -169,18 +175,18 @@ def test_kernels_match_pytorch_path(b, h, hk, n, d, bq, bk, width, fmap, strateg
 @cpu_only
 @pytest.mark.parametrize("fmap", ["softmax", "elu", "relu"])
 def test_kernels_match_torch_linear_reference(fmap):
-    """Against ``torch_linear``'s gather form (fp64) through a ``BlockSelection`` of the same skipped table, and
-    with nothing skipped against full linear attention."""
+    """Against the PyTorch gather form (``linear.naive``, fp64) through a ``BlockSelection`` of the same skipped table,
+    and with nothing skipped against full linear attention."""
     b, h, hk, n, d, bq, bk = 1, 4, 2, 193, 16, 32, 16
     q, k, v = _inputs(b, h, hk, n, n, d)
     selection = ts.random_selection(b, h, n, n, bq, bk, 4)
     skipped = selection.indices
     got = _op_run(q, k, v, skipped, bq, bk, fmap)
-    want = _run(torch_linear.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
+    want = _run(linear_naive.masked_linear_attention, q.double(), k.double(), v.double(), selection, fmap)
     for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[3:], want):
         assert ts.rel_err(a, w) < 1e-5, name
     got = _op_run(q, k, v, skipped[..., :0], bq, bk, fmap)
-    full = _run(lambda q, k, v, s, feature_map, eps: torch_linear.linear_attention(q, k, v, feature_map=feature_map,
+    full = _run(lambda q, k, v, s, feature_map, eps: linear_naive.linear_attention(q, k, v, feature_map=feature_map,
                                                                                    eps=eps),
                 q.double(), k.double(), v.double(), selection, fmap)
     for name, a, w in zip(["o", "dq", "dk", "dv"], got[:1] + got[3:], full):
@@ -205,7 +211,7 @@ def test_unknown_feature_map_and_wide_heads():
     q, k, v = _inputs(1, 2, 1, 40, 40, 16)
     skipped = ts.random_selection(1, 2, 40, 40, 16, 16, 1).indices
     with pytest.raises(ValueError, match="feature_map"):
-        sla_ops.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
+        linear_op.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
     q, k, v = _inputs(1, 2, 1, 40, 40, 136)
     got = _op_run(q, k, v, skipped, 16, 16, "elu")
     want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 16, "elu")
@@ -215,7 +221,7 @@ def test_unknown_feature_map_and_wide_heads():
 
 @cpu_parent
 def test_strategy_rule():
-    from flexsparse.triton.linear_fwd import dense, linear_tiles
+    from flexsparse.triton.linear.fwd import dense, linear_tiles
     skipped = torch.zeros(1, 1, 4, 3, dtype=torch.int32)
     cuda = torch.device("cuda")
     bf16_64, bf16_128 = linear_tiles(cuda, 64, torch.bfloat16), linear_tiles(cuda, 128, torch.bfloat16)
@@ -234,12 +240,12 @@ def test_opcheck_kernels(strategy):
     skipped = ts.random_selection(1, 4, 50, 50, 16, 16, 2).indices
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, 16, 16, "elu", 1e-5)
     utils = ("test_schema", "test_autograd_registration")   # fake tensors cannot run interpreted kernels
-    torch.library.opcheck(sla_ops.masked_linear.op, args, test_utils=utils)
-    out, rows_h, rows_z = sla_ops.masked_linear(*args)
+    torch.library.opcheck(linear_op.masked_linear.op, args, test_utils=utils)
+    out, rows_h, rows_z = linear_op.masked_linear(*args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped, rows_h, rows_z, 16, 16, "elu",
                 1e-5)
-    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args, test_utils=utils)
-    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()), test_utils=utils)
+    torch.library.opcheck(linear_op.masked_linear_bwd.op, bwd_args, test_utils=utils)
+    torch.library.opcheck(linear_op.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()), test_utils=utils)
 
 
 @cpu_only
@@ -249,10 +255,10 @@ def test_backward_from_saved_output_equals_recomputed(b, h, hk, n, d, bq, bk, wi
     the kernel that recomputes it, fp32 (interpreter): dq, dk, dv."""
     q, k, v = _inputs(b, h, hk, n, n, d)
     skipped = ts.random_selection(b, h, n, n, bq, bk, width).indices
-    out, rows_h, rows_z = sla_ops.masked_linear(q, k, v, skipped, bq, bk, fmap, 1e-5)
+    out, rows_h, rows_z = linear_op.masked_linear(q, k, v, skipped, bq, bk, fmap, 1e-5)
     do = torch.randn_like(out)
-    recomputed = sla_ops.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5)
-    saved = sla_ops.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5, o_l=out)
+    recomputed = linear_op.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5)
+    saved = linear_op.masked_linear_bwd(do, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5, o_l=out)
     for name, a, w in zip("qkv", saved, recomputed):
         assert w.abs().max() > 0, name
         assert ts.rel_err(a, w) < 1e-6, name
@@ -260,8 +266,8 @@ def test_backward_from_saved_output_equals_recomputed(b, h, hk, n, d, bq, bk, wi
 
 @cpu_parent
 def test_triton_backend_gets_the_triton_branch():
-    assert torch_linear.masked_linear_for("triton") is triton_linear.masked_linear_attention
-    assert torch_linear.masked_linear_for("torch") is torch_linear.masked_linear_attention
+    assert type(TRITON).masked_linear_attention is TritonBackend.masked_linear_attention
+    assert type(TORCH).masked_linear_attention is Backend.masked_linear_attention
 
 
 @cpu_parent
@@ -270,8 +276,8 @@ def test_cpu_fallback_without_interpreter():
     q, k, v = _inputs(2, 4, 2, 41, 41, 8)
     selection = _selection(q, k, 8, 4, 0.2, 0.2)
     with ts.interpreter_env(False):
-        got = _run(triton_linear.masked_linear_attention, q, k, v, selection, "elu")
-    want = _run(torch_linear.masked_linear_attention, q, k, v, selection, "elu")
+        got = _run(TRITON.masked_linear_attention, q, k, v, selection, "elu")
+    want = _run(linear_naive.masked_linear_attention, q, k, v, selection, "elu")
     for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
         assert ts.rel_err(a, w) < 1e-5, name
 
@@ -283,7 +289,7 @@ def test_opcheck_cpu_fallback():
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 8, 4, "softmax",
             1e-5)
     with ts.interpreter_env(False):  # aot_dispatch_dynamic takes ~10 s on 2 cores: the GPU opcheck runs it
-        torch.library.opcheck(sla_ops.masked_linear.op, args,
+        torch.library.opcheck(linear_op.masked_linear.op, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -302,7 +308,7 @@ def _mix_params(kind: str, heads: int, tq: int, d: int, device="cpu") -> dict:
 
 def _unfused(q, k, v, selection, o_s, fmap, weight=None, bias=None, alpha=None):
     """The branch (``masked_linear_attention``) combined in PyTorch as the methods do without the fused kernel."""
-    o_l = triton_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+    o_l = TRITON.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
     if weight is not None:
         return o_s + torch.nn.functional.linear(o_l, weight.to(q.dtype), bias.to(q.dtype))
     tokens = torch.arange(q.shape[2], device=q.device) // selection.block_q
@@ -320,7 +326,7 @@ def _mix_run(fn, q, k, v, selection, o_s, params, fmap):
 
 
 def _fused(q, k, v, selection, o_s, fmap, **params):
-    return triton_linear.mixed_output(q, k, v, selection, o_s, feature_map=fmap, eps=1e-5, **params)
+    return TRITON.mixed_linear_output(q, k, v, selection, o_s, feature_map=fmap, eps=1e-5, **params)
 
 
 @cpu_only
@@ -359,9 +365,10 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
     skipped = skipped_blocks(selection)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped, o_s.requires_grad_(),
             params["weight"].requires_grad_(), params["bias"].requires_grad_(), None, 16, 16, "elu", 1e-5, True)
-    torch.library.opcheck(sla_ops.masked_linear_mix.op, args, test_utils=("test_schema", "test_autograd_registration"))
+    torch.library.opcheck(linear_op.masked_linear_mix.op, args,
+                          test_utils=("test_schema", "test_autograd_registration"))
     with pytest.raises(ValueError, match="either weight"):
-        sla_ops.masked_linear_mix(q, k, v, skipped, o_s, params["weight"], None, torch.ones(1, 4), 16, 16, "elu",
+        linear_op.masked_linear_mix(q, k, v, skipped, o_s, params["weight"], None, torch.ones(1, 4), 16, 16, "elu",
                                   1e-5, False)
 
 
@@ -378,13 +385,14 @@ def _both_run(fn, q, k, v, selection, params, fmap):
 
 
 def _one_op(q, k, v, selection, fmap, **params):
-    return triton_linear.sparse_linear_output(q, k, v, selection, 0.3, deterministic=True, feature_map=fmap,
-                                              eps=1e-5, **params)
+    return TRITON.sparse_linear_output(q, k, v, selection, 0.3, deterministic=True, quant=None, feature_map=fmap,
+                                       eps=1e-5, **params)
 
 
 def _two_ops(q, k, v, selection, fmap, **params):
-    """The sparse branch (op ``block_attn``) and ``mixed_output`` as separate ops, autograd summing dq, dk, dv."""
-    o_s, lse = triton_sparse.block_sparse_attention(q, k, v, selection, 0.3, deterministic=True)
+    """The sparse branch (op ``block_attn``) and ``mixed_linear_output`` as separate ops, autograd summing dq, dk,
+    dv."""
+    o_s, lse = TRITON.sparse_softmax(q, k, v, selection, 0.3, deterministic=True)
     return _fused(q, k, v, selection, o_s, fmap, **params), lse
 
 
@@ -423,7 +431,8 @@ def test_sparse_linear_mix_opcheck_and_inference():
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices.contiguous(),
             skipped_blocks(selection), None, None, params["alpha"].requires_grad_(), 16, 16, 0.25, False, "relu",
             1e-5, True)
-    torch.library.opcheck(sla_ops.sparse_linear_mix.op, args, test_utils=("test_schema", "test_autograd_registration"))
+    torch.library.opcheck(linear_op.sparse_linear_mix.op, args,
+                          test_utils=("test_schema", "test_autograd_registration"))
 
 
 def _assert_rounded_once(d_ol, dout, alpha, block_q):
@@ -452,9 +461,9 @@ def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     rounding of its sum; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that
     are not powers of two."""
     args = _lerp_inputs(b, h, n, d, bq, rows, dtype)
-    got = sla_ops.lerp_mix_bwd(*args, bq)
+    got = linear_op.lerp_mix_bwd(*args, bq)
     with ts.interpreter_env(False):
-        want = sla_ops.lerp_mix_bwd(*args, bq)
+        want = linear_op.lerp_mix_bwd(*args, bq)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _assert_rounded_once(got[1], args[0], args[3], bq)
     assert got[2].shape == (rows, num_blocks(n, bq)) and got[2].dtype == torch.float32
@@ -468,7 +477,7 @@ def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
     # |sum| = 0.084 and a 1.2e-5 relative error against a 1e-5 bound)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert ((got[2].double() - per_alpha(terms)).abs() <= tol * per_alpha(terms.abs())).all()
-    torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
+    torch.library.opcheck(linear_op.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
 
 
 @cpu_only
@@ -479,14 +488,14 @@ def test_center_tokens_kernel_matches_pytorch(b, h, n, d, dtype):
     strided x (a transposed (B, N, H, D) layout) and ragged tiles."""
     x = (3 + torch.randn(b, n, h, d)).to(dtype).transpose(1, 2)
     mean = x.float().mean(2, keepdim=True)
-    got = sla_ops.center_tokens(x, mean)
+    got = center_tokens(x, mean)
     assert got.dtype == dtype and torch.equal(got, (x.float() - mean).to(dtype))
-    torch.library.opcheck(sla_ops.center_tokens.op, (x, mean), test_utils=("test_schema",))  # fake: on the GPU
+    torch.library.opcheck(center_tokens.op, (x, mean), test_utils=("test_schema",))  # fake: on the GPU
 
 
 @cpu_parent
 def test_mixed_output_leaves_other_cases_to_pytorch():
-    """``mixed_output`` is None where the kernels do not run (CPU without the interpreter, fp64); the op itself
+    """``mixed_linear_output`` is None where the kernels do not run (CPU without the interpreter, fp64); the op itself
     raises there, naming what it needs."""
     q, k, v = _inputs(1, 2, 1, 40, 40, 8)
     selection = _selection(q, k, 8, 8, 0.2, 0.0)
@@ -494,7 +503,7 @@ def test_mixed_output_leaves_other_cases_to_pytorch():
     with ts.interpreter_env(False):
         assert _fused(q, k, v, selection, torch.randn_like(q), "elu", **params) is None
         with pytest.raises(ValueError, match="Triton kernels only"):
-            sla_ops.masked_linear_mix(q, k, v, skipped_blocks(selection), q, None, None, params["alpha"], 8, 8, "elu",
+            linear_op.masked_linear_mix(q, k, v, skipped_blocks(selection), q, None, None, params["alpha"], 8, 8, "elu",
                                       1e-5, False)
     with ts.interpreter_env(True):
         assert _fused(q.double(), k.double(), v.double(), selection, q.double(), "elu", **params) is None
@@ -540,11 +549,11 @@ def test_gpu_bf16_matches_torch_backend(h, hk, n, d, bq, bk, negligible, fmap, c
     selection = _selection(q, k, bq, bk, 0.05, negligible)
 
     def branch(q, k, v):
-        return triton_linear.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
+        return TRITON.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
 
     fn = torch.compile(branch, fullgraph=True) if compiled else branch
     got = _run(lambda q, k, v, s, feature_map, eps: fn(q, k, v), q, k, v, selection, fmap)
-    want = _run(torch_linear.masked_linear_attention, q.float(), k.float(), v.float(), selection, fmap)
+    want = _run(linear_naive.masked_linear_attention, q.float(), k.float(), v.float(), selection, fmap)
     assert got[0].dtype == torch.bfloat16
     for name, a, w in zip(["o", "dq", "dk", "dv"], got, want):
         assert ts.rel_err(a, w) < 1e-2, name
@@ -567,12 +576,12 @@ def test_gpu_opcheck(strategy):
     selection = _selection(q, k, 64, 32, 0.1, 0.1)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), skipped_blocks(selection), 64, 32, "softmax",
             1e-5)
-    torch.library.opcheck(sla_ops.masked_linear.op, args)
-    out, rows_h, rows_z = sla_ops.masked_linear(*args)
+    torch.library.opcheck(linear_op.masked_linear.op, args)
+    out, rows_h, rows_z = linear_op.masked_linear(*args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), skipped_blocks(selection), rows_h, rows_z,
                 64, 32, "softmax", 1e-5)
-    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args)
-    torch.library.opcheck(sla_ops.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()))
+    torch.library.opcheck(linear_op.masked_linear_bwd.op, bwd_args)
+    torch.library.opcheck(linear_op.masked_linear_bwd.op, bwd_args + (None, None, None, out.detach()))
 
 
 @gpu
@@ -581,9 +590,9 @@ def test_gpu_center_tokens_bf16(n, d):
     """The kernel in bf16 equals PyTorch's fp32 difference rounded once (strided x); opcheck."""
     x = (3 + torch.randn(2, n, 4, d, device="cuda")).to(torch.bfloat16).transpose(1, 2)
     mean = x.float().mean(2, keepdim=True)
-    assert torch.equal(sla_ops.center_tokens(x, mean), (x.float() - mean).to(torch.bfloat16))
+    assert torch.equal(center_tokens(x, mean), (x.float() - mean).to(torch.bfloat16))
     if n < 1000:
-        torch.library.opcheck(sla_ops.center_tokens.op, (x, mean))
+        torch.library.opcheck(center_tokens.op, (x, mean))
 
 
 @gpu
@@ -592,13 +601,13 @@ def test_gpu_lerp_mix_bwd_bf16(b, h, n, d, bq, rows):
     """The kernel in bf16 on the GPU: d o_s and d O_l bitwise equal to the PyTorch path (d O_l rounded once),
     d alpha to fp32 rounding (the PyTorch path rounds each block's dot to bf16)."""
     args = _lerp_inputs(b, h, n, d, bq, rows, torch.bfloat16, "cuda")
-    got = sla_ops.lerp_mix_bwd(*args, bq)
-    want = sla_ops.lerp_mix_bwd(*[x.cpu() for x in args], bq)
+    got = linear_op.lerp_mix_bwd(*args, bq)
+    want = linear_op.lerp_mix_bwd(*[x.cpu() for x in args], bq)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     _assert_rounded_once(got[1], args[0], args[3], bq)
     assert ts.rel_err(got[2].cpu(), want[2]) < 1e-2
     if n < 1000:
-        torch.library.opcheck(sla_ops.lerp_mix_bwd.op, (*args, bq))
+        torch.library.opcheck(linear_op.lerp_mix_bwd.op, (*args, bq))
 
 
 @gpu
@@ -622,7 +631,7 @@ def test_gpu_mixed_output_bf16(kind, compiled):
 def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
     """q, k, v in a transposed (B, N, H, D) layout, as models hand them over: the op makes them contiguous before
     it checks the Gluon kernels' conditions, so the fused epilogue runs and gives the contiguous inputs' output."""
-    from flexsparse.triton import sparse_linear_ws
+    from flexsparse.triton.linear import mix_ws as sparse_linear_ws
     ts.skip_unless_sm90()
     calls = []
     fused = sparse_linear_ws.ws_sparse_linear_forward
@@ -645,11 +654,11 @@ def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
     (2, 2, 32760, 128, 64, 0.0, "softmax", "proj")])
 def test_gpu_linear_branch_in_sparse_epilogue(h, hk, n, d, bq, negligible, fmap, kind, monkeypatch):
     """sm_90, bf16: ``sparse_linear_output`` mixes the linear branch in the Gluon sparse forward's epilogue
-    (``sparse_linear_ws``; GQA, ragged N, 128-row query blocks, D 64 / 128, both mixes, three feature maps) and
+    (``linear.mix_ws``; GQA, ragged N, 128-row query blocks, D 64 / 128, both mixes, three feature maps) and
     equals the sparse op followed by the output kernel's mix: output, LSE (bitwise: the same loop), the gradients
     of q, k, v and the mixing parameters; without gradients it stores neither O_s nor O_l and gives the same
     output; the fused kernel ran both times; opcheck of its op."""
-    from flexsparse.triton import sparse_linear_ws
+    from flexsparse.triton.linear import mix_ws as sparse_linear_ws
     ts.skip_unless_sm90()
     stores = []
     fused = sparse_linear_ws.ws_sparse_linear_forward

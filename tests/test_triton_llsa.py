@@ -1,7 +1,8 @@
 """The ``triton`` backend of LLSA.
 
 CPU (CI): the kernels run through the Triton interpreter in fp32 on tiny shapes (several L, odd N,
-GQA) against ``flexsparse.masks`` (pooling, selection, CSC), the ``torch`` backend (outputs, LSE and
+GQA) against the PyTorch pooling and selection (``flexsparse.triton.pooling.naive``, ``selection.naive``), the CSC
+of ``flexsparse.masks``, the ``torch`` backend (outputs, LSE and
 all gradients, pooled levels as separate leaves) and the dense reference. They run in a child pytest
 started with ``TRITON_INTERPRET=1`` (``test_interpreter_suite``, see ``triton_support``).
 GPU (``pytest -m gpu``): bf16 at realistic sizes, eager and ``torch.compile(fullgraph=True)``, opcheck.
@@ -21,14 +22,20 @@ import triton_support as ts
 pytest.importorskip("triton")
 
 import flexsparse  # noqa: E402
-from flexsparse.backends import runs_on, torch_sparse, triton_sparse  # noqa: E402
-from flexsparse.masks import (children_topk, csr_to_csc, hierarchical_topk, llsa_topk, num_blocks,  # noqa: E402
-                              pool_pyramid)
-from flexsparse.triton import llsa_fwd, ops  # noqa: E402
-from flexsparse.triton.layout import CSC_OFF, SEL_OFF, level_table, pack, pow2  # noqa: E402
+from flexsparse.backends import BACKENDS, runs_on  # noqa: E402
+from flexsparse.masks import csr_to_csc, num_blocks  # noqa: E402
+from flexsparse.masks.levels import CSC_OFF, SEL_OFF, level_table, pack  # noqa: E402
+from flexsparse.triton._runtime.sizes import pow2  # noqa: E402
+from flexsparse.triton.llsa import fwd as llsa_fwd  # noqa: E402
+from flexsparse.triton.llsa.op import llsa_attn  # noqa: E402
+from flexsparse.triton.pooling.naive import pool_pyramid  # noqa: E402
+from flexsparse.triton.pooling.op import llsa_pool, llsa_pool_qkv  # noqa: E402
+from flexsparse.triton.selection.naive import children_topk, hierarchical_topk  # noqa: E402
+from flexsparse.triton.selection.op import llsa_select  # noqa: E402
 from helpers import selections_by_search  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
+TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
 @cpu_parent
@@ -98,7 +105,7 @@ def _leaf_run(fn, q, k, v, selection, levels, scale, pooled_dtype=None):
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", CASES)
 def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
     x = torch.randn(2, kv_heads, n, d)
-    got = ops.llsa_pool(x, block, len(topk))
+    got = llsa_pool(x, block, len(topk))
     torch.testing.assert_close(got, torch.cat(pool_pyramid(x, block, len(topk)), dim=2), rtol=1e-6, atol=1e-6)
 
 
@@ -106,13 +113,13 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 def test_pool_passes_from_sums_split_to_fill_the_device(monkeypatch):
     """The passes from sums (levels 3 and 4 here) cut their tokens into more programs where a device would run too
     few (``pool.pass_step``, on by default on CUDA only): the same pyramid bit for bit, the step really smaller."""
-    from flexsparse.triton import pool
+    from flexsparse.triton.pooling import pool
     x = torch.randn(2, 3, 5000, 32)
-    whole = ops.llsa_pool(x, 4, 4)
+    whole = llsa_pool(x, 4, 4)
     monkeypatch.setitem(pool.PASS_PROGRAMS, "cpu", 64)
     assert pool.sums_step(32, x.device) == 32 and pool.pass_step(32, x.device, 79, 6) == 4
     assert pool.pass_step(32, x.device, 20, 6) == 1  # levels 3 and 4 of this pyramid
-    assert torch.equal(ops.llsa_pool(x, 4, 4), whole)
+    assert torch.equal(llsa_pool(x, 4, 4), whole)
 
 
 @cpu_only
@@ -125,8 +132,8 @@ def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv
     q = torch.randn(2, n, heads, d, dtype=torch.float16).transpose(1, 2)
     k = torch.randn(2, kv_heads, 2, n, d, dtype=torch.float16)[:, :, 1]
     v = torch.randn(2, n, kv_heads, d, dtype=torch.float16).transpose(1, 2)
-    q_pyr, k_scores, k_pyr, v_pyr = ops.llsa_pool_qkv(q, k, v, block, len(topk))
-    want = [ops.llsa_pool(x.contiguous(), block, len(topk)) for x in (q, k, v)]
+    q_pyr, k_scores, k_pyr, v_pyr = llsa_pool_qkv(q, k, v, block, len(topk))
+    want = [llsa_pool(x.contiguous(), block, len(topk)) for x in (q, k, v)]
     assert q_pyr.dtype == k_scores.dtype == torch.float32 and k_pyr.dtype == v_pyr.dtype == torch.float16
     assert torch.equal(q_pyr, want[0]) and torch.equal(k_scores, want[1])
     assert torch.equal(k_pyr, want[1].half()) and torch.equal(v_pyr, want[2].half())
@@ -137,7 +144,7 @@ def test_pool_qkv_is_three_pyramids_and_their_rounding(n, block, topk, heads, kv
 def test_select_matches_masks(n, block, topk, heads, kv_heads, d):
     q, k, _ = _qkv(n, heads, kv_heads, d, grid=True, pooled=(block, len(topk)))
     q_levels, k_levels = pool_pyramid(q, block, len(topk)), pool_pyramid(k, block, len(topk))
-    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    sel = llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
     got = level_table(n, block, topk).unpack(sel)
     for level, (a, b) in enumerate(zip(got.indices, expected.indices), start=1):
@@ -161,9 +168,9 @@ def test_select_refuses_rows_it_cannot_fill():
     """K over the top level's tokens (or over a ragged parent set's children) is an error, not unwritten slots."""
     q_pyr, k_pyr = torch.randn(1, 1, 4 + 63, 8), torch.randn(1, 1, 4 + 63, 8)  # N=1000, b=16: T_1 = 63, T_2 = 4
     with pytest.raises(ValueError, match="K_2=8 exceeds the 4 level-2 tokens"):
-        ops.llsa_select(q_pyr, k_pyr, 1000, 16, [8, 8])
+        llsa_select(q_pyr, k_pyr, 1000, 16, [8, 8])
     with pytest.raises(ValueError, match="K_1=20 exceeds the candidates"):
-        ops.llsa_select(q_pyr, k_pyr, 1000, 16, [20, 2])
+        llsa_select(q_pyr, k_pyr, 1000, 16, [20, 2])
 
 
 @cpu_only
@@ -171,12 +178,12 @@ def test_select_refuses_rows_it_cannot_fill():
 def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
     """Rows of more than ``select.SCAN_LIMIT`` candidates (a dense top level of 275 tokens; 9 x 32 children) cut the
     ties at the threshold by bisection over the columns: the same selection on grid values (many ties)."""
-    from flexsparse.triton import select
+    from flexsparse.triton.selection import hierarchy as select
     q, k, _ = _qkv(n, 2, 1, 16, grid=True)
     q_levels, k_levels = pool_pyramid(q, block, len(topk)), pool_pyramid(k, block, len(topk))
     widest = max([q_levels[-1].shape[2]] + [kk * block for kk in topk[1:]])
     assert widest > select.SCAN_LIMIT
-    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    sel = llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
     for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
         assert torch.equal(a, b)
@@ -200,7 +207,7 @@ def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
 @cpu_only
 def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
-    from flexsparse.triton import select
+    from flexsparse.triton.selection import hierarchy as select
     n, block, topk = 300, 4, (3, 2)
     q, k, _ = _qkv(n, 2, 1, 16, grid=True, pooled=(block, 2))
     q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
@@ -216,9 +223,10 @@ def test_select_long_top_level_through_block_topk():
 @pytest.mark.parametrize("score_bytes", ["two parents", "one parent", "none"])
 def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monkeypatch):
     """With two parents per program asked for (the ``select`` tile override ``parents``), children rows too wide for
-    two (``select.child_parents``) run one per program, or, too wide for one, through ``masks.children_topk``: the
-    same selection at every level (L = 3, GQA; two parents: a partial last program repeats its last parent)."""
-    from flexsparse.triton import select
+    two (``select.child_parents``) run one per program, or, too wide for one, through
+    ``selection.naive.children_topk``: the same selection at every level (L = 3, GQA; two parents: a partial last
+    program repeats its last parent)."""
+    from flexsparse.triton.selection import hierarchy as select
     n, block, topk = 1100, 4, (3, 5, 2)
     one = 4 * 16 * pow2(block * 5, 16)  # one parent's fp32 scores at the widest children rows
     limit = {"two parents": 2 * one, "one parent": one, "none": one - 1}[score_bytes]
@@ -226,7 +234,7 @@ def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monk
     monkeypatch.setattr(select, "CHILD_PARENTS", 2)
     q, k, _ = _qkv(n, 4, 2, 16, grid=True, pooled=(block, 3))
     q_levels, k_levels = pool_pyramid(q, block, 3), pool_pyramid(k, block, 3)
-    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    sel = llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     expected = hierarchical_topk(q_levels, k_levels, topk, block, n)
     for a, b in zip(level_table(n, block, topk).unpack(sel).indices, expected.indices):
         assert torch.equal(a, b)
@@ -235,7 +243,7 @@ def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monk
 @cpu_only
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_csc_is_transpose(deterministic):
-    from flexsparse.triton.csc import selection_csc
+    from flexsparse.triton.common.csc import selection_csc
     n, block, topk = 300, 4, (3, 2, 2)
     q, k, _ = _qkv(n, 2, 1, 16)
     selection = hierarchical_topk(pool_pyramid(q, block, 3), pool_pyramid(k, block, 3), topk, block, n)
@@ -280,8 +288,8 @@ def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, til
     q, k, v = _qkv(n, heads, kv_heads, d)
     levels = len(topk)
     selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
-    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
-    want = _leaf_run(torch_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, levels, d**-0.5)
+    want = _leaf_run(TORCH.llsa_softmax, q, k, v, selection, levels, d**-0.5)
     names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]
     for name, a, b in zip(names, got, want):
         assert (ts.lse_err if name == "lse" else ts.rel_err)(a, b) < 1e-5, name
@@ -290,12 +298,12 @@ def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, til
 @cpu_only
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [CASES[3], CASES[5]])
 def test_half_inputs_with_fp32_pooled_levels(n, block, topk, heads, kv_heads, d):
-    """fp16 q, k, v with fp32 pooled leaves (``llsa_attention``'s contract): the kernels cast the pooled keys."""
+    """fp16 q, k, v with fp32 pooled leaves (``Backend.llsa_softmax``'s contract): the kernels cast the pooled keys."""
     q, k, v = _qkv(n, heads, kv_heads, d, dtype=torch.float16)
     levels = len(topk)
     selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
-    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5)
-    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5)
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, levels, d**-0.5)
+    want = _leaf_run(TORCH.llsa_softmax, q.float(), k.float(), v.float(), selection, levels, d**-0.5)
     for a, b in zip(got, want):
         assert ts.rel_err(a, b) < 2e-2
 
@@ -364,17 +372,17 @@ def test_opcheck_cpu_fallback():
     n, block, topk = 100, 8, [4, 2]
     q, k, v = _qkv(n, 2, 1, 16)
     with ts.interpreter_env(False):
-        k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
-        sel = ops.llsa_select(ops.llsa_pool(q, block, 2), k_pyr, n, block, topk)
-        torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
-        torch.library.opcheck(ops.llsa_pool_qkv.op, (q, k, v, block, 2))
-        torch.library.opcheck(ops.llsa_select.op, (ops.llsa_pool(q, block, 2), k_pyr, n, block, topk))
+        k_pyr, v_pyr = llsa_pool(k, block, 2), llsa_pool(v, block, 2)
+        sel = llsa_select(llsa_pool(q, block, 2), k_pyr, n, block, topk)
+        torch.library.opcheck(llsa_pool.op, (k, block, 2))
+        torch.library.opcheck(llsa_pool_qkv.op, (q, k, v, block, 2))
+        torch.library.opcheck(llsa_select.op, (llsa_pool(q, block, 2), k_pyr, n, block, topk))
         for fuse in (False, True):
             args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
                     v_pyr.requires_grad_(not fuse), sel, block, topk, 0.25, fuse, False)
             # aot_dispatch_dynamic of the fallback takes about a minute on 2 cores: once is enough here
             utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fuse else None
-            torch.library.opcheck(ops.llsa_attn.op, args, **({"test_utils": utils} if utils else {}))
+            torch.library.opcheck(llsa_attn.op, args, **({"test_utils": utils} if utils else {}))
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -394,9 +402,9 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 def test_gpu_matches_torch_backend(n, heads, kv_heads, d, topk, dtype):
     q, k, v = _gpu_inputs(n, heads, kv_heads, d, dtype)
     block, levels = 16, len(topk)
-    selection = llsa_topk(q, k, topk, block)             # the Triton kernels on CUDA
-    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, levels, d**-0.5, q.dtype)
-    want = _leaf_run(torch_sparse.llsa_attention, q.float(), k.float(), v.float(), selection, levels, d**-0.5, q.dtype)
+    selection = TRITON.llsa_select(q, k, v, block, topk).selection      # the Triton kernels
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, levels, d**-0.5, q.dtype)
+    want = _leaf_run(TORCH.llsa_softmax, q.float(), k.float(), v.float(), selection, levels, d**-0.5, q.dtype)
     names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]
     for name, a, b in zip(names, got, want):
         assert ts.rel_err(a, b) < 2e-2, name
@@ -409,9 +417,9 @@ def test_gpu_fp32_matches_torch_backend(n, block, topk, d):
     """fp32 on the GPU (IEEE products, tiles of their own: the bf16 ones needed 283 KB of shared memory in the
     ragged fine forward at b=8, and failed to launch) against the torch backend in fp32, ragged and batched."""
     q, k, v = [x.cuda() for x in _qkv(n, 2, 1, d)]
-    selection = llsa_topk(q, k, topk, block)
-    got = _leaf_run(triton_sparse.llsa_attention, q, k, v, selection, len(topk), d**-0.5)
-    want = _leaf_run(torch_sparse.llsa_attention, q, k, v, selection, len(topk), d**-0.5)
+    selection = TRITON.llsa_select(q, k, v, block, topk).selection
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, len(topk), d**-0.5)
+    want = _leaf_run(TORCH.llsa_softmax, q, k, v, selection, len(topk), d**-0.5)
     for i, (a, b) in enumerate(zip(got, want)):
         assert ts.rel_err(a, b) < 1e-4, i
 
@@ -421,7 +429,7 @@ def test_gpu_fp32_matches_torch_backend(n, block, topk, d):
 def test_gpu_selection_matches_masks(n, block, topk):
     q, k, _ = _gpu_inputs(n, 4, 2, 64)
     q_levels, k_levels = pool_pyramid(q, block, 2), pool_pyramid(k, block, 2)
-    sel = ops.llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
+    sel = llsa_select(torch.cat(q_levels, 2), torch.cat(k_levels, 2), n, block, list(topk))
     got = level_table(n, block, topk).unpack(sel)
     want = hierarchical_topk(q_levels, k_levels, topk, block, n)
     top = (got.indices[-1] == want.indices[-1]).all(-1).float().mean().item()
@@ -437,7 +445,7 @@ def test_gpu_select_searches_agree(d):
     the GPU at a realistic size."""
     n, block, topk = 65536, 16, [8, 8]
     q, k, _ = _gpu_inputs(n, 4, 2, d)
-    split, whole, int64, bisection = selections_by_search(ops.llsa_pool(q, block, 2), ops.llsa_pool(k, block, 2), n,
+    split, whole, int64, bisection = selections_by_search(llsa_pool(q, block, 2), llsa_pool(k, block, 2), n,
                                                           block, topk)
     assert torch.equal(split, bisection) and torch.equal(whole, bisection) and torch.equal(int64, bisection)
 
@@ -447,9 +455,12 @@ def test_gpu_select_searches_agree(d):
 @pytest.mark.parametrize("topk", [{"topk": 8, "levels": 2}, {"topk": [8, 8, 2]}], ids=["L2", "L3"])
 def test_gpu_method_compiled_and_eager(compiled, topk):
     """Eager and ``torch.compile(fullgraph=True)`` against the torch backend; at L3 level 2's dK/dV runs
-    ancestor-major."""
-    q, k, v = _gpu_inputs(16384, 4, 2, 64)
+    ancestor-major. The torch backend selects in PyTorch: inputs on which it selects as the Triton kernels do
+    (``ts.draw_selecting_alike``)."""
     cfg = flexsparse.Config.from_dict({"method": "llsa", "block_size": 16, **topk})  # outside the graph
+    torch.manual_seed(0)
+    q, k, v = ts.draw_selecting_alike(lambda: [x.to("cuda", torch.bfloat16) for x in _qkv(16384, 4, 2, 64)], cfg,
+                                      backends=("triton", ("torch", lambda *x: [t.float() for t in x])))
 
     def step(q, k, v):
         o, lse = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True)
@@ -486,13 +497,13 @@ def test_gpu_deterministic(topk):
 def test_gpu_opcheck():
     n, block, topk = 4100, 16, [8, 4]
     q, k, v = _gpu_inputs(n, 2, 1, 64)
-    k_pyr, v_pyr = ops.llsa_pool(k, block, 2), ops.llsa_pool(v, block, 2)
-    q_pyr = ops.llsa_pool(q, block, 2)
-    sel = ops.llsa_select(q_pyr, k_pyr, n, block, topk)
-    torch.library.opcheck(ops.llsa_pool.op, (k, block, 2))
-    torch.library.opcheck(ops.llsa_pool_qkv.op, (q, k, v, block, 2))
-    torch.library.opcheck(ops.llsa_select.op, (q_pyr, k_pyr, n, block, topk))
+    k_pyr, v_pyr = llsa_pool(k, block, 2), llsa_pool(v, block, 2)
+    q_pyr = llsa_pool(q, block, 2)
+    sel = llsa_select(q_pyr, k_pyr, n, block, topk)
+    torch.library.opcheck(llsa_pool.op, (k, block, 2))
+    torch.library.opcheck(llsa_pool_qkv.op, (q, k, v, block, 2))
+    torch.library.opcheck(llsa_select.op, (q_pyr, k_pyr, n, block, topk))
     for fuse in (False, True):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), k_pyr.requires_grad_(not fuse),
                 v_pyr.requires_grad_(not fuse), sel, block, topk, 0.125, fuse, False)
-        torch.library.opcheck(ops.llsa_attn.op, args)
+        torch.library.opcheck(llsa_attn.op, args)

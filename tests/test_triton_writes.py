@@ -31,6 +31,9 @@ import torch
 
 import triton_support as ts
 
+# the block-sparse methods' scenarios: each such method of the registry (its example with K = 2 or 30% of the key
+# blocks, on 96 tokens and 2 heads) with (config changes, KV heads), by default 16-token blocks and 1 KV head
+BLOCK_SCENARIOS = {"sla2": ({"block_q": 32, "block_k": 16}, 2)}
 SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
     ("llsa", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {}),  # fused forward, batched dQ
     ("llsa fused dQ", {"method": "llsa", "block_size": 16, "topk": [2, 2]}, 512, 2, 1, {"bwd": {"fuse_dq": True}}),
@@ -42,23 +45,22 @@ SCENARIOS = [  # (name, config, N, heads, KV heads, FLEXSPARSE_TRITON_TILES)
      {"bwd": {"entry_memory": 1e9}}),
     ("llsa deterministic", {"method": "llsa", "block_size": 8, "topk": [2, 2], "deterministic": True}, 128, 2, 2,
      {}),
-    ("topk", {"method": "topk", "block_size": 16, "topk": 2}, 96, 2, 1, {}),
-    ("sla", {"method": "sla", "block_size": 16, "topk_ratio": 0.3}, 96, 2, 1, {}),
-    ("sla2", {"method": "sla2", "block_q": 32, "block_k": 16, "topk_ratio": 0.3}, 96, 2, 2, {}),
-]
+] + [(name, ts.example_config(name, topk=2, topk_ratio=0.3, **changes), 96, 2, kv_heads, {})
+      for name in ts.triton_methods("block")
+      for changes, kv_heads in [BLOCK_SCENARIOS.get(name, ({"block_size": 16}, 1))]]
 
 
 # Kernels whose store addresses come from the data they read: the selection kernels searching by bisection
-# (``SEARCH`` other than ``select.SEARCH_PACKED``) pack each row's taken columns by rank, a scatter whose
+# (``SEARCH`` other than ``hierarchy.SEARCH_PACKED``) pack each row's taken columns by rank, a scatter whose
 # address depends on the scores and so on the pyramids and the level table. The analysis cannot tell that from
 # writing them; compiled graphs copy these (intermediate) tensors before the launch where they are read after it.
 # Their packed search stores each row's tokens in place.
-DATA_ADDRESSED = {("flexsparse.triton.select", "_select_top_kernel"): {"QP", "KP", "META"},
-                  ("flexsparse.triton.select", "_select_children_kernel"): {"QP", "KP", "META"}}
+DATA_ADDRESSED = {("flexsparse.triton.selection.hierarchy", "_select_top_kernel"): {"QP", "KP", "META"},
+                  ("flexsparse.triton.selection.hierarchy", "_select_children_kernel"): {"QP", "KP", "META"}}
 
 
 class _Recorder:
-    """Stands in for ``common.launcher``: launches as it would and records each launch in ``LAUNCHES``: the
+    """Stands in for ``_runtime.registry.launcher``: launches as it would and records each launch in ``LAUNCHES``: the
     module and name of the kernel, its arguments (tensors as ``("tensor", shape, stride, dtype)``) and its tensor
     arguments in groups of overlapping memory (a tensor passed twice, or a view of another) with whether the launch
     stored into each group (``ADDRESSES``, filled by the interpreter's patched stores)."""
@@ -131,39 +133,42 @@ def _watch_stores() -> None:
 
 def record(out: str) -> None:
     """Child process: run every scenario forward and backward through the interpreter, pickle the launches."""
+    import pkgutil
+
     import flexsparse
     import flexsparse.triton as package
     from flexsparse.config import Config
-    from flexsparse.methods import method_module
+    from flexsparse.methods import METHODS
     _watch_stores()
-    for name in os.listdir(os.path.dirname(package.__file__)):
-        if name.endswith(".py"):
-            module = importlib.import_module(f"flexsparse.triton.{name[:-3]}")
-            if hasattr(module, "launcher"):
-                original = module.launcher
-                module.launcher = lambda kernel, original=original: _Recorder(original, kernel)
+    names = [info.name for info in pkgutil.walk_packages(package.__path__, "flexsparse.triton.")
+             if not info.ispkg and "._runtime." not in info.name]
+    modules = [importlib.import_module(name) for name in names]   # every module first: none binds a recorder
+    for module in modules:
+        if hasattr(module, "launcher"):
+            original = module.launcher
+            module.launcher = lambda kernel, original=original: _Recorder(original, kernel)
     for _, cfg, n, heads, kv_heads, tiles in SCENARIOS:
         os.environ["FLEXSPARSE_TRITON_TILES"] = json.dumps(tiles)
         torch.manual_seed(0)
         q = torch.randn(1, heads, n, 16, requires_grad=True)
         k, v = (torch.randn(1, kv_heads, n, 16, requires_grad=True) for _ in range(2))
-        module = method_module(cfg["method"])
-        params = None
-        if hasattr(module, "init_params"):
-            params = {key: p.requires_grad_() for key, p in
-                      module.init_params(Config.from_dict(cfg), 16, heads, n).items()}
-        o = flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
+        params = {key: p.requires_grad_() for key, p in
+                  METHODS[cfg["method"]].init_params(Config.from_dict(cfg), 16, heads, n).items()}
+        o = flexsparse.attention(q, k, v, cfg, backend="triton", params=params or None)
         o.square().sum().backward()
-    from flexsparse.triton import sla_ops
+    from flexsparse.masks.levels import level_table
+    from flexsparse.triton.common.inputs import contiguous_rows
+    from flexsparse.triton.pooling.op import center_tokens
+    from flexsparse.triton.selection import hierarchy
+    from flexsparse.triton.selection.op import block_topk
     pooled_q, pooled_k = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16)
-    sla_ops.block_topk(pooled_q, pooled_k, 4, 2)  # the methods select on CPU without the kernels
-    sla_ops.center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
-    from flexsparse.triton import layout, ops, select
+    block_topk(pooled_q, pooled_k, 4, 2)  # a bottom set too (the methods above select none)
+    center_tokens(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 1, 16))
     # bisection: a top level of 512 tokens; threshold: children at D > 64
     for n, block, d in ((8192, 4, 64), (512, 16, 128)):
-        levels = layout.level_table(n, block, [2, 2])
-        select.hierarchical_topk(*(torch.randn(1, 1, levels.pyramid_tokens, d) for _ in range(2)), levels)
-    ops.contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
+        levels = level_table(n, block, [2, 2])
+        hierarchy.hierarchical_topk(*(torch.randn(1, 1, levels.pyramid_tokens, d) for _ in range(2)), levels)
+    contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
     with open(out, "wb") as f:
         pickle.dump(LAUNCHES, f)
 
@@ -241,7 +246,7 @@ def _scalar_methods(kernel, kwargs: dict) -> list[str]:
                                            fromlist=["x"]), "identify_accessed_tensors"),
                     reason="this torch has no identify_accessed_tensors")
 def test_compile_sees_exactly_the_written_tensors(tmp_path):
-    from flexsparse.triton import select  # this process compiles TTIR: no interpreter here
+    from flexsparse.triton.selection import hierarchy  # this process compiles TTIR: no interpreter here
     out = tmp_path / "launches.pkl"
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ts.ROOT, os.path.dirname(__file__),
@@ -264,7 +269,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         if scalar_methods:
             wrong.append(f"{module}.{name}: {scalar_methods} on runtime scalars: a constant in torch <= 2.11's "
                          "write analysis has no such attribute (use tl.cast)")
-        extra = set() if spec.get("SEARCH") == select.SEARCH_PACKED else DATA_ADDRESSED.get((module, name), set())
+        extra = set() if spec.get("SEARCH") == hierarchy.SEARCH_PACKED else DATA_ADDRESSED.get((module, name), set())
         if extra:
             scattered.add((module, name))
         if not extra <= written:
@@ -274,7 +279,7 @@ def test_compile_sees_exactly_the_written_tensors(tmp_path):
         for group, stored in groups:
             if stored and len(group) > 1:
                 wrong.append(f"{module}.{name}: {'/'.join(group)} overlap and are stored into: pass an input as "
-                             "the unused pointer (common.launcher)")
+                             "the unused pointer (_runtime.registry.launcher)")
             if bool(written & set(group)) != stored:
                 wrong.append(f"{module}.{name}: {'/'.join(group)} {'is' if stored else 'is not'} stored into, "
                              f"the analysis says it writes {sorted(written)}")

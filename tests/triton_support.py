@@ -17,12 +17,46 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-GPU_METHODS = [  # the block-sparse methods of the GPU end-to-end tests (sparse branch on Triton)
-    {"method": "topk", "block_size": 64, "topk": 6},
-    {"method": "vsa", "block_size": 64, "topk": 6},
-    {"method": "sla", "block_size": 64, "topk_ratio": 0.1},
-    {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.1},
-]
+
+
+def triton_methods(branch: str | None = None) -> list[str]:
+    """The methods of the registry that run on ``backend="triton"`` (with ``branch``: those whose sparse branch is
+    ``"block"`` or ``"llsa"``), in registry order."""
+    from flexsparse.methods import METHODS
+    return [name for name, method in METHODS.items()
+            if "triton" in method.backends and (branch is None or method.sparse_branch == branch)]
+
+
+def example_config(method: str, **changes) -> dict:
+    """The registry's example config of ``method`` with ``changes``: ``topk`` and ``topk_ratio`` apply only where the
+    example has that key (a method has one or the other); ``block_size`` replaces every block key (``block_q`` and
+    ``block_k`` given with it too), ``block_q`` / ``block_k`` replace the example's ``block_size``; other keys are
+    set."""
+    from flexsparse.methods import METHODS
+    cfg = dict(METHODS[method].example)
+    changes = {key: value for key, value in changes.items() if key not in ("topk", "topk_ratio") or key in cfg}
+    if "block_size" in changes:
+        cfg, changes = ({key: value for key, value in x.items() if key not in ("block_q", "block_k")}
+                        for x in (cfg, changes))
+    elif ("block_q" in changes or "block_k" in changes) and "block_size" in cfg:
+        size = cfg.pop("block_size")
+        cfg.update(block_q=size, block_k=size)
+    return {**cfg, **changes}
+
+
+BLOCK_KEYS = ("block_size", "block_q", "block_k")
+
+
+def merged(defaults: dict, changes: dict) -> dict:
+    """``defaults`` updated with ``changes``; block keys in ``changes`` replace every block key of ``defaults``."""
+    if any(key in changes for key in BLOCK_KEYS):
+        defaults = {key: value for key, value in defaults.items() if key not in BLOCK_KEYS}
+    return {**defaults, **changes}
+
+
+# the block-sparse methods of the GPU end-to-end tests (sparse branch on Triton): the registry's examples with 6 of
+# the key blocks or 10% of them
+GPU_METHODS = [example_config(name, topk=6, topk_ratio=0.1) for name in triton_methods("block")]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,6 +168,58 @@ def random_selection(bsz, heads, nq, nk, block_q, block_k, topk, device="cpu"):
     tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
     ids = torch.rand(bsz, heads, tq, tk, device=device).argsort(-1)[..., :topk].sort(-1).values
     return BlockSelection(ids.to(torch.int32).contiguous(), block_q, block_k, nq, nk)
+
+
+def selection_tables(selection) -> list[torch.Tensor]:
+    """The index tables of a method's selection (``Method.select``'s result on any backend: a ``BlockSelection``,
+    LLSA's packed or pooled selection, a method's tuple around them), which decide the keys each query attends; the
+    tensors that come with them (pooled means, smoothed keys, soft masks) are left out."""
+    from flexsparse.masks import BlockSelection, LLSASelection
+    if isinstance(selection, BlockSelection):
+        return [selection.indices] + ([] if selection.excluded is None else [selection.excluded])
+    if isinstance(selection, LLSASelection):
+        return list(selection.indices)
+    if hasattr(selection, "selection"):          # LLSA's selection with the pyramids it came with
+        return selection_tables(selection.selection)
+    if isinstance(selection, tuple):
+        return [table for part in selection for table in selection_tables(part)]
+    return []
+
+
+def method_selection(backend: str, q, k, v, config, params=None):
+    """The selection ``flexsparse.attention(q, k, v, config, backend=backend, params=params)`` makes (no gradient)."""
+    from flexsparse.backends import BACKENDS
+    from flexsparse.config import Config
+    from flexsparse.methods import METHODS
+    cfg = Config.from_dict(config)
+    method, chosen = METHODS[cfg.method], BACKENDS[backend]
+    with torch.no_grad():
+        q, k, v = chosen.prepare_inputs(*(x.detach() for x in (q, k, v)), keep_views=method.keeps_views,
+                                        needs_grad=False)
+        return method.select(q, k, v, cfg, chosen, method.check_params(cfg, q, params))
+
+
+def same_selection(config, params, runs) -> bool:
+    """Whether the method of ``config`` selects the same blocks in every run ``(backend, q, k, v)``."""
+    tables = [selection_tables(method_selection(backend, q, k, v, config, params)) for backend, q, k, v in runs]
+    return all(len(other) == len(tables[0]) and all(torch.equal(a, b) for a, b in zip(other, tables[0]))
+               for other in tables[1:])
+
+
+def draw_selecting_alike(draw, config, params=None, backends=("triton", "torch"), tries: int = 10):
+    """``draw()`` -> ``(q, k, v)``, drawn again (at most ``tries`` times) until the method of ``config`` selects the
+    same blocks on every backend of ``backends``: a name, or ``(name, cast)`` with ``cast(q, k, v)`` the inputs that
+    backend gets. Only the triton backend selects with the Triton kernels (the others in PyTorch), and the two
+    compute the scores in other orders: a near-tie between two blocks' scores can pick other blocks (rarely), and an
+    end-to-end comparison of the backends would then measure that choice, not the arithmetic. Equal selections are
+    asserted: every draw selecting differently is a failure."""
+    runs = [(backend, None) if isinstance(backend, str) else backend for backend in backends]
+    for _ in range(tries):
+        q, k, v = draw()
+        if same_selection(config, params, [(name, *((q, k, v) if cast is None else cast(q, k, v)))
+                                           for name, cast in runs]):
+            return q, k, v
+    raise AssertionError(f"{tries} draws all selected differently on {[name for name, _ in runs]}: {config}")
 
 
 def make_qkv(bsz, heads, kv_heads, nq, nk, d, dtype=torch.float32, device="cpu", key_offset=0.3):

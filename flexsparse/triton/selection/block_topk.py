@@ -191,7 +191,7 @@ def select_scores(scores: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor,
     bt = pow2(tk, 16)
     warps = warps or topk_tiles(tk)["SELECT_WARPS"]
     launcher(_select_kernel)[(rows, bh)](
-        scores, top, bottom if bottomk else top, top.shape[2], tk, row0, rows, topk, bottomk,
+        scores, top, bottom if bottomk else scores, top.shape[2], tk, row0, rows, topk, bottomk,
         BT=bt, HAS_BOTTOM=bottomk > 0, num_warps=warps)
 
 
@@ -210,7 +210,7 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, bottom
         qp = q_pooled.to(torch.float32).contiguous()
         kt = k_pooled.to(torch.float32).transpose(-1, -2).contiguous()
         launcher(_stream_topk_kernel)[(cdiv(tq, _STREAM_ROWS), bsz * heads)](
-            qp, kt, top, bottom if bottomk else top, heads, group, tq, tk, D=d, BQ=_STREAM_ROWS,
+            qp, kt, top, bottom if bottomk else qp, heads, group, tq, tk, D=d, BQ=_STREAM_ROWS,
             BC=_STREAM_CHUNK, KTOP=topk, KBOT=bottomk, KP2=pow2(topk, 2), KBP2=pow2(bottomk, 2))
         return top, bottom
     qp, kp = q_pooled.contiguous(), k_pooled.contiguous()
