@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexsparse
-from flexsparse.bench import DEMO_CONFIGS
+from flexsparse.methods import METHODS as REGISTRY
 from triton_support import gpu
 
 METHODS = ["topk", "vsa", "llsa", "sla", "sla2"]
@@ -41,7 +41,7 @@ def test_gpu_sync_debug_mode_catches_a_synchronizing_call():
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_eager_forward_backward_never_synchronizes(method, n):
     heads, dim = 4, 64
-    module = flexsparse.SparseAttention(DEMO_CONFIGS[method], head_dim=dim, num_heads=heads, seq_len=n,
+    module = flexsparse.SparseAttention(REGISTRY[method].example, head_dim=dim, num_heads=heads, seq_len=n,
                                         backend="triton").cuda()
     q, k, v = (torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
