@@ -7,11 +7,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from flexsparse.bench import cli, compare, measure
+from flexsparse.bench import cli, compare, measure, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device", "cpu", "--backends", "torch", "--batch", "1", "--heads", "1", "--dim", "16"]
@@ -126,6 +127,13 @@ def test_a_size_that_no_case_fits_exits_non_zero_without_a_plot(tmp_path):
     assert not (tmp_path / "timing.png").exists()
 
 
+def test_without_matplotlib_the_plot_is_skipped_with_a_message(demo, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib raises ImportError
+    message = plot.plot_times(demo[2]["results"], str(tmp_path / "timing.png"), "title")
+    assert message == "no plot: matplotlib is not installed (pip install matplotlib)"
+    assert not (tmp_path / "timing.png").exists()
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--device", "cuda"], "--device"),
     (["--sizes", "1024", "0"], "--sizes"),
@@ -139,6 +147,7 @@ def test_a_size_that_no_case_fits_exits_non_zero_without_a_plot(tmp_path):
     (["--device", "cpu", "--graph"], "--graph"),
     (["--compare", "no-such-ref-or-folder"], "--compare"),
     (["--tiles", "[1, 2]"], "--tiles"),
+    (["--rounds", "3"], "--rounds"),
 ])
 def test_unusable_arguments_are_argparse_errors_naming_the_argument(argv, flag, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

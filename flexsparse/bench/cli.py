@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config
+import flexsparse
+
 from . import compare as comparing
-from .cases import DTYPE_NAMES, backend_names, example_config, make_cases, method_names, runnable_backends
+from .cases import DTYPE_NAMES, MODES, backend_names, example_config, make_cases, method_names, runnable_backends
 from .env import device_name, versions
 from .measure import run_cases
 from .plot import plot_times
@@ -37,6 +38,7 @@ def positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m flexsparse`` (``main`` resolves and checks it)."""
     suites = "\n".join(textwrap.fill(suite.about, 100, initial_indent=f"  {name:9s}", subsequent_indent=" " * 11)
                        for name, suite in SUITES.items())
     parser = argparse.ArgumentParser(
@@ -71,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "'{\"fwd\": {\"BM\": 64}}'")
     parser.add_argument("--compare", metavar="REF", help="also time the cases on REF, a git ref of this "
                         "repository or a path to a source tree, and tabulate ref / tree time ratios (no check)")
-    parser.add_argument("--rounds", type=positive_int, default=2,
-                        help="with --compare: rounds, the trees alternating; each case keeps its best median")
+    parser.add_argument("--rounds", type=positive_int,
+                        help="with --compare: rounds, the trees alternating, each case keeping its best median "
+                             "(default: 2)")
     parser.add_argument("--out", default="bench_out", help="folder for results.json / compare.json and "
                                                           "timing.png (default: bench_out)")
     return parser
@@ -94,6 +97,7 @@ class Run:
 
 
 def _device(parser, text: str | None) -> torch.device:
+    """``--device``, defaulting to cuda when available; argparse error for an unusable one."""
     try:
         device = torch.device(text or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
@@ -118,7 +122,7 @@ def _apply_overrides(parser, args, configs: dict[str, dict]) -> list[str]:
         for method, config in configs.items():
             if key in config:
                 try:
-                    Config.from_dict({**config, key: value})
+                    flexsparse.Config.from_dict({**config, key: value})
                 except (ValueError, TypeError) as exc:
                     rejected.append(f"{method}: {exc}")
                     continue
@@ -141,8 +145,8 @@ def _backends(parser, args, suite, methods: list[str], device: torch.device, bac
     """method -> the backends it is timed on; notes on the methods left out."""
     wanted = args.backends or suite.backends
     for backend in args.backends or []:
-        if not runs_on_any(backend, methods, device, backward):
-            hint = " with backward (add --no-backward)" if runs_on_any(backend, methods, device, False) else ""
+        if not _runs_on_any(backend, methods, device, backward):
+            hint = " with backward (add --no-backward)" if _runs_on_any(backend, methods, device, False) else ""
             if backend == "triton" and device.type == "cpu":
                 hint = " (Triton kernels run on CPU only under TRITON_INTERPRET=1)"
             parser.error(f"argument --backends: {backend} does not run on {device.type}{hint} for the selected "
@@ -157,7 +161,7 @@ def _backends(parser, args, suite, methods: list[str], device: torch.device, bac
     return chosen, notes
 
 
-def runs_on_any(backend: str, methods: list[str], device: torch.device, backward: bool) -> bool:
+def _runs_on_any(backend: str, methods: list[str], device: torch.device, backward: bool) -> bool:
     """Whether ``backend`` runs one of ``methods`` on ``device``."""
     return any(runnable_backends(m, device, backward, [backend]) for m in methods)
 
@@ -185,10 +189,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Run:
             parser.error(f"argument --tiles: not JSON: {exc}")
         if not isinstance(tiles, dict) or not all(isinstance(v, dict) for v in tiles.values()):
             parser.error(f"argument --tiles: a JSON object of objects (kind -> tile sizes), got {args.tiles!r}")
-    import flexsparse
-
     tree = os.path.dirname(os.path.dirname(os.path.abspath(flexsparse.__file__)))
     ref = ref_commit = None
+    if args.rounds is not None and args.compare is None:
+        parser.error("argument --rounds: only with --compare")
     if args.compare is not None:
         if comparing.is_tree(args.compare):
             ref = os.path.abspath(args.compare)
@@ -202,7 +206,7 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Run:
     baselines = tuple(kind for kind in suite.baselines if kind != "flex_dense" or flex_timed)
     configs = {m: c for m, c in configs.items() if m in backends}
     cases = make_cases(configs, backends, shape["sizes"], batch=shape["batch"], heads=shape["heads"],
-                       dim=shape["dim"], dtype=DTYPE_NAMES[shape["dtype"]], modes=("fwd", "fwd+bwd")[:1 + backward],
+                       dim=shape["dim"], dtype=DTYPE_NAMES[shape["dtype"]], modes=MODES[:1 + backward],
                        device=str(device), baselines=baselines, check=check, graph=args.graph)
     return Run(args.suite, device, shape, cases, notes, args.tiles, tree, ref, ref_commit)
 
@@ -242,7 +246,7 @@ def run_compare(run: Run, args) -> int:
     cases = [case.to_dict() for case in run.cases]
     with tempfile.TemporaryDirectory(prefix="flexsparse-compare-") as workdir:
         ref = run.ref or comparing.extract(run.ref_commit, run.tree, os.path.join(workdir, "ref"))
-        out = comparing.compare(cases, {"tree": run.tree, "ref": ref}, args.rounds, workdir, run.tiles)
+        out = comparing.compare(cases, {"tree": run.tree, "ref": ref}, args.rounds or 2, workdir, run.tiles)
     if run.ref_commit is not None:
         out["versions"]["ref"]["flexsparse_revision"] = run.ref_commit
         out["versions"]["ref"]["flexsparse_path"] = f"git archive {args.compare}"
@@ -262,6 +266,7 @@ def run_compare(run: Run, args) -> int:
 
 
 def main(argv=None) -> int:
+    """Parse ``argv``, run, print; returns the exit status (argparse exits with 2 on unusable arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     run = resolve(parser, args)

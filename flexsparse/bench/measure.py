@@ -20,7 +20,6 @@ else:  # loaded by worker.py, run as a script outside the package
     from timing import summary, time_call
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-CHECK_N = 700   # sequence length of the reference check (ragged: not a multiple of any block size)
 _compiled_flex = None
 
 

@@ -1,7 +1,7 @@
 """A log-log plot of time against sequence length N."""
 from __future__ import annotations
 
-from .cases import BASELINES
+from .cases import BASELINES, MODES
 from .report import config_text
 
 
@@ -19,7 +19,7 @@ def plot_times(results: list[dict], path: str, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed (pip install matplotlib)"
-    modes = [m for m in ("fwd", "fwd+bwd") if any(r["case"]["mode"] == m for r in timed)]
+    modes = [m for m in MODES if any(r["case"]["mode"] == m for r in timed)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         lines: dict[str, list] = {}

@@ -6,7 +6,7 @@ import os
 
 from tabulate import tabulate
 
-from .cases import BASELINES
+from .cases import BASELINES, MODES
 
 
 def config_text(config: dict | None) -> str:
@@ -44,8 +44,8 @@ def timing_table(results: list[dict]) -> str:
         case = next(iter(by_mode.values()))["case"]
         name = case["config"]["method"] if kind == "method" else BASELINES[kind]
         line = [name, backend or "", config_text(case["config"]), n]
-        line += [ms_text(by_mode.get(mode)) for mode in ("fwd", "fwd+bwd")]
-        for mode in ("fwd", "fwd+bwd"):
+        line += [ms_text(by_mode.get(mode)) for mode in MODES]
+        for mode in MODES:
             mine, dense = by_mode.get(mode), sdpa.get((n, mode))
             ok = mine is not None and mine["status"] == "ok" and dense is not None
             line.append(f"{dense['median_ms'] / mine['median_ms']:.3g}" if ok else "")
