@@ -7,7 +7,7 @@ B=2, H=8, bf16, K=8 per level, b=16. Prints a table and writes JSON to ``--out``
 
     python benchmarks/gpu_llsa.py --out bench.json [--shapes 65536:2:64,262144:3:64] [--tiles JSON] [--sdpa-max N]
 
-``--tiles`` overrides tile sizes through ``FLEXSPARSE_TRITON_TILES`` (``flexsparse.triton.tiles``), e.g.
+``--tiles`` overrides tile sizes through ``FLEXSPARSE_TRITON_TILES`` (``flexsparse.triton._runtime.tiles``), e.g.
 ``'{"fwd": {"BM": 64}, "bwd": {"QR": 64}}'``. ``--graph`` also times CUDA-graph replays
 (``do_bench_cudagraph``: kernel time without Python launch overhead).
 """

@@ -185,7 +185,7 @@ def test_gpu_fuzz_llsa_kernels(case):
 @gpu
 @FUZZ
 @given(case=llsa_cases(), grid=st.booleans())
-# found on an H100 (session 33): rows of 736 candidates (b=32, K_2=23) at D=128 needed 270 KB of shared memory
+# found on an H100: rows of 736 candidates (b=32, K_2=23) at D=128 needed 270 KB of shared memory
 # for two parents per program (selection.hierarchy.child_parents now takes one, or selection.naive.children_topk)
 @example(case=(33940, 32, (12, 23), 2, 2, 128, "bf16"), grid=False)
 def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
@@ -246,7 +246,7 @@ def test_gpu_fuzz_fp8_kernel(case):
 @gpu
 @FUZZ_COMPILED
 @given(case=flex_cases())
-# found on an H100 (session 33): under 128 queries inductor took its decoding kernel, which had no config for
+# found on an H100: under 128 queries inductor took its decoding kernel, which had no config for
 # 16-token key blocks (flex.tile_options now forces the main kernel)
 @example(case=({"method": "vsa", "block_q": 16, "block_k": 16, "topk": 1}, 73, 1, 1, 32, "fp16"))
 def test_gpu_fuzz_flex_methods(case):
@@ -268,7 +268,7 @@ def test_gpu_fuzz_flex_methods(case):
 @gpu
 @FUZZ_COMPILED
 @given(case=method_cases(), dtype=st.sampled_from(["bf16", "fp32"]))
-# found on an H100 (session 33): one sparse block per row, so torch 2.11's inductor rewrote the linear branch's
+# found on an H100: one sparse block per row, so torch 2.11's inductor rewrote the linear branch's
 # keep map into an fp32 tensor typed bf16 (masks.keep_map)
 @example(case=({"method": "sla2", "block_q": 32, "block_k": 32, "topk_ratio": 0.05, "feature_map": "softmax",
                 "deterministic": True}, 623, 4, 2, 128, "bnhd"), dtype="bf16")

@@ -215,7 +215,7 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backend):
     """Values of the quantized forward (bit for bit), gradients of the unquantized branch; also in bf16. The
-    gradients are equal bit for bit on this CI machine, but a 16-core host (torch 2.11, session 22) gave the
+    gradients are equal bit for bit on this CI machine, but a 16-core host (torch 2.11) gave the
     same float32 computation different last bits in two runs; so "equal" is a relative L2 error below 1e-5
     (fp32) / 1e-3 (bf16), where the gradient that sees the quantized values (SLA2's alpha) differs by > 1e-2."""
     dtypes = (torch.float64,) if backend == "reference" else (torch.float32, torch.bfloat16)
