@@ -76,8 +76,9 @@ def skip_unless_sm90() -> None:
         pytest.skip("the Gluon kernels are for sm_90")
 
 
-def run_interpreter_suite(path: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the non-GPU tests of ``path`` in a child pytest with the interpreter on."""
+def run_interpreter_suite(path: str, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """Run the non-GPU tests of ``path`` in a child pytest with the interpreter on (LLSA's, the longest, takes about
+    22 minutes on two cores)."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "pytest", path, "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
