@@ -260,9 +260,10 @@ def test_gpu_copy_rows_bf16(dim):
 
 
 @ts.gpu
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c["method"] != "vsa"], ids=lambda c: c["method"])
 def test_gpu_strided_views_equal_contiguous_inputs(config):
-    """Deterministic mode: the same kernels on the same values give the same bits."""
+    """Deterministic mode: the same kernels on the same values give the same bits. Not ``vsa``: its coarse branch
+    runs SDPA, whose flash backward adds dQ with atomics."""
     cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
     (out, d_qkv), (want, want_grad) = _as_views_and_contiguous(cfg, 16384, torch.bfloat16, "cuda", heads=4, dim=64)
     assert torch.equal(out, want) and torch.equal(d_qkv, want_grad)

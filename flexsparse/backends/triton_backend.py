@@ -25,6 +25,7 @@ from ..triton.pooling import op as pooling_op
 from ..triton.selection import op as selection_op
 from .base import Backend
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None   # read once: dynamo does not trace find_spec
 # the quant config the FP8 kernel runs (flexsparse/triton/block_sparse/fwd_fp8.py), field by field
 FP8_KERNEL_QUANT = {"qk_dtype": ("fp8_e4m3", "e4m3 Q and K"), "qk": ("per_block", "Q and K scales per block"),
                     "v": ("per_channel", "V scales per channel"), "p": ("static", "P quantized in the kernel")}
@@ -52,7 +53,7 @@ class TritonBackend(Backend):
     falls_back = True   # backend="triton" on CPU without the interpreter: the ops run their PyTorch implementations
 
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim):
-        if importlib.util.find_spec("triton") is None:
+        if not HAS_TRITON:
             return "triton is not installed (pip install 'flexsparse[triton]')"
         if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             return None
