@@ -2,8 +2,8 @@
 
 ``attention(q, k, v, config)`` mirrors ``F.scaled_dot_product_attention`` for ``(B, H, N, D)`` tensors;
 ``SparseAttention`` holds learnable parts; ``Config.from_dict`` validates a config dict;
-``METHODS`` is the registry of methods; ``patch(model, config)`` swaps the attention of an existing model (``set_step`` drives its dense
-warm-up, ``unpatch`` undoes it).
+``METHODS`` is the registry of methods; ``patch(model, config)`` swaps the attention of an existing model
+(``set_step`` drives its dense warm-up, ``unpatch`` undoes it).
 """
 from .api import attention
 from .config import Config

@@ -167,6 +167,7 @@ class BlockAliases:
             for key in ("block_q", "block_k"):
                 if key in kwargs and kwargs[key] != size:
                     raise ValueError(
-                        f"config keys 'block_size'={size!r} and {key!r}={kwargs[key]!r} disagree; give one or the other")
+                        f"config keys 'block_size'={size!r} and {key!r}={kwargs[key]!r} disagree; "
+                        "give one or the other")
                 kwargs[key] = size
         return kwargs

@@ -30,9 +30,11 @@ class SparseAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                 return_lse: bool = False):
         if q.shape[-1] != self.head_dim:
-            raise ValueError(f"q has head dim {q.shape[-1]} but this SparseAttention was built with head_dim={self.head_dim}")
+            raise ValueError(f"q has head dim {q.shape[-1]} but this SparseAttention was built with "
+                             f"head_dim={self.head_dim}")
         if q.shape[1] != self.num_heads:
-            raise ValueError(f"q has {q.shape[1]} heads but this SparseAttention was built with num_heads={self.num_heads}")
+            raise ValueError(f"q has {q.shape[1]} heads but this SparseAttention was built with "
+                             f"num_heads={self.num_heads}")
         return attention(q, k, v, self.config, backend=self.backend, scale=scale, return_lse=return_lse,
                          params=dict(self.params.items()))
 

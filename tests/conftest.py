@@ -1,3 +1,4 @@
+import collections
 import logging
 import os
 import sys
@@ -8,13 +9,30 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.hookimpl(tryfirst=True)   # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _tier_interpreter_cases(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _tier_interpreter_cases(items):
+    """Under the Triton interpreter, a test module's ``DEFAULT_TIER_CASES = n`` keeps the first n cases of each of
+    its parametrized tests in the default tier and moves the others to the exhaustive one."""
+    kept = collections.Counter()
+    for item in items:
+        cases = getattr(item.module, "DEFAULT_TIER_CASES", None)
+        if cases is None or not hasattr(item, "callspec"):
+            continue
+        key = (item.module.__name__, item.originalname)
+        if kept[key] >= cases:
+            item.add_marker(pytest.mark.exhaustive)
+        kept[key] += 1
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,17 @@
 """Shared test utilities: random inputs, error metrics, gradient collection, allocation records."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexsparse.masks import num_blocks
+
+
+def exhaustive_where(cases: list, heavy) -> list:
+    """``cases`` for ``pytest.mark.parametrize`` with those for which ``heavy(case)`` holds in the exhaustive tier."""
+    return [pytest.param(*case, marks=pytest.mark.exhaustive) if heavy(case) else case for case in cases]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,7 +9,7 @@ from flexsparse.backends import BACKENDS
 from flexsparse.methods.blocks import select_blocks
 from flexsparse.methods.dense import block_select_bruteforce
 
-from helpers import grads, qkv, rel_err
+from helpers import exhaustive_where, grads, qkv, rel_err
 
 # the single-level block methods of the registry: a block-sparse branch configured by block_q, block_k and topk
 BLOCK_METHODS = [name for name, method in fs.METHODS.items() if method.sparse_branch == "block"
@@ -19,6 +19,7 @@ CASES = [  # (N, block_q, block_k, heads, kv_heads, topk)
     (1, 4, 4, 2, 1, 1), (15, 4, 4, 2, 2, 2), (17, 8, 4, 4, 2, 3), (17, 4, 16, 1, 1, 1),
     (1000, 16, 16, 2, 1, 5), (1000, 64, 8, 2, 2, 7), (4097, 64, 64, 2, 1, 4),
 ]
+CASES = exhaustive_where(CASES, lambda case: case[0] > 1000)
 
 
 def run_both(q, k, v, cfg, params=None):
@@ -92,4 +93,5 @@ def test_full_matches_reference_and_sdpa(kv_heads):
 def test_topk_with_all_blocks_is_dense():
     q, k, v = qkv(heads=2, n=100, d=8)
     dense = fs.attention(q, k, v, {"method": "full"}, backend="reference")
-    assert rel_err(fs.attention(q, k, v, {"method": "topk", "block_size": 8, "topk": 13}, backend="torch"), dense) < 1e-12
+    assert rel_err(fs.attention(q, k, v, {"method": "topk", "block_size": 8, "topk": 13}, backend="torch"),
+                   dense) < 1e-12

@@ -243,7 +243,7 @@ def _compile_and_step(block, inputs, *, train: bool, backend: str = "inductor"):
     return first, first_grads
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.exhaustive)])
 def test_compile_dit_block_fullgraph_no_recompiles_cpu(backend):
     """One graph, no breaks, no recompiles over 5 steps with new masks. ``aot_eager`` checks the
     tracing quickly (FlexAttention then runs its eager path through the mask_mod); ``inductor``

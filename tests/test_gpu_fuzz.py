@@ -251,9 +251,9 @@ def test_gpu_fuzz_fp8_kernel(case):
 @example(case=({"method": "vsa", "block_q": 16, "block_k": 16, "topk": 1}, 73, 1, 1, 32, "fp16"))
 def test_gpu_fuzz_flex_methods(case):
     """``backend="flex"`` (compiled FlexAttention, fresh graphs per case) against ``backend="torch"`` (fp32
-    arithmetic) on the same inputs, so on the same selection (both select in PyTorch): output, LSE and the gradients of q, k, v and of the
-    learned parameters, fp32 tight, bf16 / fp16 within their rounding. Catches block / head-dim / dtype
-    combinations that fail to compile (``NoValidChoicesError``, shared memory) as well as wrong values."""
+    arithmetic) on the same inputs, so on the same selection (both select in PyTorch): output, LSE and the gradients
+    of q, k, v and of the learned parameters, fp32 tight, bf16 / fp16 within their rounding. Catches block / head-dim /
+    dtype combinations that fail to compile (``NoValidChoicesError``, shared memory) as well as wrong values."""
     cfg, n, heads, kv_heads, d, dtype = case
     dtype = {"fp32": torch.float32, **LOW}[dtype]
     torch._dynamo.reset()        # each case compiles on its own: no recompile limit shared across cases

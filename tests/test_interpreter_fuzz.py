@@ -32,9 +32,8 @@ FUZZ = settings(max_examples=int(os.environ.get("FLEXSPARSE_FUZZ_EXAMPLES", "8")
                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+pytestmark = pytest.mark.exhaustive   # the whole file is in the exhaustive tier
+test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)[1]
 
 
 # the options drawn where a method's config has them, with their choices

@@ -11,7 +11,7 @@ from flexsparse.triton.llsa.naive import llsa_attention
 from flexsparse.triton.pooling.naive import pool_pyramid
 from flexsparse.triton.selection.naive import llsa_topk
 
-from helpers import grads, qkv, rel_err
+from helpers import exhaustive_where, grads, qkv, rel_err
 
 
 def valid_topk(n, block, levels, want):
@@ -38,6 +38,7 @@ CASES = [  # (N, block, levels, heads, kv_heads, D)
     (1000, 4, 4, 2, 1, 16), (1000, 8, 3, 2, 2, 16), (1000, 16, 2, 2, 1, 16),
     (4097, 16, 2, 2, 2, 16), (4097, 64, 1, 1, 1, 16), (4097, 8, 3, 2, 1, 16),
 ]
+CASES = exhaustive_where(CASES, lambda case: case[0] > 1000)
 
 
 @pytest.mark.parametrize("n, block, levels, heads, kv_heads, d", CASES)
@@ -98,7 +99,8 @@ def test_level_weight_is_ln_count():
         logits = torch.stack(logits)
         assert torch.allclose(lse[0, 0, i], torch.logsumexp(logits, 0))
         p = torch.softmax(logits, 0)
-        expect = sum(p[j] * v[0, 0, f] for j, f in enumerate(fine)) + p[-2] * means_v[0, 0, 0] + p[-1] * means_v[0, 0, 1]
+        expect = (sum(p[j] * v[0, 0, f] for j, f in enumerate(fine)) + p[-2] * means_v[0, 0, 0]
+                  + p[-1] * means_v[0, 0, 1])
         assert torch.allclose(o[0, 0, i], expect)
 
 
@@ -143,6 +145,7 @@ def test_module_and_functional_agree():
     assert torch.equal(attn(q, k, v), fs.attention(q, k, v, cfg, backend="torch"))
 
 
+@pytest.mark.exhaustive
 def test_compiles_with_dynamic_sequence_lengths():
     """``torch.compile(fullgraph=True, dynamic=True)`` over lengths with the same levels and a ragged one: the
     pyramid and selection arithmetic traces with symbolic sizes, and the outputs equal eager ones."""

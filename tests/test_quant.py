@@ -324,7 +324,7 @@ def test_quant_config_round_trips():
 
 def test_fullgraph_compile_of_the_fake_quant_path():
     """aot_eager traces it without graph breaks (dynamo, autograd, the torchao primitives); inductor is the
-    slow GPU-like path (marked slow)."""
+    slow GPU-like path (exhaustive tier)."""
     qkv, params, cfg = _method_inputs("sla", torch.float32)
     config = {**cfg, "quant": {}}
 
@@ -341,7 +341,7 @@ def test_fullgraph_compile_of_the_fake_quant_path():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_flex_cpu_forward_with_qkv_quantization_matches_torch():
     torch._dynamo.reset()
     qkv, params, cfg = _method_inputs("topk", torch.float32, requires_grad=False)

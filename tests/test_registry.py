@@ -92,7 +92,7 @@ print(torch.compile(lambda x: shifted_op.shifted(x) * 2, fullgraph=True)(torch.o
 '''
 
 
-@pytest.mark.parametrize("tagged", [False, True])
+@pytest.mark.parametrize("tagged", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_compile_caches_miss_when_an_op_body_changes(tmp_path, tagged):
     """A ``triton_op`` whose body changes between two processes sharing torch.compile's on-disk caches: untagged, the
     second process gets the first one's compiled graph (torch's AOTAutograd cache keys on the op, not its traced

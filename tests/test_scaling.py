@@ -5,10 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_BOUND_GB = 8.0
 
 
+@pytest.mark.exhaustive
 def test_llsa_torch_backend_at_262144_tokens_on_cpu():
     n = 262144
     assert n * n * 4 / 1e9 > 30 * MEMORY_BOUND_GB

@@ -18,7 +18,7 @@ from flexsparse.triton.block_sparse import naive as block_naive
 from flexsparse.triton.linear import naive as linear_naive
 
 from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
-from helpers import rel_err
+from helpers import exhaustive_where, rel_err
 
 
 def sla_config(**kw):
@@ -52,7 +52,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,h,hk,n,d,cfg", CASES, ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("b,h,hk,n,d,cfg", exhaustive_where(CASES, lambda case: case[3] > 1000),
+                         ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
 def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
     q, k, v = leaf_qkv(b, h, hk, n, d)
     params = params_for(cfg, d)
@@ -152,6 +153,7 @@ def test_block_counts(ratios, tk, want):
     assert sla_block_counts(ratios[0], ratios[1], ratios[2]) == want
 
 
+@pytest.mark.exhaustive
 def test_block_counts_trace_with_dynamic_sequence_lengths():
     """``torch.compile(fullgraph=True, dynamic=True)`` over two sequence lengths: the block counts are symbolic
     sizes there, so their ratio arithmetic must trace (``round`` of a symbolic float broke the graph); the

@@ -21,7 +21,7 @@ from flexsparse.triton.linear import naive as linear_naive
 from flexsparse.triton.pooling.naive import key_mean
 
 from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
-from helpers import rel_err
+from helpers import exhaustive_where, rel_err
 
 
 def sla2_config(**kw):
@@ -218,7 +218,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,h,hk,n,d,cfg", CASES, ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("b,h,hk,n,d,cfg", exhaustive_where(CASES, lambda case: case[3] > 1000),
+                         ids=[f"N{c[3]}-{i}" for i, c in enumerate(CASES)])
 def test_torch_matches_reference_fp64(b, h, hk, n, d, cfg):
     q, k, v = leaf_qkv(b, h, hk, n, d)
     params = params_for(cfg, d, h, n)

@@ -61,9 +61,8 @@ def _as_views_and_contiguous(config: dict, n: int, dtype, device: str, heads: in
     return got, (want, torch.stack(want_grads).permute(1, 3, 0, 2, 4))
 
 
-@ts.cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
+DEFAULT_TIER_CASES = 1   # interpreter tests: the first case of each in the default tier (conftest)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])

@@ -28,9 +28,8 @@ cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 TRITON = BACKENDS["triton"]   # its block_topk: the kernels (op ``flexsparse::block_topk``) with the counts checked
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
+DEFAULT_TIER_CASES = 1   # interpreter tests: the first case of each in the default tier (conftest)
 
 
 # (B, H, Hk, Tq, Tk, D, topk, bottomk, row_limit, scratch): ragged sizes, GQA, K = 1, K = Tk, bottom sets, row

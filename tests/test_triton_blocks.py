@@ -47,9 +47,7 @@ random_selection, make_qkv = ts.random_selection, ts.make_qkv
 triton_branch, torch_branch, flex_branch = (BACKENDS[name].sparse_softmax for name in ("triton", "torch", "flex"))
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
 
 
 @cpu_parent

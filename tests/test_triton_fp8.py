@@ -50,9 +50,8 @@ random_selection = ts.random_selection
 TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
+DEFAULT_TIER_CASES = 1   # interpreter tests: the first case of each in the default tier (conftest)
 
 
 def make_qkv(bsz, heads, kv_heads, n, d, dtype=torch.float32, device="cpu"):
@@ -545,6 +544,7 @@ def test_gpu_opcheck():
 
 
 @cpu_only
+@pytest.mark.exhaustive
 def test_kernel_benchmark_script_runs_in_the_interpreter(tmp_path):
     """benchmarks/gpu_fp8_kernel.py at a tiny size: timings, speedups, errors and a 2-config sweep."""
     import importlib.util

@@ -44,9 +44,8 @@ cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
+DEFAULT_TIER_CASES = 1   # interpreter tests: the first case of each in the default tier (conftest)
 
 
 def _inputs(b, h, hk, nq, nk, d, dtype=torch.float32, device="cpu"):

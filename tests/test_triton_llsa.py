@@ -38,9 +38,8 @@ cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 TRITON, TORCH = BACKENDS["triton"], BACKENDS["torch"]
 
 
-@cpu_parent
-def test_interpreter_suite():
-    ts.check_interpreter_suite(__file__)
+test_interpreter_suite, test_interpreter_suite_exhaustive = ts.interpreter_suites(__file__)
+DEFAULT_TIER_CASES = 1   # interpreter tests: the first case of each in the default tier (conftest)
 
 
 # (n, block, topk, heads, kv_heads, head_dim): several L, odd and tiny N, GQA.
@@ -110,6 +109,7 @@ def test_pool_matches_masks(n, block, topk, heads, kv_heads, d):
 
 
 @cpu_only
+@pytest.mark.exhaustive
 def test_pool_passes_from_sums_split_to_fill_the_device(monkeypatch):
     """The passes from sums (levels 3 and 4 here) cut their tokens into more programs where a device would run too
     few (``pool.pass_step``, on by default on CUDA only): the same pyramid bit for bit, the step really smaller."""
@@ -205,6 +205,7 @@ def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
 
 
 @cpu_only
+@pytest.mark.exhaustive
 def test_select_long_top_level_through_block_topk():
     """A top level longer than the dense select kernel's limit goes through ``block_topk``: the same selection."""
     from flexsparse.triton.selection import hierarchy as select
@@ -220,6 +221,7 @@ def test_select_long_top_level_through_block_topk():
 
 
 @cpu_only
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("score_bytes", ["two parents", "one parent", "none"])
 def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monkeypatch):
     """With two parents per program asked for (the ``select`` tile override ``parents``), children rows too wide for

@@ -242,6 +242,7 @@ def _scalar_methods(kernel, kwargs: dict) -> list[str]:
 
 
 @ts.cpu_parent
+@pytest.mark.exhaustive
 @pytest.mark.skipif(not hasattr(__import__("torch._higher_order_ops.triton_kernel_wrap",
                                            fromlist=["x"]), "identify_accessed_tensors"),
                     reason="this torch has no identify_accessed_tensors")

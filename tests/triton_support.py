@@ -76,12 +76,14 @@ def skip_unless_sm90() -> None:
         pytest.skip("the Gluon kernels are for sm_90")
 
 
-def run_interpreter_suite(path: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """Run the non-GPU tests of ``path`` in a child pytest with the interpreter on (LLSA's, the longest, takes about
-    22 minutes on two cores)."""
+TIERS = {"default": "not gpu and not exhaustive", "exhaustive": "not gpu and exhaustive"}
+
+
+def run_interpreter_suite(path: str, tier: str = "default", timeout: float = 3600) -> subprocess.CompletedProcess:
+    """Run the non-GPU tests of ``path`` in ``tier`` (``TIERS``) in a child pytest with the interpreter on."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", path, "-q", "-m", "not gpu", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-m", TIERS[tier], "-p", "no:cacheprovider"]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -101,14 +103,30 @@ def interpreter_unusable() -> str | None:
     return None
 
 
-def check_interpreter_suite(path: str) -> None:
-    """Run ``path``'s interpreter tests in a child pytest (``run_interpreter_suite``) and fail with its output;
-    skipped where ``interpreter_unusable``."""
+def check_interpreter_suite(path: str, tier: str = "default") -> None:
+    """Run ``path``'s interpreter tests of ``tier`` in a child pytest (``run_interpreter_suite``) and fail with its
+    output; skipped where ``interpreter_unusable``. A file with no test in the tier passes (pytest's exit code 5)."""
     reason = interpreter_unusable()
     if reason:
         pytest.skip(reason)
-    result = run_interpreter_suite(path)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+    result = run_interpreter_suite(path, tier)
+    assert result.returncode in (0, 5), result.stdout[-8000:] + result.stderr[-4000:]
+
+
+def interpreter_suites(path: str):
+    """The parent-process tests that run ``path``'s interpreter tests: ``test_interpreter_suite`` (default tier)
+    and ``test_interpreter_suite_exhaustive``; a test file assigns both to names of its own so pytest collects
+    them."""
+    @cpu_parent
+    def test_interpreter_suite():
+        check_interpreter_suite(path)
+
+    @cpu_parent
+    @pytest.mark.exhaustive
+    def test_interpreter_suite_exhaustive():
+        check_interpreter_suite(path, "exhaustive")
+
+    return test_interpreter_suite, test_interpreter_suite_exhaustive
 
 
 @contextlib.contextmanager

@@ -202,7 +202,8 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
 # (up to 1.2x, H100), and a static graph per variant without a bound runs
 # out of dynamo's recompile limit in one CLI run (12 variants: sla and sla2, three lengths, with and without grad).
 KEEP_WEIGHTED_LINEAR = StaticThenDynamic(
-    linear_naive.keep_weighted_linear, name="flexsparse.backends.flex_backend.KEEP_WEIGHTED_LINEAR", budget=16, recompile_limit=64)
+    linear_naive.keep_weighted_linear, name="flexsparse.backends.flex_backend.KEEP_WEIGHTED_LINEAR", budget=16,
+    recompile_limit=64)
 
 
 def masked_linear_attention_dense_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -148,8 +148,8 @@ class TritonBackend(Backend):
         k_pyr = torch.cat([x.to(acc) for x in k_levels[1:]], dim=2)
         v_pyr = torch.cat([x.to(acc) for x in v_levels[1:]], dim=2)
         topk = [s.shape[-1] for s in selection.indices]
-        return llsa_op.llsa_attn(q, k_levels[0], v_levels[0], k_pyr, v_pyr, pack(selection), selection.block, topk, scale,
-                                 False, False)
+        return llsa_op.llsa_attn(q, k_levels[0], v_levels[0], k_pyr, v_pyr, pack(selection), selection.block, topk,
+                                 scale, False, False)
 
     def masked_linear_attention(self, q, k, v, selection: BlockSelection, *, feature_map: str, eps: float):
         """No token gather: per key block ``[h_j | z_j]``, per query block the global sums minus its skipped blocks,

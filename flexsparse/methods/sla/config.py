@@ -31,9 +31,11 @@ class SLAConfig(BlockAliases, Config):
         check_choice("feature_map", self.feature_map, FEATURE_MAPS)
         check_float("eps", self.eps, 0.0, 1.0, low_open=True)
         if self.negligible_ratio > 0 and self.linear == "full":
-            raise ValueError("config key 'negligible_ratio' needs linear='masked' (the full linear branch has no classes)")
+            raise ValueError(
+                "config key 'negligible_ratio' needs linear='masked' (the full linear branch has no classes)")
         if self.topk_ratio + self.negligible_ratio > 1.0:
             raise ValueError(
-                f"config keys 'topk_ratio' + 'negligible_ratio' must be <= 1, got {self.topk_ratio} + {self.negligible_ratio}")
+                f"config keys 'topk_ratio' + 'negligible_ratio' must be <= 1, "
+                f"got {self.topk_ratio} + {self.negligible_ratio}")
         object.__setattr__(self, "quant", QuantConfig.from_value(self.quant))
         check_bool("deterministic", self.deterministic)

@@ -45,8 +45,8 @@ def block_sparse_attention_backward(do, dlse, q, k, v, selection: BlockSelection
     """
     acc = accumulation_dtype(q.dtype)
     log_weights = log_token_weights(selection.n_k, 1, selection.num_k_blocks * selection.block_k, q.device, acc)
-    dq, dk, dv = gathered_grads(q.to(acc), do.to(acc), lse.to(acc), softmax_delta(do, dlse, o, acc), selection.indices, k, v,
-                                 selection.block_q, selection.block_k, log_weights, scale)
+    dq, dk, dv = gathered_grads(q.to(acc), do.to(acc), lse.to(acc), softmax_delta(do, dlse, o, acc), selection.indices,
+                                k, v, selection.block_q, selection.block_k, log_weights, scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -7,7 +7,8 @@ Registered with ``triton_op`` (``triton_op`` + ``wrap_triton``, so ``torch.compi
 kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
 kernels, CPU runs them through the Triton interpreter when ``TRITON_INTERPRET=1`` is set (eager only),
 else the PyTorch implementation runs (``naive``: the attention and its written-out backward; ``block_attn_fp8``:
-the fake-quantized branch). fp64 always takes the PyTorch path. The index table is ``(B, H, Tq, K)`` int32, ascending key-block ids per row.
+the fake-quantized branch). fp64 always takes the PyTorch path. The index table is ``(B, H, Tq, K)`` int32,
+ascending key-block ids per row.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``block_attn`` from ``do`` and ``dlse`` (None: no gradient reaches the LSE)."""
     if not use_kernels(q):
-        return naive.block_sparse_attention_backward(do, dlse, q, k, v, _selection(indices, block_q, block_k, q, k), scale,
-                                               o, lse)
+        return naive.block_sparse_attention_backward(do, dlse, q, k, v, _selection(indices, block_q, block_k, q, k),
+                                                     scale, o, lse)
     from ..common.csc import block_csc
     from .bwd import backward_tiles, block_backward, dkv_blocks
     do, q, k, v, indices, o, lse = contiguous(do, q, k, v, indices, o, lse)

@@ -9,8 +9,8 @@ docs/triton_sla_pieces.md; ``linear_tiles``' ``dense_ratio``). Each kept state e
 subtraction), with fp32 accumulation (``keep`` is exact in bf16).
 
 The matmuls are ``torch.bmm`` (cuBLAS on GPUs: 0.43 ms at B2 H16 Tq=Tk=512 D=128 on an H200, where a Triton
-matmul with 128 x 128 x 64 tiles takes 0.93 ms writing fp32); the query heads of a KV head are folded into the rows, so GQA
-needs no copy, and ``keep^T`` is a transposed view. Sums of ``h`` come out in the states' dtype (bf16 for bf16
+matmul with 128 x 128 x 64 tiles takes 0.93 ms writing fp32); the query heads of a KV head are folded into the rows,
+so GQA needs no copy, and ``keep^T`` is a transposed view. Sums of ``h`` come out in the states' dtype (bf16 for bf16
 inputs: every kernel that reads them rounds them to bf16 for its tensor-core products anyway), sums of ``z`` in
 fp32 (the normaliser is an fp32 dot).
 """

@@ -177,8 +177,8 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
                       bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, scale: float,
                       deterministic: bool, feature_map: str, eps: float,
                       store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE over
-    the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
+    """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE
+    over the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
     branch's gradients first and the linear kernels add theirs to them (one pass fewer over dq, dk and dv than
     two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse forward and
     the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``).

@@ -395,8 +395,8 @@ def coarse_launch(q: torch.Tensor, levels: Levels, rows_cap: int, keys_cap: int)
     while bn > 16 and any(count % bn for count in counts):
         bn //= 2
     even = levels.n % levels.block**top == 0 and not any(count % bn for count in counts)
-    return grid, dict(TOP_OFF=levels.rows[top][level_columns.KV_OFF], TOP_T=levels.tokens(top), BLOCK=levels.block, TB=tb,
-                      BM=pow2(tb * levels.block, 16), BN=bn if even else keys_cap, N_SPARSE=levels.coarse_keys,
+    return grid, dict(TOP_OFF=levels.rows[top][level_columns.KV_OFF], TOP_T=levels.tokens(top), BLOCK=levels.block,
+                      TB=tb, BM=pow2(tb * levels.block, 16), BN=bn if even else keys_cap, N_SPARSE=levels.coarse_keys,
                       EVEN=even)
 
 

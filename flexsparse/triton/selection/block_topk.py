@@ -25,9 +25,9 @@ that the second kernel reads the scores from L2 rather than HBM; whole rows, at 
    spread around zero halfway keys waste ~6 passes on exponents (simulated on normal rows of 1024 keys,
    K = 51: 14.4 passes by keys, 9.2 by values; 32 + 24 at most). Then the ties at the threshold are taken by id
    (first ones for top, last ones for bottom; only when some ties are left out, the cut found by a bisection over
-   the columns) and a prefix sum compacts the row in id order. The bottom set is the same search read as ``~key`` (reversed compares on the
-   same registers). A pass costs 32 compares per lane and a warp reduction (plus one shared-memory round
-   when a row spans several warps, Tk > 1024); 96-128 registers at Tk = 1024 (sm_90).
+   the columns) and a prefix sum compacts the row in id order. The bottom set is the same search read as ``~key``
+   (reversed compares on the same registers). A pass costs 32 compares per lane and a warp reduction (plus one
+   shared-memory round when a row spans several warps, Tk > 1024); 96-128 registers at Tk = 1024 (sm_90).
 
 Measured (H100, B H = 16, D = 64): scores 0.048 ms at Tq = Tk = 1024 and 0.162 ms at 2048 (IEEE fp32 FMA dots:
 0.174 / 0.664 ms); the selection ~0.1 ms at 1024 (K = 51).
