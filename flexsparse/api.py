@@ -11,17 +11,20 @@ from . import backends
 from ._checks import check_qkv, resolve_scale
 from .config import Config
 from .methods import METHODS
+from .parallel import ParallelConfig, ulysses_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mapping[str, Any] | Config", *,
               backend: str = "auto", scale: float | None = None, return_lse: bool = False,
-              params: Mapping[str, torch.Tensor] | None = None):
+              params: Mapping[str, torch.Tensor] | None = None, parallel: ParallelConfig | None = None):
     """Sparse attention shaped like ``F.scaled_dot_product_attention``.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``H % Hk == 0`` (GQA).
     config: a dict such as ``{"method": "llsa", "block_size": 16, "topk": 8}`` or a ``Config``.
     backend: ``"reference"``, ``"torch"``, ``"flex"``, ``"triton"`` or ``"auto"``.
     params: learnable tensors of methods that have them (``SparseAttention`` passes its own).
+    parallel: a ``flexsparse.ParallelConfig``: q, k, v are this rank's shards of the sequence (every head) and the
+    result is this rank's shard (``flexsparse.parallel.ulysses_attention``); ``None``: no communication.
     Returns ``o (B, H, Nq, D)`` in q's dtype, and with ``return_lse`` also the natural-log LSE
     ``(B, H, Nq)`` (fp32; fp64 for fp64 inputs) of the (sparse) softmax branch.
     """
@@ -29,6 +32,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     method = METHODS[cfg.method]
     check_qkv(q, k, v, self_attention=method.self_attention)
     scale = resolve_scale(scale, q.shape[-1])
+    if parallel is not None:
+        if not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
+        if parallel.ulysses_degree > 1:
+            def attend_heads(q, k, v, heads: slice):
+                local_params = head_params(method, cfg, params, heads)
+                return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params)
+            return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
+    out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
+    return (out, lse) if return_lse else out
+
+
+def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params):
+    """The method's select and attend steps on the backend resolved for this call: ``(o, lse or None)``."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
     chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse, dtype=q.dtype,
@@ -39,8 +56,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
         selection = method.select(q, k, v, cfg, chosen, params)
         out, lse = chosen.attend(method, q, k, v, selection, cfg, scale=scale, params=params, need_lse=return_lse)
     if not return_lse:
-        return out
+        return out, None
     return out, (lse if lse.dtype == torch.float64 else lse.float())
+
+
+def head_params(method, cfg: Config, params: Mapping[str, torch.Tensor] | None, heads: slice):
+    """``params`` for the query heads ``heads``: the method's per-head parameters (``Method.head_params``) sliced,
+    the others whole."""
+    if not params:
+        return params
+    per_head = method.head_params(cfg)
+    return {name: value[heads] if name in per_head else value for name, value in params.items()}
 
 
 def _without_autocast(device_type: str):

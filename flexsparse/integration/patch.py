@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..parallel import ParallelConfig
 from .processor import FlexSparseAttnProcessor
 from .sdpa import RouteSDPA, SparseSDPA
 from .sites import find_sites, head_geometry
@@ -27,7 +28,8 @@ RECORD = "_flexsparse_patch"  # what patch changed on a module, for unpatch
 def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "str | list[str] | None" = None,
           overrides: Mapping | None = None, dense_warmup_steps: int | None = None,
           token_grid: "tuple[int, ...] | None" = None, seq_len: int | None = None, head_dim: int | None = None,
-          num_heads: int | None = None, backend: str = "auto") -> dict[str, Config]:
+          num_heads: int | None = None, backend: str = "auto",
+          parallel: ParallelConfig | None = None) -> dict[str, Config]:
     """Swap the attention of ``model`` (in place) for the method of ``config``.
 
     config: a method config dict, optionally with the patch keys ``layers``, ``overrides``,
@@ -41,6 +43,8 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
         method then sees them in Z-order / tile order (see ``SparseSDPA``).
     seq_len: sequence length, for methods whose parameters depend on it (SLA2).
     head_dim, num_heads: the query geometry, when it cannot be read from the modules.
+    parallel: a ``flexsparse.ParallelConfig`` when the model runs sequence parallel (each rank holds a shard of the
+        tokens): the patched attention exchanges the shards (``SparseSDPA``).
     Returns ``{module name: config}`` of the patched modules.
     """
     spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps,
@@ -52,7 +56,8 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     built = []
     for (name, module, kind), cfg in zip(sites, configs):
         options = dict(seq_len=seq_len, backend=backend, dense_warmup_steps=spec.dense_warmup_steps,
-                       token_grid=spec.token_grid, **head_geometry(name, module, kind, head_dim, num_heads))
+                       token_grid=spec.token_grid, parallel=parallel,
+                       **head_geometry(name, module, kind, head_dim, num_heads))
         try:
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
         except (TypeError, ValueError) as err:

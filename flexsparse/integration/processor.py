@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..parallel import ParallelConfig
 from .sdpa import SparseSDPA
 
 
@@ -23,10 +24,11 @@ class FlexSparseAttnProcessor(nn.Module):
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
-                 token_grid: Sequence[int] | None = None):
+                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
         super().__init__()
         self.flexsparse = SparseSDPA(config, head_dim=head_dim, num_heads=num_heads, seq_len=seq_len,
-                                     backend=backend, dense_warmup_steps=dense_warmup_steps, token_grid=token_grid)
+                                     backend=backend, dense_warmup_steps=dense_warmup_steps, token_grid=token_grid,
+                                     parallel=parallel)
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from ..config import Config
 from ..masks import TokenOrder, morton_order_2d, tile_order_3d
 from ..methods import METHODS
 from ..module import SparseAttention
+from ..parallel import ParallelConfig, ulysses_attention
 
 
 class SparseSDPA(nn.Module):
@@ -29,13 +30,20 @@ class SparseSDPA(nn.Module):
     that its blocks are compact regions, and the output is put back in raster order. Attention is
     equivariant to a permutation of its tokens (RoPE is applied before), so this changes only which
     tokens share a block. Keys and values are permuted when they have the grid's length.
+
+    parallel: a ``flexsparse.ParallelConfig`` when the module gets this rank's shards of the sequence: every call,
+    dense ones included, runs on the whole sequence for this rank's heads (``ulysses_attention``), the token grid
+    being the whole sequence's; masks and ``is_causal`` are rejected.
     """
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
-                 token_grid: Sequence[int] | None = None):
+                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
         super().__init__()
         self.config = Config.from_dict(config)
+        if parallel is not None and not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
+        self.parallel = parallel
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {dense_warmup_steps!r}")
         self.dense_warmup_steps = dense_warmup_steps
@@ -52,6 +60,20 @@ class SparseSDPA(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False) -> torch.Tensor:
+        parallel = self.parallel
+        if parallel is None or parallel.ulysses_degree == 1:
+            return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None)
+        if attn_mask is not None or is_causal:
+            raise ValueError("sequence-parallel attention (parallel=...) gets sequence shards and cannot apply "
+                             "attn_mask or is_causal; patch only modules that attend without them")
+
+        def attend_heads(q, k, v, heads: slice):
+            return self._attend(q, k, v, None, dropout_p, False, scale, q.shape[1] != k.shape[1], heads), None
+        return ulysses_attention(query, key, value, attend_heads, parallel)
+
+    def _attend(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, heads: slice | None):
+        """The call in this process on the whole sequence; ``heads``: the slice of the query heads that q holds
+        (sequence parallelism), ``None`` for all of them."""
         cross = query.shape[-2] != key.shape[-2]
         if (self.attention is None or self.dense or attn_mask is not None or is_causal
                 or (cross and self.self_attention_only)):
@@ -60,8 +82,13 @@ class SparseSDPA(nn.Module):
         if dropout_p:
             raise ValueError(f"dropout_p={dropout_p} is not supported by sparse attention; set the attention "
                              "dropout of the patched module to 0 (or use model.eval())")
+
+        def sparse(q, k, v):
+            if heads is None:
+                return self.attention(q, k, v, scale=scale)
+            return self.attention.forward_heads(q, k, v, heads, scale=scale)
         if self.perm is None:
-            return self.attention(query, key, value, scale=scale)
+            return sparse(query, key, value)
         n = self.perm.numel()
         if query.shape[-2] != n:
             raise ValueError(f"token_grid={self.token_grid} has {n} tokens but the attention got "
@@ -69,7 +96,7 @@ class SparseSDPA(nn.Module):
         query = query[..., self.perm, :]
         if key.shape[-2] == n:
             key, value = key[..., self.perm, :], value[..., self.perm, :]
-        return self.attention(query, key, value, scale=scale)[..., self.inverse, :]
+        return sparse(query, key, value)[..., self.inverse, :]
 
     def extra_repr(self) -> str:
         return (f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}, "

@@ -31,6 +31,11 @@ class Method:
         """Initial learnable parameters (fp32), by name; ``{}`` for methods without any."""
         return {}
 
+    def head_params(self, cfg) -> tuple[str, ...]:
+        """Names of the learnable parameters with one row per query head (leading dim H): sequence parallelism
+        gives each rank the rows of its heads."""
+        return ()
+
     def check_params(self, cfg, q: torch.Tensor, params: Mapping[str, torch.Tensor] | None) -> dict:
         """The parameters a call uses, after checking them against q ``(B, H, N, D)`` (clear errors)."""
         return {}

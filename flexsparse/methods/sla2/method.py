@@ -55,6 +55,9 @@ class SLA2(Method):
         return {"proj_q": torch.eye(head_dim), "proj_k": torch.eye(head_dim),
                 "alpha_logit": torch.full((rows, num_blocks(seq_len, cfg.block_q)), logit)}
 
+    def head_params(self, cfg):
+        return ("alpha_logit",) if cfg.alpha_per_head else ()
+
     def check_params(self, cfg, q, params):
         heads, n, d = q.shape[1], q.shape[2], q.shape[3]
         rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)

@@ -39,6 +39,9 @@ class VSA(Method):
             return {}
         return {"gate_weight": torch.zeros(num_heads, head_dim), "gate_bias": torch.zeros(num_heads)}
 
+    def head_params(self, cfg):
+        return ("gate_weight", "gate_bias") if cfg.gate else ()
+
     def check_params(self, cfg, q, params):
         if not cfg.gate:
             return {}

@@ -1,0 +1,44 @@
+"""The all-to-alls of Ulysses sequence parallelism, differentiable (``torch.distributed``'s functional
+collectives), with shards of any lengths.
+
+A rank's shard is ``(B, Hx, n_r, D)``: tokens ``[sum(n_<r), sum(n_<=r))`` of the sequence, every head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def shard_lengths(q: torch.Tensor, k: torch.Tensor, group: dist.ProcessGroup) -> tuple[list[int], list[int]]:
+    """Every rank's query and key shard lengths, in rank order: one all-gather of two integers (a host sync)."""
+    mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).tolist()
+    return [n_q for n_q, _ in table], [n_k for _, n_k in table]
+
+
+def sequence_to_heads(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """``(B, Hx, n_rank, D)`` sequence shard -> ``(B, Hx / P, N, D)``: the whole sequence for this rank's group of
+    ``Hx / P`` heads (group r to rank r). ``Hx`` must be divisible by P."""
+    p = len(lengths)
+    bsz, heads, n_local, d = x.shape
+    local_heads = heads // p
+    send = x.unflatten(1, (p, local_heads)).movedim(1, 0).contiguous().flatten()
+    received = all_to_all_single_autograd(send, [bsz * local_heads * n * d for n in lengths],
+                                          [bsz * local_heads * n_local * d] * p, group)
+    pieces = received.split([bsz * local_heads * n * d for n in lengths])
+    return torch.cat([piece.view(bsz, local_heads, n, d) for piece, n in zip(pieces, lengths)], dim=2)
+
+
+def heads_to_sequence(x: torch.Tensor, lengths: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The inverse of ``sequence_to_heads``: ``(B, Hx / P, N, D)`` for this rank's heads -> ``(B, Hx, n_rank, D)``,
+    this rank's sequence shard for every head."""
+    p = len(lengths)
+    bsz, local_heads, _, d = x.shape
+    n_local = lengths[rank]
+    send = torch.cat([piece.reshape(-1) for piece in x.split(lengths, dim=2)])
+    received = all_to_all_single_autograd(send, [bsz * local_heads * n_local * d] * p,
+                                          [bsz * local_heads * n * d for n in lengths], group)
+    return received.view(p, bsz, local_heads, n_local, d).movedim(0, 1).flatten(1, 2)

@@ -1,0 +1,142 @@
+"""Sequence parallelism (``flexsparse.ParallelConfig``) on CPU: 2 and 4 spawned gloo processes against one process.
+
+Every registered method (fp64, torch backend; reference backend once) with GQA (fewer K/V heads than ranks) and a
+sequence length no degree divides: each rank's output, LSE and q, k, v gradients equal its shard of the one-process
+ones, and the sum over ranks of each learnable parameter's gradient equals the one-process gradient. The patched
+path (``SparseSDPA``) with a token grid and its dense fallbacks, the errors, and the absence of communication
+without a parallel config (or with degree 1) are checked in the same processes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import flexsparse as fs
+from _parallel_testing import shard, spawn
+from flexsparse.integration import SparseSDPA
+
+# every registered method, with blocks small enough for N = 97
+CONFIGS = {
+    "full": {"method": "full"},
+    "topk": {"method": "topk", "block_size": 8, "topk": 3},
+    "vsa": {"method": "vsa", "block_size": 8, "topk": 3, "gate": True},
+    "llsa": {"method": "llsa", "block_size": 4, "topk": 2},
+    "sla": {"method": "sla", "block_size": 8, "topk_ratio": 0.25},
+    "sla2": {"method": "sla2", "block_size": 8, "topk_ratio": 0.25, "alpha_per_head": True},
+}
+BATCH, HEADS, KV_HEADS, N, D = 2, 4, 2, 97, 16
+TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+def test_every_registered_method_has_a_case():
+    assert set(CONFIGS) == set(fs.METHODS)
+
+
+def ulysses_mesh(world: int) -> fs.ParallelConfig:
+    return fs.ParallelConfig(init_device_mesh("cpu", (world,), mesh_dim_names=("ulysses",)))
+
+
+def learned_params(name: str, cfg: dict) -> dict[str, torch.Tensor]:
+    """The method's parameters moved off their initial values (fp64, requiring gradients)."""
+    initial = fs.METHODS[name].init_params(fs.Config.from_dict(cfg), D, HEADS, N)
+    return {key: (value.double() + 0.1 * torch.randn(value.shape, dtype=torch.float64)).requires_grad_()
+            for key, value in initial.items()}
+
+
+def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, rank: int, world: int):
+    """``(one-process results, this rank's parallel results)``, each ``(o, lse, grads of q, k, v, params)``, on
+    inputs drawn alike on every rank."""
+    q = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(BATCH, KV_HEADS, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    params = learned_params(name, cfg)
+    grad_o, grad_lse = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64), torch.randn(BATCH, HEADS, N,
+                                                                                        dtype=torch.float64)
+    o, lse = fs.attention(q, k, v, cfg, backend=backend, return_lse=True, params=params)
+    leaves = [q, k, v, *params.values()]
+    one = (o, lse, torch.autograd.grad((o * grad_o).sum() + (lse * grad_lse).sum(), leaves, allow_unused=True))
+    q_r, k_r, v_r = (shard(x, rank, world).detach().requires_grad_() for x in (q, k, v))
+    params_r = {key: value.detach().clone().requires_grad_() for key, value in params.items()}
+    o_r, lse_r = fs.attention(q_r, k_r, v_r, cfg, backend=backend, return_lse=True, params=params_r,
+                              parallel=parallel)
+    loss = (o_r * shard(grad_o, rank, world)).sum() + (lse_r * shard(grad_lse, rank, world)).sum()
+    grads = torch.autograd.grad(loss, [q_r, k_r, v_r, *params_r.values()], allow_unused=True)
+    return one, (o_r, lse_r, grads)
+
+
+def check_method(name, cfg, backend, parallel, rank, world):
+    (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, rank, world)
+    where = f"{name} on {backend}, rank {rank} of {world}"
+    torch.testing.assert_close(o_r, shard(o, rank, world), **TOL, msg=lambda m: f"{where}, output: {m}")
+    torch.testing.assert_close(lse_r, shard(lse, rank, world), **TOL, msg=lambda m: f"{where}, LSE: {m}")
+    for label, got, want in zip("qkv", grads_r[:3], grads[:3]):
+        torch.testing.assert_close(got, shard(want, rank, world), **TOL, msg=lambda m: f"{where}, d{label}: {m}")
+    for index, (got, want) in enumerate(zip(grads_r[3:], grads[3:])):
+        if want is None:   # a parameter this config does not use
+            assert got is None, f"{where}: parameter {index} has a gradient only in the parallel run"
+            continue
+        total = torch.zeros_like(want) if got is None else got.clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, want, **TOL, msg=lambda m: f"{where}, parameter {index} gradient: {m}")
+
+
+def _worker(rank: int, world: int) -> None:
+    """Every check of this file in one group of processes (a spawn costs ~10 s)."""
+    torch.manual_seed(0)   # the same inputs on every rank
+    parallel = ulysses_mesh(world)
+    for name, cfg in CONFIGS.items():
+        check_method(name, cfg, "torch", parallel, rank, world)
+    check_method("sla2", CONFIGS["sla2"], "reference", parallel, rank, world)
+    check_patched(rank, world)
+    check_communication(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])
+def test_every_method_patched_or_not_equals_one_process_and_communicates_only_when_parallel(world):
+    spawn(_worker, world)
+
+
+def check_patched(rank: int, world: int) -> None:
+    grid, n = (8, 12), 96
+    for cfg in (CONFIGS["llsa"], CONFIGS["vsa"]):
+        one = SparseSDPA(cfg, head_dim=D, num_heads=HEADS, token_grid=grid).double()
+        with torch.no_grad():
+            for p in one.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        sharded = SparseSDPA(cfg, head_dim=D, num_heads=HEADS, token_grid=grid, parallel=ulysses_mesh(world))
+        sharded.double().load_state_dict(one.state_dict())
+        q, k, v = (torch.randn(BATCH, HEADS, n, D, dtype=torch.float64) for _ in range(3))
+        got = sharded(*(shard(x, rank, world) for x in (q, k, v)))
+        torch.testing.assert_close(got, shard(one(q, k, v), rank, world), **TOL)
+        cross_k, cross_v = (torch.randn(BATCH, HEADS, 40, D, dtype=torch.float64) for _ in range(2))
+        got = sharded(shard(q, rank, world), shard(cross_k, rank, world), shard(cross_v, rank, world))
+        torch.testing.assert_close(got, shard(one(q, cross_k, cross_v), rank, world), **TOL)   # vsa sparse, llsa dense
+        with pytest.raises(ValueError, match="attn_mask or is_causal"):
+            sharded(*(shard(x, rank, world) for x in (q, k, v)), is_causal=True)
+
+
+def _collectives(call) -> list[str]:
+    with torch.profiler.profile() as prof:
+        call()
+    return sorted({event.name for event in prof.events() if event.name.startswith(("gloo:", "c10d"))})
+
+
+def check_communication(rank: int, world: int) -> None:
+    q = torch.randn(1, 4, 32, 8)
+    cfg = CONFIGS["topk"]
+    assert _collectives(lambda: fs.attention(q, q, q, cfg, parallel=ulysses_mesh(world))), "no collective seen"
+    assert _collectives(lambda: fs.attention(q, q, q, cfg)) == []
+    degree_one = fs.ParallelConfig(init_device_mesh("cpu", (world, 1), mesh_dim_names=("data", "ulysses")))
+    assert _collectives(lambda: fs.attention(q, q, q, cfg, parallel=degree_one)) == []
+    with pytest.raises(ValueError, match=f"3 query heads are not divisible by {world}"):
+        fs.attention(q[:, :3], q[:, :3], q[:, :3], cfg, parallel=ulysses_mesh(world))
+
+
+def test_parallel_config_errors():
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        fs.ParallelConfig(mesh="sp")
+    with pytest.raises(TypeError, match="parallel must be a flexsparse.ParallelConfig"):
+        fs.attention(*(torch.randn(1, 2, 16, 8) for _ in range(3)), CONFIGS["topk"], parallel="sp")
+    with pytest.raises(TypeError, match="parallel must be a flexsparse.ParallelConfig"):
+        fs.SparseAttention(CONFIGS["topk"], head_dim=8, num_heads=2, parallel=2)
