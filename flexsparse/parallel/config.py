@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -52,15 +53,16 @@ class ParallelConfig:
         return cls(init_device_mesh(device_type, (world // ulysses_degree, ulysses_degree),
                                     mesh_dim_names=("data", ULYSSES)))
 
-    @property
+    # read once: slicing a mesh on every call would cost host time
+    @cached_property
     def ulysses_degree(self) -> int:
         return self.mesh[ULYSSES].size()
 
-    @property
+    @cached_property
     def ulysses_rank(self) -> int:
         """This process's index in its ``"ulysses"`` group: the shard of the sequence it holds."""
         return self.mesh.get_local_rank(ULYSSES)
 
-    @property
+    @cached_property
     def ulysses_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(ULYSSES)
