@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -42,11 +43,24 @@ def resolve_scale(scale, head_dim: int) -> float:
     """``1/sqrt(D)`` when ``scale`` is None, else a positive finite float."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     return float(scale)
+
+
+def check_flag(name: str, value) -> None:
+    """Raise unless ``value`` is a bool (``return_lse="no"`` must not read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    """Raise unless ``value`` is an int >= 1 (bools excluded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_topk_fits(name: str, topk: int, available: int, what: str) -> None:

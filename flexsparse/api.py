@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 
 from . import backends
-from ._checks import check_qkv, resolve_scale
+from ._checks import check_flag, check_qkv, resolve_scale
 from .config import Config
 from .methods import METHODS
 from .parallel import ParallelConfig, ulysses_attention
@@ -32,6 +32,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     method = METHODS[cfg.method]
     check_qkv(q, k, v, self_attention=method.self_attention)
     scale = resolve_scale(scale, q.shape[-1])
+    check_flag("return_lse", return_lse)
     if parallel is not None:
         if not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")

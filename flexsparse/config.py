@@ -104,6 +104,9 @@ class Config:
     def from_dict(config: "Mapping[str, Any] | Config") -> "Config":
         """Validate a config dict and return the method's typed config."""
         if isinstance(config, Config):
+            if Config.registry.get(config.method) is not type(config):
+                raise TypeError(f"config must be a method's config (e.g. Config.from_dict({{'method': 'llsa'}})), "
+                                f"got a {type(config).__name__} of no registered method")
             return config
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict or a flexsparse.Config, got {type(config).__name__}")

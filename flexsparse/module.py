@@ -6,6 +6,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ._checks import check_positive_int
 from .api import attention, head_params
 from .config import Config
 from .methods import METHODS
@@ -25,12 +26,18 @@ class SparseAttention(nn.Module):
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", parallel: ParallelConfig | None = None):
         super().__init__()
+        self.config = Config.from_dict(config)
+        check_positive_int("head_dim", head_dim)
+        check_positive_int("num_heads", num_heads)
+        method = METHODS[self.config.method]
+        if backend not in (*method.backends, "auto"):
+            raise ValueError(f"backend {backend!r} is not available for method {method.name!r}; "
+                             f"available: {list(method.backends) + ['auto']}")
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
         self.parallel = parallel
-        self.config = Config.from_dict(config)
         self.head_dim, self.num_heads, self.seq_len, self.backend = head_dim, num_heads, seq_len, backend
-        initial = METHODS[self.config.method].init_params(self.config, head_dim, num_heads, seq_len)
+        initial = method.init_params(self.config, head_dim, num_heads, seq_len)
         self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

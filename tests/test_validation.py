@@ -61,7 +61,7 @@ def test_bad_backend_and_scale():
         fs.attention(q, k, v, LLSA, backend="cuda")
     with pytest.raises(ValueError, match="scale must be a positive"):
         fs.attention(q, k, v, LLSA, scale=-1.0)
-    with pytest.raises(TypeError, match="scale must be a float"):
+    with pytest.raises(TypeError, match="scale must be a real number"):
         fs.attention(q, k, v, LLSA, scale="0.1")
 
 
@@ -92,3 +92,39 @@ def test_module_checks_heads_and_dim():
 def test_quant_is_refused_by_methods_without_it(method):
     with pytest.raises(ValueError, match=f"'quant'.*not supported by method '{method}'"):
         fs.attention(*qkv(n=64, d=8), {"method": method, "quant": {"dtype": "fp8_e4m3"}}, backend="torch")
+
+def test_a_config_object_must_be_a_registered_methods():
+    with pytest.raises(TypeError, match="no registered method"):
+        fs.attention(*qkv(n=32, d=8), fs.Config())
+    cfg = fs.Config.from_dict(LLSA)
+    assert fs.Config.from_dict(cfg) is cfg
+
+
+def test_scale_of_any_real_type_and_return_lse_a_bool():
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv(n=32, d=8)
+    want = fs.attention(q, k, v, LLSA, scale=0.25, backend="torch")
+    for scale in (np.float32(0.25), np.float64(0.25), np.float16(0.25)):
+        assert torch.equal(fs.attention(q, k, v, LLSA, scale=scale, backend="torch"), want)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        fs.attention(q, k, v, LLSA, return_lse="no")
+
+
+@pytest.mark.parametrize("method", ["topk", "vsa", "full"])
+def test_params_given_to_a_config_without_learnable_parameters_are_an_error(method):
+    q, k, v = qkv(n=64, d=8)
+    cfg = {"method": method, "block_size": 16, "topk": 2} if method != "full" else {"method": "full"}
+    with pytest.raises(ValueError, match=f"method '{method}' with this config has no learnable parameters"):
+        fs.attention(q, k, v, cfg, params={"gate_weight": torch.zeros(2, 8)})
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"head_dim": 0, "num_heads": 2}, ValueError, "head_dim must be a positive int, got 0"),
+    ({"head_dim": "x", "num_heads": 2}, ValueError, "head_dim must be a positive int, got 'x'"),
+    ({"head_dim": 8, "num_heads": 0}, ValueError, "num_heads must be a positive int, got 0"),
+    ({"head_dim": 8, "num_heads": True}, ValueError, "num_heads must be a positive int, got True"),
+    ({"head_dim": 8, "num_heads": 2, "backend": "bogus"}, ValueError, "backend 'bogus' is not available"),
+])
+def test_module_arguments_are_checked_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fs.SparseAttention(LLSA, **kwargs)

@@ -37,7 +37,11 @@ class Method:
         return ()
 
     def check_params(self, cfg, q: torch.Tensor, params: Mapping[str, torch.Tensor] | None) -> dict:
-        """The parameters a call uses, after checking them against q ``(B, H, N, D)`` (clear errors)."""
+        """The parameters a call uses, after checking them against q ``(B, H, N, D)`` (clear errors); here, for
+        configs without learnable parameters: none may be given."""
+        if params:
+            raise ValueError(f"method {self.name!r} with this config has no learnable parameters, got params "
+                             f"{sorted(params)}")
         return {}
 
     def select(self, q, k, v, cfg, backend, params: dict) -> Any:

@@ -44,7 +44,7 @@ class VSA(Method):
 
     def check_params(self, cfg, q, params):
         if not cfg.gate:
-            return {}
+            return super().check_params(cfg, q, params)
         heads, d = q.shape[1], q.shape[3]
         return require_params("vsa", params, {"gate_weight": (heads, d), "gate_bias": (heads,)})
 
