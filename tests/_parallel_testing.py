@@ -35,6 +35,7 @@ def _entry(rank: int, world: int, port: int, worker, args) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         worker(rank, world, *args)
+        dist.barrier()   # rank 0 hosts the store: it must not leave while another rank still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
 """Putting flexsparse into existing models: ``patch``/``unpatch``, dense warm-up (``set_step``), the
-diffusers processor ``FlexSparseAttnProcessor`` and the SDPA-shaped ``SparseSDPA``."""
+diffusers processor ``FlexSparseAttnProcessor`` and the SDPA-shaped ``SparseSDPA``; under diffusers' context
+parallelism they exchange the sequence shards themselves (``context_parallel``)."""
 from .patch import patch, unpatch
 from .processor import FlexSparseAttnProcessor
 from .sdpa import RouteSDPA, SparseSDPA, set_step

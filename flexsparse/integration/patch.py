@@ -5,6 +5,8 @@ Each patched module gets a ``SparseSDPA`` (learned parameters included) register
 ``FlexSparseAttnProcessor`` (keys ``<name>.processor.flexsparse.*``); any other module keeps its code
 and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexsparse`` (modules with a
 timm-style ``fused_attn`` flag get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
+Under diffusers' context parallelism, patched modules exchange the sequence shards themselves
+(``flexsparse.integration.context_parallel``), whether ``patch`` runs before or after ``enable_parallelism``.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from torch import nn
 
 from ..config import Config
 from ..parallel import ParallelConfig
+from .context_parallel import context_parallel_config, routed_call
 from .processor import FlexSparseAttnProcessor
-from .sdpa import RouteSDPA, SparseSDPA
+from .sdpa import SparseSDPA
 from .sites import find_sites, head_geometry
 from .spec import PatchSpec
 
@@ -44,7 +47,8 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     seq_len: sequence length, for methods whose parameters depend on it (SLA2).
     head_dim, num_heads: the query geometry, when it cannot be read from the modules.
     parallel: a ``flexsparse.ParallelConfig`` when the model runs sequence parallel (each rank holds a shard of the
-        tokens): the patched attention exchanges the shards (``SparseSDPA``).
+        tokens): the patched attention exchanges the shards (``SparseSDPA``). Not needed under diffusers'
+        ``enable_parallelism`` (Ulysses), whose mesh is used; if given, it must be over the same group.
     Returns ``{module name: config}`` of the patched modules.
     """
     spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps,
@@ -62,8 +66,11 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
         except (TypeError, ValueError) as err:
             raise type(err)(f"patching module {name!r}: {err}") from err
+    inherited = getattr(model, "_parallel_config", None)   # diffusers' enable_parallelism ran before patch
     for (_, module, kind), new in zip(sites, built):
         if kind == "processor":
+            if context_parallel_config(inherited) is not None:
+                new._parallel_config = inherited
             _install_processor(module, new)
         else:
             _install_route(module, new)
@@ -116,7 +123,9 @@ def _routed_forward(self: nn.Module, *args, **kwargs):
     """The module's forward (an instance-level one it had before patching, else its class's) with its
     SDPA calls sent to its ``SparseSDPA``."""
     previous = self.__dict__[RECORD]["forward"]
-    with RouteSDPA(getattr(self, SITE)):
+
+    def forward():
         if previous is None:
             return type(self).forward(self, *args, **kwargs)
         return previous(*args, **kwargs)
+    return routed_call(self, getattr(self, SITE), forward, args, kwargs)

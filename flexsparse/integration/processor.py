@@ -4,7 +4,9 @@ It does what diffusers' ``AttnProcessor2_0`` does (``to_q``/``to_k``/``to_v``, p
 ``norm_k``, ``to_out``, optional ``spatial_norm``/``group_norm``/``norm_cross``, residual and output
 rescale) with the SDPA call replaced by a ``SparseSDPA``. It is an ``nn.Module``, so after
 ``attn.set_processor(FlexSparseAttnProcessor(...))`` its learned parameters are in ``attn``'s
-``state_dict`` (under ``processor.flexsparse.``).
+``state_dict`` (under ``processor.flexsparse.``). Under diffusers' context parallelism
+(``model.enable_parallelism``, which sets ``_parallel_config``) it exchanges the sequence shards itself
+(``flexsparse.integration.context_parallel``).
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from torch import nn
 
 from ..config import Config
 from ..parallel import ParallelConfig
+from .context_parallel import processor_parallel
 from .sdpa import SparseSDPA
 
 
 class FlexSparseAttnProcessor(nn.Module):
     """``processor(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None)``
     with ``hidden_states (B, N, C)`` or ``(B, C, H, W)``; arguments of ``SparseSDPA``."""
+
+    _parallel_config = None   # a diffusers ParallelConfig, set by model.enable_parallelism (context parallelism)
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
@@ -56,7 +61,8 @@ class FlexSparseAttnProcessor(nn.Module):
             query = attn.norm_q(query)
         if getattr(attn, "norm_k", None) is not None:
             key = attn.norm_k(key)
-        out = self.flexsparse(query, key, value, attn_mask=attention_mask)
+        parallel = processor_parallel(self.flexsparse, self, attn, encoder_hidden_states)
+        out = self.flexsparse(query, key, value, attn_mask=attention_mask, parallel=parallel)
         out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         if image:

@@ -33,7 +33,8 @@ class SparseSDPA(nn.Module):
 
     parallel: a ``flexsparse.ParallelConfig`` when the module gets this rank's shards of the sequence: every call,
     dense ones included, runs on the whole sequence for this rank's heads (``ulysses_attention``), the token grid
-    being the whole sequence's; masks and ``is_causal`` are rejected.
+    being the whole sequence's; masks and ``is_causal`` are rejected. ``forward(..., parallel=)`` overrides it for
+    one call (diffusers' context parallelism, ``flexsparse.integration.context_parallel``).
     """
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
@@ -44,6 +45,7 @@ class SparseSDPA(nn.Module):
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
         self.parallel = parallel
+        self._diffusers_parallel = None   # (diffusers ContextParallelConfig, ParallelConfig built from it)
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {dense_warmup_steps!r}")
         self.dense_warmup_steps = dense_warmup_steps
@@ -59,8 +61,8 @@ class SparseSDPA(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> torch.Tensor:
-        parallel = self.parallel
+                enable_gqa: bool = False, *, parallel: ParallelConfig | None = None) -> torch.Tensor:
+        parallel = self.parallel if parallel is None else parallel
         if parallel is None or parallel.ulysses_degree == 1:
             return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None)
         if attn_mask is not None or is_causal:
@@ -117,16 +119,22 @@ def grid_order(token_grid: Sequence[int] | None) -> TokenOrder | None:
 
 class RouteSDPA(TorchFunctionMode):
     """Inside ``with RouteSDPA(site):`` every ``F.scaled_dot_product_attention`` call goes to ``site``
-    (a ``SparseSDPA``); other torch functions run unchanged. Traceable by ``torch.compile``."""
+    (a ``SparseSDPA``); other torch functions run unchanged. Traceable by ``torch.compile``. With ``parallel``, the
+    calls run under that config and ``calls`` counts them."""
 
-    def __init__(self, site: SparseSDPA):
+    def __init__(self, site: SparseSDPA, parallel: ParallelConfig | None = None):
         super().__init__()
         self.site = site
+        self.parallel = parallel
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self.site(*args, **kwargs)
+            if self.parallel is None:
+                return self.site(*args, **kwargs)
+            self.calls += 1
+            return self.site(*args, parallel=self.parallel, **kwargs)
         return func(*args, **kwargs)
 
 
