@@ -79,7 +79,7 @@ def skip_unless_sm90() -> None:
 TIERS = {"default": "not gpu and not exhaustive", "exhaustive": "not gpu and exhaustive"}
 
 
-def run_interpreter_suite(path: str, tier: str = "default", timeout: float = 3600) -> subprocess.CompletedProcess:
+def run_interpreter_suite(path: str, tier: str = "default", timeout: float = 5400) -> subprocess.CompletedProcess:
     """Run the non-GPU tests of ``path`` in ``tier`` (``TIERS``) in a child pytest with the interpreter on."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
