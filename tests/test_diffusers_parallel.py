@@ -97,7 +97,6 @@ def _worker(rank: int, world: int) -> None:
     check_errors(world)
 
 
-@pytest.mark.exhaustive   # ~50 s on two cores, most of it importing diffusers in each process
 def test_patched_models_under_enable_parallelism_equal_one_process_or_raise():
     spawn(_worker, 2)
 
