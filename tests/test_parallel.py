@@ -8,6 +8,11 @@ without a parallel config (or with degree 1) are checked in the same processes.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -140,3 +145,20 @@ def test_parallel_config_errors():
         fs.attention(*(torch.randn(1, 2, 16, 8) for _ in range(3)), CONFIGS["topk"], parallel="sp")
     with pytest.raises(TypeError, match="parallel must be a flexsparse.ParallelConfig"):
         fs.SparseAttention(CONFIGS["topk"], head_dim=8, num_heads=2, parallel=2)
+
+
+@pytest.mark.exhaustive
+def test_multi_gpu_script_runs_on_cpu(tmp_path):
+    """``benchmarks/sequence_parallel.py`` under torchrun with gloo: its correctness part finds the parallel results
+    equal to one process (fp32, torch backend)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           os.path.join(root, "benchmarks", "sequence_parallel.py"), "--part", "correctness", "--device", "cpu",
+           "--backend", "torch", "--dtype", "fp32", "--sizes", "1024", "--heads", "4", "--dim", "16",
+           "--methods", "llsa", "vsa", "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "correctness.json").read_text())["rows"]
+    assert {row["method"] for row in rows} == {"llsa", "vsa"}
+    assert max(row["rel_l2"] for row in rows) < 1e-5

@@ -20,7 +20,6 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.utils.checkpoint import checkpoint
 
 import flexsparse
@@ -64,7 +63,7 @@ def gather_sequence(x: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
     bsz, _, channels = x.shape
     sizes = [bsz * n * channels for n in lengths]
     send = x.contiguous().flatten().repeat(len(lengths))
-    received = all_to_all_single_autograd(send, sizes, [x.numel()] * len(lengths), group)
+    received = flexsparse.parallel.all_to_all(send, sizes, [x.numel()] * len(lengths), group)
     return torch.cat([piece.view(bsz, n, channels) for piece, n in zip(received.split(sizes), lengths)], dim=1)
 
 
