@@ -97,6 +97,7 @@ def _worker(rank: int, world: int) -> None:
     check_errors(world)
 
 
+@pytest.mark.exhaustive   # the default tier keeps tests/test_parallel.py's two-process run
 def test_patched_models_under_enable_parallelism_equal_one_process_or_raise():
     spawn(_worker, 2)
 

@@ -141,6 +141,7 @@ def image_folder(tmp_path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive   # the default tier keeps tests/test_parallel.py's two-process run
+@pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_step_equals_one_process_and_trains(world, image_folder):
     spawn(_worker, world, str(image_folder.parent / "run"), world == 4)
