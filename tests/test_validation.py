@@ -128,3 +128,12 @@ def test_params_given_to_a_config_without_learnable_parameters_are_an_error(meth
 def test_module_arguments_are_checked_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         fs.SparseAttention(LLSA, **kwargs)
+
+
+def test_patched_sdpa_honours_enable_gqa():
+    from flexsparse.integration import SparseSDPA
+    sdpa = SparseSDPA(LLSA, head_dim=8, num_heads=4)
+    q, k, v = qkv(heads=4, kv_heads=2, n=32, d=8)
+    with pytest.raises(ValueError, match="grouped-query attention needs enable_gqa=True"):
+        sdpa(q, k, v)
+    torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True), fs.attention(q, k, v, LLSA))

@@ -62,6 +62,9 @@ class SparseSDPA(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False, *, parallel: ParallelConfig | None = None) -> torch.Tensor:
+        if query.dim() == key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
+            raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: as with "
+                             "F.scaled_dot_product_attention, grouped-query attention needs enable_gqa=True")
         parallel = self.parallel if parallel is None else parallel
         if parallel is None or parallel.ulysses_degree == 1:
             return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None)
