@@ -48,7 +48,7 @@ def resolve_scale(scale, head_dim: int) -> float:
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    return scale
 
 
 def check_flag(name: str, value) -> None:

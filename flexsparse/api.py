@@ -33,14 +33,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     check_qkv(q, k, v, self_attention=method.self_attention)
     scale = resolve_scale(scale, q.shape[-1])
     check_flag("return_lse", return_lse)
-    if parallel is not None:
-        if not isinstance(parallel, ParallelConfig):
-            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
-        if parallel.ulysses_degree > 1:
-            def attend_heads(q, k, v, heads: slice):
-                local_params = head_params(method, cfg, params, heads)
-                return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params)
-            return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
+    parallel = ParallelConfig.check(parallel)
+    if parallel is not None and parallel.ulysses_degree > 1:
+        def attend_heads(q, k, v, heads: slice):
+            local_params = head_params(method, cfg, params, heads)
+            return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params)
+        return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
     out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
     return (out, lse) if return_lse else out
 

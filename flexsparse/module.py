@@ -33,9 +33,7 @@ class SparseAttention(nn.Module):
         if backend not in (*method.backends, "auto"):
             raise ValueError(f"backend {backend!r} is not available for method {method.name!r}; "
                              f"available: {list(method.backends) + ['auto']}")
-        if parallel is not None and not isinstance(parallel, ParallelConfig):
-            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
-        self.parallel = parallel
+        self.parallel = ParallelConfig.check(parallel)
         self.head_dim, self.num_heads, self.seq_len, self.backend = head_dim, num_heads, seq_len, backend
         initial = method.init_params(self.config, head_dim, num_heads, seq_len)
         self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})

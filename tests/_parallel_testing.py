@@ -40,6 +40,13 @@ def _entry(rank: int, world: int, port: int, worker, args) -> None:
         dist.destroy_process_group()
 
 
+def collectives_in(call) -> list[str]:
+    """The names of the gloo / c10d collectives the profiler sees during ``call()``."""
+    with torch.profiler.profile() as prof:
+        call()
+    return sorted({event.name for event in prof.events() if event.name.startswith(("gloo:", "c10d"))})
+
+
 def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
     """This rank's contiguous shard of ``x`` along ``dim`` (``torch.tensor_split``: uneven when ``world`` does not
     divide the length)."""

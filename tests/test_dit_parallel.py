@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _parallel_testing import spawn  # noqa: E402
+from _parallel_testing import collectives_in, spawn  # noqa: E402
 from examples.dit import train  # noqa: E402
 from examples.dit.data import photos_and_split  # noqa: E402
 from examples.dit.model import DiT  # noqa: E402
@@ -76,12 +76,6 @@ def check_step_equals_one_process(args, ranks: train.Ranks, checkpointing: bool)
         torch.testing.assert_close(param.grad.full_tensor(), param_one.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _collectives(call) -> list[str]:
-    with torch.profiler.profile() as prof:
-        call()
-    return sorted({event.name for event in prof.events() if event.name.startswith(("gloo:", "c10d"))})
-
-
 def check_errors_and_plain_runs(args, ranks: train.Ranks, world: int) -> None:
     config = train.run_config(args, None)
     with pytest.raises(ValueError, match="heads=3 must be divisible by the sequence-parallel degree 2"):
@@ -93,7 +87,7 @@ def check_errors_and_plain_runs(args, ranks: train.Ranks, world: int) -> None:
     model = train.build_model(train.run_config(plain, None), "cpu")
     assert model.parallel is None and model.blocks[0].attn.attention.parallel is None
     batch = train.training_batch(images(), 15, 2, *train.training_generators(0, 0, "cpu"), "cpu")
-    assert _collectives(lambda: step(model, batch)) == []
+    assert collectives_in(lambda: step(model, batch)) == []
 
 
 def check_main(out: str, data_rank: int, resume: bool) -> None:

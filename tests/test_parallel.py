@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import flexsparse as fs
-from _parallel_testing import shard, spawn
+from _parallel_testing import collectives_in, shard, spawn
 from flexsparse.integration import SparseSDPA
 
 # every registered method, with blocks small enough for N = 97
@@ -121,19 +121,13 @@ def check_patched(rank: int, world: int) -> None:
             sharded(*(shard(x, rank, world) for x in (q, k, v)), is_causal=True)
 
 
-def _collectives(call) -> list[str]:
-    with torch.profiler.profile() as prof:
-        call()
-    return sorted({event.name for event in prof.events() if event.name.startswith(("gloo:", "c10d"))})
-
-
 def check_communication(rank: int, world: int) -> None:
     q = torch.randn(1, 4, 32, 8)
     cfg = CONFIGS["topk"]
-    assert _collectives(lambda: fs.attention(q, q, q, cfg, parallel=ulysses_mesh(world))), "no collective seen"
-    assert _collectives(lambda: fs.attention(q, q, q, cfg)) == []
+    assert collectives_in(lambda: fs.attention(q, q, q, cfg, parallel=ulysses_mesh(world))), "no collective seen"
+    assert collectives_in(lambda: fs.attention(q, q, q, cfg)) == []
     degree_one = fs.ParallelConfig(init_device_mesh("cpu", (world, 1), mesh_dim_names=("data", "ulysses")))
-    assert _collectives(lambda: fs.attention(q, q, q, cfg, parallel=degree_one)) == []
+    assert collectives_in(lambda: fs.attention(q, q, q, cfg, parallel=degree_one)) == []
     with pytest.raises(ValueError, match=f"3 query heads are not divisible by {world}"):
         fs.attention(q[:, :3], q[:, :3], q[:, :3], cfg, parallel=ulysses_mesh(world))
 

@@ -42,9 +42,7 @@ class SparseSDPA(nn.Module):
                  token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
         super().__init__()
         self.config = Config.from_dict(config)
-        if parallel is not None and not isinstance(parallel, ParallelConfig):
-            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(parallel).__name__}")
-        self.parallel = parallel
+        self.parallel = ParallelConfig.check(parallel)
         self._diffusers_parallel = None   # (diffusers ContextParallelConfig, ParallelConfig built from it)
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {dense_warmup_steps!r}")

@@ -65,7 +65,8 @@ def heads_to_sequence(x: torch.Tensor, lengths: list[int], rank: int, group: dis
     p = len(lengths)
     bsz, local_heads, _, d = x.shape
     n_local = lengths[rank]
-    send = torch.cat([piece.reshape(-1) for piece in x.split(lengths, dim=2)])
+    # sequence-major on the wire, (N, B, Hx / P, D): each rank's tokens are one contiguous run, so one copy sends
+    send = x.permute(2, 0, 1, 3).contiguous().flatten()
     received = all_to_all(send, [bsz * local_heads * n_local * d] * p, [bsz * local_heads * n * d for n in lengths],
                           group)
-    return received.view(p, bsz, local_heads, n_local, d).movedim(0, 1).flatten(1, 2)
+    return received.view(p, n_local, bsz, local_heads, d).permute(2, 0, 3, 1, 4).flatten(1, 2)

@@ -53,6 +53,13 @@ class ParallelConfig:
         return cls(init_device_mesh(device_type, (world // ulysses_degree, ulysses_degree),
                                     mesh_dim_names=("data", ULYSSES)))
 
+    @staticmethod
+    def check(value) -> "ParallelConfig | None":
+        """``value`` after checking that it is a ``ParallelConfig`` or None (the ``parallel=`` argument)."""
+        if value is not None and not isinstance(value, ParallelConfig):
+            raise TypeError(f"parallel must be a flexsparse.ParallelConfig or None, got {type(value).__name__}")
+        return value
+
     # read once: slicing a mesh on every call would cost host time
     @cached_property
     def ulysses_degree(self) -> int:
