@@ -9,7 +9,8 @@ process would, then with ``ParallelConfig`` of each Ulysses degree that divides 
 tensors); rank 0 tabulates relative L2 and max error of the output shards and of the q, k, v and (summed over the
 group) parameter gradients. ``scaling``: one attention layer's forward+backward at degree = world size (do_bench
 median on each rank, the slowest rank reported) and, from the profiler, the time of the all-to-all kernels; run it
-with ``--nproc-per-node 1`` too for T1. Kept as a script: the runner times one process, not a process group. Runs
+with ``--nproc-per-node 1`` too for T1. ``overhead`` (one process): forward+backward with a ``ParallelConfig`` of
+degree 1 against none, the two alternating over three rounds, best medians and their ratio. Kept as a script: the runner times one process, not a process group. Runs
 on CPU with gloo for a smoke test (``--device cpu --backend torch --dtype fp32`` and small sizes).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["correctness", "scaling"], default="correctness")
+    p.add_argument("--part", choices=["correctness", "scaling", "overhead"], default="correctness")
     p.add_argument("--combine", metavar="DIR", help="tabulate the scaling files of DIR and stop")
     p.add_argument("--methods", nargs="+", default=None, help=f"of {list(CONFIGS)} (scaling: llsa sla)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="N (correctness: 65536; scaling: 262144)")
@@ -146,6 +147,25 @@ def scaling(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def overhead(args, device: torch.device) -> list[dict]:
+    if dist.get_world_size() != 1:
+        raise SystemExit("--part overhead runs in one process (--nproc-per-node 1)")
+    parallel = ulysses(1, device)
+    rows = []
+    for name in args.methods or list(CONFIGS):
+        for n in args.sizes or [65536]:
+            q, k, v, grad, params = inputs(args, n, name, device, seed=n)
+            best = {"none": float("inf"), "degree 1": float("inf")}
+            for _ in range(3):
+                for label, config in (("none", None), ("degree 1", parallel)):
+                    def step():
+                        return forward_backward(q, k, v, grad, params, CONFIGS[name], args.backend, config)
+                    best[label] = min(best[label], _bench_ms(step) if device.type == "cuda" else _wall_ms(step))
+            rows.append({"method": name, "N": n, "none_ms": best["none"], "degree1_ms": best["degree 1"],
+                         "ratio": best["degree 1"] / best["none"]})
+    return rows
+
+
 def _bench_ms(step) -> float:
     from triton.testing import do_bench
     return do_bench(step, warmup=5, rep=50)
@@ -195,10 +215,10 @@ def main(argv=None) -> None:
         return
     device = setup(torch.device(args.device).type)
     try:
-        rows = correctness(args, device) if args.part == "correctness" else scaling(args, device)
+        rows = {"correctness": correctness, "scaling": scaling, "overhead": overhead}[args.part](args, device)
         if dist.get_rank() == 0:
             os.makedirs(args.out, exist_ok=True)
-            name = "correctness" if args.part == "correctness" else f"scaling_P{dist.get_world_size()}"
+            name = f"scaling_P{dist.get_world_size()}" if args.part == "scaling" else args.part
             meta = {"args": vars(args), "torch": torch.__version__, "device": str(device),
                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
