@@ -206,8 +206,10 @@ def test_compare_alternates_the_trees_and_keeps_each_cases_best_median(monkeypat
 
     monkeypatch.setattr(compare, "run_worker", worker)
     cases = [{"label": "a"}, {"label": "b"}]
-    out = compare.compare(cases, {"tree": "/t", "ref": "/r"}, 2, str(tmp_path), None)
+    partial = []
+    out = compare.compare(cases, {"tree": "/t", "ref": "/r"}, 2, str(tmp_path), None, partial.append)
     assert calls == ["tree", "ref", "ref", "tree"]
+    assert [row["ratio"] for row in partial[0]["results"]] == [1.2, pytest.approx(2 / 3)]
     assert [(row["tree"]["median_ms"], row["ref"]["median_ms"]) for row in out["results"]] == [(4.0, 6.0),
                                                                                               (3.0, 1.0)]
     assert [row["ratio"] for row in out["results"]] == [1.5, pytest.approx(1 / 3)]

@@ -246,7 +246,12 @@ def run_compare(run: Run, args) -> int:
     cases = [case.to_dict() for case in run.cases]
     with tempfile.TemporaryDirectory(prefix="flexsparse-compare-") as workdir:
         ref = run.ref or comparing.extract(run.ref_commit, run.tree, os.path.join(workdir, "ref"))
-        out = comparing.compare(cases, {"tree": run.tree, "ref": ref}, args.rounds or 2, workdir, run.tiles)
+        rounds = args.rounds or 2
+
+        def progress(partial: dict) -> None:
+            print(f"after round {len(partial['rounds'])} of {rounds}:")
+            print(comparing.compare_table(partial["results"], ["tree", "ref"]))
+        out = comparing.compare(cases, {"tree": run.tree, "ref": ref}, rounds, workdir, run.tiles, progress)
     if run.ref_commit is not None:
         out["versions"]["ref"]["flexsparse_revision"] = run.ref_commit
         out["versions"]["ref"]["flexsparse_path"] = f"git archive {args.compare}"

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from typing import Callable
 
 from tabulate import tabulate
 
@@ -67,12 +68,14 @@ def best(results: list[dict]) -> dict:
     return min(ok, key=lambda r: r["median_ms"]) if ok else results[-1]
 
 
-def compare(cases: list[dict], trees: dict[str, str], rounds: int, workdir: str, tiles: str | None) -> dict:
+def compare(cases: list[dict], trees: dict[str, str], rounds: int, workdir: str, tiles: str | None,
+            on_round: Callable[[dict], None] | None = None) -> dict:
     """Time ``cases`` on every tree of ``trees`` (name -> root; two of them, the working tree first) for
     ``rounds`` rounds, the order of the trees reversed every other round. Returns ``versions`` (per tree),
     ``rounds`` (every worker's results) and ``results``: per case, the best result of each tree and ``ratio``,
     the second tree's median over the first's (working tree, then REF: ref / tree, >1 when the working tree is
-    faster; ``None`` unless both are ok)."""
+    faster; ``None`` unless both are ok). ``on_round`` gets that report after each round (a long comparison cut
+    short keeps its finished rounds)."""
     names = list(trees)
     versions, per_round = {}, []
     for r in range(rounds):
@@ -83,6 +86,12 @@ def compare(cases: list[dict], trees: dict[str, str], rounds: int, workdir: str,
             this_round[name] = [{"label": res["case"]["label"], **{k: v for k, v in res.items() if k != "case"}}
                                 for res in report["results"]]
         per_round.append(this_round)
+        if on_round is not None and r + 1 < rounds:
+            on_round(_merge(cases, names, versions, per_round))
+    return _merge(cases, names, versions, per_round)
+
+
+def _merge(cases: list[dict], names: list[str], versions: dict, per_round: list[dict]) -> dict:
     merged = []
     for i, case in enumerate(cases):
         row = {"case": case}
