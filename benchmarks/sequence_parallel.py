@@ -10,8 +10,8 @@ tensors); rank 0 tabulates relative L2 and max error of the output shards and of
 group) parameter gradients. ``scaling``: one attention layer's forward+backward at degree = world size (do_bench
 median on each rank, the slowest rank reported) and, from the profiler, the time of the all-to-all kernels; run it
 with ``--nproc-per-node 1`` too for T1. ``overhead`` (one process): forward+backward with a ``ParallelConfig`` of
-degree 1 against none, the two alternating over three rounds, best medians and their ratio. Kept as a script: the runner times one process, not a process group. Runs
-on CPU with gloo for a smoke test (``--device cpu --backend torch --dtype fp32`` and small sizes).
+degree 1 against none, the two alternating over three rounds, best medians and their ratio. Kept as a script: the
+runner times one process, not a process group. Runs on CPU with gloo for a smoke test (``--device cpu --backend torch --dtype fp32`` and small sizes).
 """
 from __future__ import annotations
 
@@ -58,12 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def setup(device_type: str) -> torch.device:
     """The process group from torchrun's environment (NCCL on CUDA, gloo on CPU) and this rank's device."""
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    if device_type != "cuda":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    # device_id binds NCCL to this GPU: without it the closing barrier guesses the device (and may hang)
+    dist.init_process_group("nccl", device_id=device)
+    return device
 
 
 def ulysses(degree: int, device: torch.device) -> flexsparse.ParallelConfig:
