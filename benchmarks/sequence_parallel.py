@@ -11,7 +11,8 @@ group) parameter gradients. ``scaling``: one attention layer's forward+backward 
 median on each rank, the slowest rank reported) and, from the profiler, the time of the all-to-all kernels; run it
 with ``--nproc-per-node 1`` too for T1. ``overhead`` (one process): forward+backward with a ``ParallelConfig`` of
 degree 1 against none, the two alternating over three rounds, best medians and their ratio. Kept as a script: the
-runner times one process, not a process group. Runs on CPU with gloo for a smoke test (``--device cpu --backend torch --dtype fp32`` and small sizes).
+runner times one process, not a process group. Runs on CPU with gloo for a smoke test (``--device cpu --backend
+torch --dtype fp32`` and small sizes).
 """
 from __future__ import annotations
 
