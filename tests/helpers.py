@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexsparse.masks import num_blocks
+from flexsparse.masks.levels import fewest_candidates
 
 
 def exhaustive_where(cases: list, heavy) -> list:
@@ -34,15 +35,14 @@ def config_fields(method: str) -> set[str]:
 
 def draw_level_topk(draw, n: int, block: int, levels: int, cap: int | None = None) -> list[int]:
     """Hypothesis draw of LLSA's K per level, finest first, for N tokens: each K at most the blocks of its level,
-    at most the candidates of a ragged parent set (``(K_{l+1} - 1) * block + 1``) and at most ``cap``."""
+    at most the fewest candidates of its parents (``fewest_candidates``) and at most ``cap``."""
     def most(limit: int) -> int:
         return limit if cap is None else min(limit, cap)
 
     top = [0] * levels
     top[-1] = draw(st.integers(1, most(num_blocks(n, block**levels))))
     for level in range(levels - 2, -1, -1):
-        top[level] = draw(st.integers(1, most(min((top[level + 1] - 1) * block + 1,
-                                                  num_blocks(n, block ** (level + 1))))))
+        top[level] = draw(st.integers(1, most(fewest_candidates(n, block, level + 1, top[level + 1]))))
     return top
 
 

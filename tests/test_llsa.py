@@ -4,6 +4,7 @@ import torch
 
 import flexsparse as fs
 from flexsparse.masks import auto_levels, num_blocks
+from flexsparse.masks.levels import fewest_candidates
 from flexsparse.methods.dense import span_means
 from flexsparse.methods.llsa.method import plan
 from flexsparse.methods.llsa.reference import llsa_dense, llsa_select_bruteforce
@@ -19,7 +20,7 @@ def valid_topk(n, block, levels, want):
     topk = [0] * levels
     topk[-1] = min(want, num_blocks(n, block**levels))
     for level in range(levels - 2, -1, -1):
-        topk[level] = min(want, (topk[level + 1] - 1) * block + 1, num_blocks(n, block ** (level + 1)))
+        topk[level] = min(want, fewest_candidates(n, block, level + 1, topk[level + 1]))
     return topk
 
 
@@ -63,6 +64,27 @@ def test_selection_matches_bruteforce(n, block, levels, heads, kv_heads, d):
     for a, b in zip(sel.indices, ref.indices):
         assert a.dtype == torch.int32 and torch.equal(a, b)
         assert torch.all(a[..., 1:] > a[..., :-1]), "indices must be ascending and distinct"
+
+
+@pytest.mark.parametrize("n, block, levels", [(1024, 32, 2), (1000, 16, 2), (300, 4, 3), (257, 16, 2), (61, 3, 3)])
+def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels):
+    """K_l at its bound (the fewest level-l tokens under K_{l+1} parents, the ragged last one among them when there is
+    one) is accepted and the selection equals brute force, every row distinct; one more is refused naming 'topk'."""
+    tight = valid_topk(n, block, levels, want=n)
+    q, k, _ = qkv(batch=1, heads=2, kv_heads=1, n=n, d=8)
+    cfg = {"method": "llsa", "block_size": block, "levels": levels, "topk": tight}
+    sel = selection_for(q, k, cfg)
+    for a, b in zip(sel.indices, llsa_select_bruteforce(q, k, tuple(tight), block).indices):
+        assert torch.equal(a, b) and torch.all(a[..., 1:] > a[..., :-1])
+    if tight[0] < num_blocks(n, block):
+        with pytest.raises(ValueError, match="config key 'topk': K_1="):
+            plan(fs.Config.from_dict({**cfg, "topk": [tight[0] + 1, *tight[1:]]}), n)
+
+
+def test_a_parent_set_without_a_ragged_token_offers_all_its_children():
+    """N = 1024, b = 32: one level-2 token with 32 full children, so K_1 = 9 under K_2 = 1 is legal."""
+    assert plan(fs.Config.from_dict({"method": "llsa", "block_size": 32, "levels": 2, "topk": [9, 1]}), 1024) == \
+        (2, (9, 1))
 
 
 @pytest.mark.parametrize("n, block, levels", [(300, 4, 3), (257, 16, 2), (1000, 8, 2)])

@@ -169,8 +169,9 @@ def test_select_refuses_rows_it_cannot_fill():
     q_pyr, k_pyr = torch.randn(1, 1, 4 + 63, 8), torch.randn(1, 1, 4 + 63, 8)  # N=1000, b=16: T_1 = 63, T_2 = 4
     with pytest.raises(ValueError, match="K_2=8 exceeds the 4 level-2 tokens"):
         llsa_select(q_pyr, k_pyr, 1000, 16, [8, 8])
-    with pytest.raises(ValueError, match="K_1=20 exceeds the candidates"):
-        llsa_select(q_pyr, k_pyr, 1000, 16, [20, 2])
+    # two level-2 tokens hold as few as 16 + 15 level-1 tokens (the last parent has 63 - 3 * 16 = 15 children)
+    with pytest.raises(ValueError, match="K_1=32 exceeds the candidates under 2 level-2 tokens \\(as few as 31"):
+        llsa_select(q_pyr, k_pyr, 1000, 16, [32, 2])
 
 
 @cpu_only

@@ -99,9 +99,17 @@ def pack(selection: LLSASelection) -> torch.Tensor:
 def level_table(n: int, block: int, topk) -> Levels:
     """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)`` (cached: every op of a call
     asks for it). Raises ``ValueError`` where a selection row could not be filled (``K_L`` over the top level's
-    tokens, or ``K_l`` over the candidates of a ragged parent set): the kernels would read unwritten selection
-    slots."""
+    tokens, or ``K_l`` over the fewest candidates a parent set can have, ``fewest_candidates``): the kernels would
+    read unwritten selection slots."""
     return _level_table(int(n), int(block), tuple(int(k) for k in topk))
+
+
+def fewest_candidates(n: int, block: int, level: int, parents: int) -> int:
+    """The fewest level-``level`` tokens (spans of ``block**level`` of ``n`` tokens) under any ``parents`` tokens of
+    the next level: ``parents * block``, less what the ragged last parent lacks when it can be among them."""
+    children = num_blocks(n, block**level)
+    last = children - (num_blocks(children, block) - 1) * block     # children of the last parent, 1..block
+    return min(children, (parents - 1) * block + last)
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,9 +119,10 @@ def _level_table(n: int, block: int, topk: tuple[int, ...]) -> Levels:
         raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {num_blocks(n, block**levels)} "
                          f"level-{levels} tokens at N={n} (block {block})")
     for level in range(levels - 1):
-        if topk[level] > (topk[level + 1] - 1) * block + 1:
-            raise ValueError(f"LLSA topk: K_{level + 1}={topk[level]} exceeds the candidates of a ragged parent set "
-                             f"((K_{level + 2} - 1) * block + 1 = {(topk[level + 1] - 1) * block + 1})")
+        fewest = fewest_candidates(n, block, level + 1, topk[level + 1])
+        if topk[level] > fewest:
+            raise ValueError(f"LLSA topk: K_{level + 1}={topk[level]} exceeds the candidates under "
+                             f"{topk[level + 1]} level-{level + 2} tokens (as few as {fewest} at N={n}, block {block})")
     rows, kv_off, sel_off, csc_off = [], 0, 0, 0
     for level in range(levels + 1):
         tokens = num_blocks(n, block**level)

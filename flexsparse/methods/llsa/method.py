@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..._checks import check_topk_fits
 from ...masks import auto_levels, num_blocks
+from ...masks.levels import fewest_candidates
 from ..base import Method
 from . import reference
 from .config import LLSAConfig
@@ -46,8 +47,10 @@ def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
     check_topk_fits(f"topk[{levels - 1}]" if isinstance(cfg.topk, tuple) else "topk", topk[-1],
                     num_blocks(n, b**levels), f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")
     for level in range(levels - 1):
-        reachable = (topk[level + 1] - 1) * b + 1
+        reachable = fewest_candidates(n, b, level + 1, topk[level + 1])
         if topk[level] > reachable:
-            raise ValueError(f"config key 'topk': K_{level + 1}={topk[level]} can exceed the candidates of a ragged "
-                             f"parent set ((K_{level + 2} - 1) * block_size + 1 = {reachable}); lower it")
+            raise ValueError(f"config key 'topk': K_{level + 1}={topk[level]} exceeds the level-{level + 1} tokens "
+                             f"under {topk[level + 1]} level-{level + 2} tokens at N={n} (block_size={b}): as few as "
+                             f"{reachable} when the selection holds the ragged last one; lower it")
     return levels, topk
+
