@@ -24,6 +24,9 @@ def check_qkv(q, k, v, *, self_attention: bool) -> None:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are on the meta device: the sparse methods select blocks from their values, which "
+                         "meta tensors do not have; materialize them first (e.g. module.to_empty(device=...))")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:

@@ -30,6 +30,13 @@ CONFIGS = [ts.example_config(name, **ts.merged({"block_size": 16, "topk": 3, "to
            for name in ts.triton_methods()]
 
 
+@pytest.fixture(autouse=True)
+def _triton_ops_on_cpu():
+    """On CPU the triton backend's calls reach its ops' CPU kernels (``ts.triton_ops_on_cpu``)."""
+    with ts.triton_ops_on_cpu():
+        yield
+
+
 def _fused_views(n: int, heads: int = 2, dim: int = 16, dtype=torch.float32, device="cpu"):
     """A leaf ``(1, n, 3, heads, dim)`` and its q, k, v ``(1, heads, n, dim)`` views (strided over n)."""
     qkv = torch.randn(1, n, 3, heads, dim, dtype=dtype, device=device, requires_grad=True)

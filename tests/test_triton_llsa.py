@@ -356,10 +356,11 @@ def test_runs_on_cpu_only_with_interpreter():
 
 @cpu_parent
 def test_cpu_fallback_without_interpreter():
-    """Without the interpreter, the op bodies fall back to the torch backend on CPU."""
+    """Without the interpreter, the ops run their CPU kernels (the torch backend's computations); ``flexsparse``
+    refuses ``backend="triton"`` there, so the test reaches them through ``ts.triton_ops_on_cpu``."""
     q, k, v = _qkv(100, 2, 1, 16, grid=True)
     cfg = {"method": "llsa", "block_size": 8, "topk": [4, 2]}
-    with ts.interpreter_env(False):
+    with ts.interpreter_env(False), ts.triton_ops_on_cpu():
         results = []
         for backend in ("triton", "torch"):
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]

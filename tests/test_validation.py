@@ -35,6 +35,8 @@ def test_mismatched_shapes_dtypes_devices():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="one device"):
             fs.attention(q.cuda(), k, v, LLSA)
+    with pytest.raises(ValueError, match="meta device"):
+        fs.attention(*(x.to("meta") for x in (q, k, v)), LLSA)
 
 
 def test_non_divisible_heads():
@@ -47,7 +49,7 @@ def test_non_divisible_heads():
     ({"method": "topk", "block_size": 8, "topk": 5}, r"'topk'=5 is larger than the number of key blocks \(4\)"),
     ({"method": "vsa", "block_size": 16, "topk": 3}, r"'topk'=3 is larger"),
     ({"method": "llsa", "block_size": 4, "topk": 3, "levels": 2}, r"'topk'=3 is larger than the number of level-2"),
-    ({"method": "llsa", "block_size": 4, "topk": [9, 2], "levels": 2}, r"K_1=9 can exceed"),
+    ({"method": "llsa", "block_size": 4, "topk": [9, 2], "levels": 2}, r"K_1=9 exceeds the level-1 tokens under 2"),
 ])
 def test_topk_larger_than_blocks(config, match):
     q, k, v = qkv(n=32, d=8)
@@ -75,6 +77,14 @@ def test_unavailable_backend_is_a_clear_error():
                     fs.attention(q, k, v, method.example, backend=backend)
                 refused.append((name, backend))
     assert refused, "some method lacks some backend"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv(n=32, d=8)
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this call.*TRITON_INTERPRET=1"):
+        fs.attention(q, k, v, LLSA, backend="triton")
+    assert fs.attention(q, k, v, LLSA).shape == q.shape     # "auto" takes a backend that runs
 
 
 def test_module_checks_heads_and_dim():

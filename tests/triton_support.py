@@ -151,6 +151,21 @@ def interpreter_env(on: bool):
     return env_var("TRITON_INTERPRET", "1" if on else None)
 
 
+@contextlib.contextmanager
+def triton_ops_on_cpu():
+    """``backend="triton"`` accepted on CPU inside the block: its ops run their CPU kernels (the PyTorch
+    implementations registered for the CPU dispatch key). Users get an error there (``TritonBackend.unsupported``);
+    these tests reach the ops' CPU kernels and the backend's orchestration through it."""
+    from flexsparse.backends import BACKENDS
+    backend = BACKENDS["triton"]
+    checks = backend.unsupported
+    backend.unsupported = lambda device, *args: None if device.type == "cpu" else checks(device, *args)
+    try:
+        yield
+    finally:
+        del backend.unsupported
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in fp64."""
     a, b = a.double(), b.double()

@@ -26,7 +26,7 @@ def resolve(backend: str, method, device: torch.device, needs_grad: bool, *, nee
             quant: QuantConfig | None = None) -> Backend:
     """The backend that runs ``method`` (a ``flexsparse.methods.Method``) for this call. ``"auto"`` takes the first of
     triton, flex, torch that the method supports and that can run the call (else the reference); a named backend
-    that cannot raises a ``ValueError`` saying why, unless it ``falls_back``. ``blocks``: the config's block sizes;
+    that cannot raises a ``ValueError`` saying why. ``blocks``: the config's block sizes;
     ``head_dim``: q's D; ``quant``: the config's ``QuantConfig``, which not every backend runs."""
     if backend not in NAMES:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {list(NAMES)}")
@@ -46,7 +46,7 @@ def resolve(backend: str, method, device: torch.device, needs_grad: bool, *, nee
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run method {method.name!r} with config key 'quant': {reason}")
     reason = chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim)
-    if reason is not None and not chosen.falls_back:
+    if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run this call for method {method.name!r}: {reason}")
     return chosen
 

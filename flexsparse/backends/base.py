@@ -36,8 +36,6 @@ class Backend:
     """PyTorch implementations of every step (the ``torch`` backend as it is; see the module docstring)."""
 
     name = "torch"
-    # named explicitly, it runs calls that ``unsupported`` gives a reason for, on its ops' PyTorch implementations
-    falls_back = False
 
     def attend(self, method, q, k, v, selection, cfg, **kwargs):
         """``method``'s attend (and combine) step on this backend; the reference backend runs its dense spec."""

@@ -50,7 +50,6 @@ class TritonBackend(Backend):
     """Every step on the Triton ops (module docstring)."""
 
     name = "triton"
-    falls_back = True   # backend="triton" on CPU without the interpreter: the ops run their PyTorch implementations
 
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim):
         if not HAS_TRITON:
