@@ -339,6 +339,41 @@ def test_smooth_k_all_smooths_every_branch():
     assert rel_err(out_all, out_router) > 1e-3                    # the linear branch sees a different K
 
 
+def _bf16_error_at_logit_scale(std: float, smooth_k: str, backend: str, device: str, seed: int = 0) -> float:
+    """Relative L2 error of a bf16 call against fp64 on the same (bf16-rounded) inputs and parameters: N = 2048,
+    D = 64, keys with a common offset, q and k scaled so that the logits have standard deviation ``std``."""
+    gen = torch.Generator().manual_seed(seed)
+    n, d = 2048, 64
+    cfg = sla2_config(block_q=64, block_k=64, topk_ratio=0.1, smooth_k=smooth_k)
+    params = {name: value + 0.05 * torch.randn(value.shape, generator=gen)
+              for name, value in params_for(cfg, d, 2, n).items()}
+    q, k, v = (torch.randn(1, 2, n, d, generator=gen) for _ in range(3))
+    k = k + 2 * torch.randn(d, generator=gen)
+    q, k, v = (x.bfloat16().to(device) for x in (q * std**0.5, k * std**0.5, v + 1))
+    got = flexsparse.attention(q, k, v, cfg, backend=backend, params={n_: p.to(device) for n_, p in params.items()})
+    want = flexsparse.attention(*(x.double() for x in (q, k, v)), cfg, backend="reference",
+                                params={n_: p.double().to(device) for n_, p in params.items()})
+    return rel_err(got.double(), want)
+
+
+@pytest.mark.parametrize("std", [1, 3, 10, 30])
+def test_default_smoothing_is_accurate_in_bf16(std):
+    """bf16 against fp64 within 5e-3 at logits of standard deviation up to 30 with the default ``smooth_k``
+    (``"router"``); ``"all"`` re-rounds the smoothed keys and is worse at large logits (docs/methods.md)."""
+    assert Config.from_dict(sla2_config()).smooth_k == "router"
+    default = _bf16_error_at_logit_scale(std, "router", "torch", "cpu")
+    assert default <= 5e-3
+    if std == 30:
+        assert _bf16_error_at_logit_scale(std, "all", "torch", "cpu") > 1.5 * default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("std", [1, 30])
+def test_gpu_default_smoothing_is_accurate_in_bf16(std):
+    assert _bf16_error_at_logit_scale(std, "router", "triton", "cuda") <= 5e-3
+
+
 def test_soft_router_with_tiny_tau_approaches_hard_router():
     q, k, v = (x.detach() for x in leaf_qkv(1, 2, 1, 64, 8))
     hard = sla2_config(block_size=8, topk_ratio=0.25, router_softmax=False)

@@ -9,7 +9,11 @@ from ...config import BlockAliases, Config, FEATURE_MAPS, QuantConfig, check_boo
 
 @dataclass(frozen=True)
 class SLA2Config(BlockAliases, Config):
-    """SLA2: learnable router, alpha-mixing of the sparse and (masked) linear branches."""
+    """SLA2: learnable router, alpha-mixing of the sparse and (masked) linear branches.
+
+    ``smooth_k``: ``"router"`` (default) smooths the keys the router pools; ``"all"`` (paper Alg. 2) also gives both
+    branches ``k - mean_N k`` rounded to the input dtype, which in bf16 costs accuracy at large logits
+    (docs/methods.md, sla2 step 1)."""
 
     method: ClassVar[str] = "sla2"
     block_q: int = 128
@@ -19,7 +23,7 @@ class SLA2Config(BlockAliases, Config):
     eps: float = 1e-5
     alpha_per_head: bool = False
     alpha_init: float = 0.9
-    smooth_k: str = "all"
+    smooth_k: str = "router"
     router: str = "hard"
     router_softmax: bool = True
     tau: float = 0.1
