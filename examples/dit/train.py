@@ -164,8 +164,9 @@ def build_model(config: dict, device, parallel: flexsparse.ParallelConfig | None
 
 def load_weights(model: DiT, state: dict) -> list[str]:
     """Load the tensors of ``state`` that fit ``model``; return the names left as initialised. Only
-    sparse-attention parameters may be left (new to this stage, or shaped by the old resolution)."""
-    own = model.state_dict()
+    sparse-attention parameters may be left (new to this stage, or shaped by the old resolution). The sparse
+    attention's config entries are left out: a new stage may change the attention config on purpose."""
+    own, state = (flexsparse.SparseAttention.without_configs(sd) for sd in (model.state_dict(), state))
     fitting = {k: shard_like(v, own[k]) for k, v in state.items() if k in own and own[k].shape == v.shape}
     fresh = sorted(set(own) - set(fitting))
     wrong = [k for k in fresh + sorted(set(state) - set(own)) if ".attn.attention." not in k]

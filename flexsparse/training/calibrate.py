@@ -74,7 +74,8 @@ class CalibrationResult:
 
     def state_dict(self, topk_ratio: float) -> dict[str, torch.Tensor]:
         """The fit for ``topk_ratio`` under the model's ``state_dict`` keys
-        (``<layer>.params.proj_q`` ...), for ``model.load_state_dict(..., strict=False)``."""
+        (``<layer>.params.proj_q`` ...), for ``model.load_state_dict(..., strict=False)``. Parameters only: no
+        ``<layer>.config`` entry is checked, so the model must be built with ``topk_ratio``."""
         return {f"{layer}.params.{name}": value for layer, fitted in self._fit(topk_ratio).items()
                 for name, value in fitted.items()}
 
