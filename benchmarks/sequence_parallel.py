@@ -5,14 +5,14 @@
     python benchmarks/sequence_parallel.py --combine sp_out        # efficiency T1 / (P T_P) over the runs' files
 
 ``correctness``: every rank draws the same full q, k, v and learned parameters, runs the call on its own GPU as one
-process would, then with ``ParallelConfig`` of each Ulysses degree that divides the world (shards of the same
-tensors); rank 0 tabulates relative L2 and max error of the output shards and of the q, k, v and (summed over the
-group) parameter gradients. ``scaling``: one attention layer's forward+backward at degree = world size (do_bench
-median on each rank, the slowest rank reported) and, from the profiler, the time of the all-to-all kernels; run it
-with ``--nproc-per-node 1`` too for T1. ``overhead`` (one process): forward+backward with a ``ParallelConfig`` of
-degree 1 against none, the two alternating over three rounds, best medians and their ratio. Kept as a script: the
-runner times one process, not a process group. Runs on CPU with gloo for a smoke test (``--device cpu --backend
-torch --dtype fp32`` and small sizes).
+process would, then with ``ParallelConfig`` of each Ulysses degree that divides the world and, for the methods with
+a ring strategy, a ring over the world (shards of the same tensors); rank 0 tabulates relative L2 and max error of
+the output shards and of the q, k, v and (summed over the group) parameter gradients. ``scaling``: one attention
+layer's forward+backward at degree = world size (do_bench median on each rank, the slowest rank reported) and, from
+the profiler, the time of the all-to-all kernels; run it with ``--nproc-per-node 1`` too for T1. ``overhead`` (one
+process): forward+backward with a ``ParallelConfig`` of degree 1 against none, the two alternating over three rounds,
+best medians and their ratio. Kept as a script: the runner times one process, not a process group. Runs on CPU with
+gloo for a smoke test (``--device cpu --backend torch --dtype fp32`` and small sizes).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from flexsparse.bench.scripts import rel_l2  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 CONFIGS = {
+    "full": {"method": "full"},
     "llsa": {"method": "llsa", "block_size": 16, "topk": 8},
     "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.05},
     "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.05},
@@ -75,6 +76,11 @@ def ulysses(degree: int, device: torch.device) -> flexsparse.ParallelConfig:
     return flexsparse.ParallelConfig(mesh)
 
 
+def ring(device: torch.device) -> flexsparse.ParallelConfig:
+    """Every rank on the ring dim (``full`` and ``topk`` only)."""
+    return flexsparse.ParallelConfig(init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ring",)))
+
+
 def inputs(args, n: int, name: str, device: torch.device, seed: int):
     """Full q, k, v ``(B, H, N, D)``, the method's learned parameters (moved off their initial values) and the
     upstream gradient, drawn alike on every rank."""
@@ -104,9 +110,11 @@ def correctness(args, device: torch.device) -> list[dict]:
         n = (args.sizes or [65536])[0]
         q, k, v, grad, params = inputs(args, n, name, device, seed=n)
         o, grads = forward_backward(q, k, v, grad, params, CONFIGS[name], args.backend)
-        for degree in (d for d in range(2, world + 1) if world % d == 0):
-            parallel = ulysses(degree, device)
-            shard = parallel.ulysses_rank
+        layouts = [(f"ulysses {d}", d, ulysses(d, device)) for d in range(2, world + 1) if world % d == 0]
+        if flexsparse.METHODS[name].ring is not None and world > 1:
+            layouts.append((f"ring {world}", world, ring(device)))
+        for layout, degree, parallel in layouts:
+            shard = parallel.shard_index
 
             def piece(x):
                 return x.tensor_split(degree, dim=2)[shard]
@@ -118,10 +126,11 @@ def correctness(args, device: torch.device) -> list[dict]:
                 if want is None:
                     continue
                 total = torch.zeros_like(want) if got is None else got.clone()
-                dist.all_reduce(total, group=parallel.ulysses_group)
+                dist.all_reduce(total, group=parallel.ulysses_group if degree == parallel.ulysses_degree
+                                else parallel.ring_group)
                 errors[f"d{key}"] = (total, want)
             for what, (got, want) in errors.items():
-                row = {"method": name, "N": n, "degree": degree, "rank": rank, "tensor": what,
+                row = {"method": name, "N": n, "layout": layout, "rank": rank, "tensor": what,
                        "rel_l2": rel_l2(got, want), "max_err": (got.float() - want.float()).abs().max().item()}
                 rows.append(row)
     every = [None] * world

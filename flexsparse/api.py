@@ -11,7 +11,7 @@ from . import backends
 from ._checks import check_flag, check_qkv, resolve_scale
 from .config import Config
 from .methods import METHODS
-from .parallel import ParallelConfig, ulysses_attention
+from .parallel import ParallelConfig, ring_attention, ring_methods, ulysses_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mapping[str, Any] | Config", *,
@@ -34,26 +34,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     scale = resolve_scale(scale, q.shape[-1])
     check_flag("return_lse", return_lse)
     parallel = ParallelConfig.check(parallel)
-    if parallel is not None and parallel.ulysses_degree > 1:
+    if parallel is not None and parallel.communicates:
+        ring = parallel if parallel.ring_degree > 1 else None
+        if ring is not None and method.ring is None:
+            raise ValueError(f"ring attention (a 'ring' mesh dim of size {ring.ring_degree}) runs the methods "
+                             f"{ring_methods(METHODS)}, not {cfg.method!r}: put every sequence-parallel rank of "
+                             f"this method on the 'ulysses' dim")
+
         def attend_heads(q, k, v, heads: slice):
             local_params = head_params(method, cfg, params, heads)
-            return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params)
-        return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
-    out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
+            return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params, ring)
+        if parallel.ulysses_degree > 1:
+            return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
+        out, lse = attend_heads(q, k, v, slice(None))
+    else:
+        out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params):
-    """The method's select and attend steps on the backend resolved for this call: ``(o, lse or None)``."""
+def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params,
+            ring: ParallelConfig | None = None):
+    """The method's select and attend steps on the backend resolved for this call: ``(o, lse or None)``. ``ring``:
+    q, k, v are this rank's chunk of the ring group's sequence (``flexsparse.parallel.ring``)."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
-    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse, dtype=q.dtype,
-                              blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
+    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse or ring is not None,
+                              dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
     q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
     with _without_autocast(q.device.type):
         params = method.check_params(cfg, q, params)
-        selection = method.select(q, k, v, cfg, chosen, params)
-        out, lse = chosen.attend(method, q, k, v, selection, cfg, scale=scale, params=params, need_lse=return_lse)
+        if ring is not None:
+            out, lse = ring_attention(q, k, v, method, cfg, chosen, scale=scale, params=params, need_lse=return_lse,
+                                      parallel=ring)
+        else:
+            selection = method.select(q, k, v, cfg, chosen, params)
+            out, lse = chosen.attend(method, q, k, v, selection, cfg, scale=scale, params=params,
+                                     need_lse=return_lse)
     if not return_lse:
         return out, None
     return out, (lse if lse.dtype == torch.float64 else lse.float())

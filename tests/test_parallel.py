@@ -50,9 +50,9 @@ def learned_params(name: str, cfg: dict) -> dict[str, torch.Tensor]:
             for key, value in initial.items()}
 
 
-def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, rank: int, world: int):
+def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece):
     """``(one-process results, this rank's parallel results)``, each ``(o, lse, grads of q, k, v, params)``, on
-    inputs drawn alike on every rank."""
+    inputs drawn alike on every rank; ``piece(x)``: this rank's part of the sequence of ``x``."""
     q = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(BATCH, KV_HEADS, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
     params = learned_params(name, cfg)
@@ -61,22 +61,24 @@ def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelCo
     o, lse = fs.attention(q, k, v, cfg, backend=backend, return_lse=True, params=params)
     leaves = [q, k, v, *params.values()]
     one = (o, lse, torch.autograd.grad((o * grad_o).sum() + (lse * grad_lse).sum(), leaves, allow_unused=True))
-    q_r, k_r, v_r = (shard(x, rank, world).detach().requires_grad_() for x in (q, k, v))
+    q_r, k_r, v_r = (piece(x).detach().requires_grad_() for x in (q, k, v))
     params_r = {key: value.detach().clone().requires_grad_() for key, value in params.items()}
     o_r, lse_r = fs.attention(q_r, k_r, v_r, cfg, backend=backend, return_lse=True, params=params_r,
                               parallel=parallel)
-    loss = (o_r * shard(grad_o, rank, world)).sum() + (lse_r * shard(grad_lse, rank, world)).sum()
+    loss = (o_r * piece(grad_o)).sum() + (lse_r * piece(grad_lse)).sum()
     grads = torch.autograd.grad(loss, [q_r, k_r, v_r, *params_r.values()], allow_unused=True)
     return one, (o_r, lse_r, grads)
 
 
-def check_method(name, cfg, backend, parallel, rank, world):
-    (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, rank, world)
+def check_method(name, cfg, backend, parallel, rank, world, piece=None):
+    """This rank's results equal its part of the one-process results (``piece``: default, ``shard``)."""
+    piece = piece or (lambda x: shard(x, rank, world))
+    (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, piece)
     where = f"{name} on {backend}, rank {rank} of {world}"
-    torch.testing.assert_close(o_r, shard(o, rank, world), **TOL, msg=lambda m: f"{where}, output: {m}")
-    torch.testing.assert_close(lse_r, shard(lse, rank, world), **TOL, msg=lambda m: f"{where}, LSE: {m}")
+    torch.testing.assert_close(o_r, piece(o), **TOL, msg=lambda m: f"{where}, output: {m}")
+    torch.testing.assert_close(lse_r, piece(lse), **TOL, msg=lambda m: f"{where}, LSE: {m}")
     for label, got, want in zip("qkv", grads_r[:3], grads[:3]):
-        torch.testing.assert_close(got, shard(want, rank, world), **TOL, msg=lambda m: f"{where}, d{label}: {m}")
+        torch.testing.assert_close(got, piece(want), **TOL, msg=lambda m: f"{where}, d{label}: {m}")
     for index, (got, want) in enumerate(zip(grads_r[3:], grads[3:])):
         if want is None:   # a parameter this config does not use
             assert got is None, f"{where}: parameter {index} has a gradient only in the parallel run"
@@ -95,6 +97,7 @@ def _worker(rank: int, world: int) -> None:
     check_method("sla2", CONFIGS["sla2"], "reference", parallel, rank, world)
     check_patched(rank, world)
     check_communication(rank, world)
+    check_ring(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])
@@ -130,6 +133,37 @@ def check_communication(rank: int, world: int) -> None:
     assert collectives_in(lambda: fs.attention(q, q, q, cfg, parallel=degree_one)) == []
     with pytest.raises(ValueError, match=f"3 query heads are not divisible by {world}"):
         fs.attention(q[:, :3], q[:, :3], q[:, :3], cfg, parallel=ulysses_mesh(world))
+
+
+def ring_parallel(world: int) -> fs.ParallelConfig:
+    """Every rank on the ring dim (2 processes), or ring 2 x ulysses 2 (4 processes)."""
+    dims = (world,) if world < 4 else (2, world // 2)
+    return fs.ParallelConfig(init_device_mesh("cpu", dims, mesh_dim_names=("ring", "ulysses")[:len(dims)]))
+
+
+def check_ring(rank: int, world: int) -> None:
+    """Ring attention for the methods with a ring strategy (``full``: uneven chunks; ``topk``: whole 8-token blocks
+    in every chunk but the last), alone or inside Ulysses, against one process; the errors."""
+    made = fs.ParallelConfig.setup(2, "cpu", ring_degree=world // 2)
+    assert (made.ring_degree, made.ulysses_degree, made.shard_index) == (world // 2, 2, rank)
+    parallel = ring_parallel(world)
+    shards = world
+    chunked = [24 * 4 // shards] * (shards - 1) + [N - 24 * 4 // shards * (shards - 1)]   # 48 | 49, 24 x 3 | 25
+
+    def piece(x):
+        return x.split(chunked, dim=2)[parallel.shard_index]
+    check_method("full", CONFIGS["full"], "torch", parallel, rank, world,
+                 piece=lambda x: shard(x, parallel.shard_index, shards))
+    check_method("topk", CONFIGS["topk"], "torch", parallel, rank, world, piece=piece)
+    check_method("topk", CONFIGS["topk"], "reference", parallel, rank, world, piece=piece)
+    q = torch.randn(1, 4, 20, 8)
+    with pytest.raises(ValueError, match=r"ring attention .* runs the methods \['full', 'topk'\], not 'llsa'"):
+        fs.attention(q, q, q, CONFIGS["llsa"], parallel=parallel)
+    with pytest.raises(ValueError, match="SparseSDPA.*Ulysses sequence parallelism only"):
+        SparseSDPA(CONFIGS["topk"], head_dim=8, num_heads=4, parallel=parallel)
+    if parallel.ulysses_degree == 1:   # 20 + 20 tokens: the first chunk is not whole 8-token blocks
+        with pytest.raises(ValueError, match=r"multiple of block_q=8 tokens, got chunk lengths \[20, 20\]"):
+            fs.attention(q, q, q, CONFIGS["topk"], parallel=parallel)
 
 
 def test_parallel_config_errors():

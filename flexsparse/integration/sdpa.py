@@ -34,7 +34,8 @@ class SparseSDPA(nn.Module):
     parallel: a ``flexsparse.ParallelConfig`` when the module gets this rank's shards of the sequence: every call,
     dense ones included, runs on the whole sequence for this rank's heads (``ulysses_attention``), the token grid
     being the whole sequence's; masks and ``is_causal`` are rejected. ``forward(..., parallel=)`` overrides it for
-    one call (diffusers' context parallelism, ``flexsparse.integration.context_parallel``).
+    one call (diffusers' context parallelism, ``flexsparse.integration.context_parallel``). Ulysses only: a
+    ``"ring"`` dim of size > 1 is an error (the dense fallbacks and the token grid need the whole sequence).
     """
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
@@ -42,7 +43,7 @@ class SparseSDPA(nn.Module):
                  token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
         super().__init__()
         self.config = Config.from_dict(config)
-        self.parallel = ParallelConfig.check(parallel)
+        self.parallel = _ulysses_only(parallel)
         self._diffusers_parallel = None   # (diffusers ContextParallelConfig, ParallelConfig built from it)
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
             raise ValueError(f"dense_warmup_steps must be an int >= 0, got {dense_warmup_steps!r}")
@@ -63,8 +64,8 @@ class SparseSDPA(nn.Module):
         if query.dim() == key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
             raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: as with "
                              "F.scaled_dot_product_attention, grouped-query attention needs enable_gqa=True")
-        parallel = self.parallel if parallel is None else parallel
-        if parallel is None or parallel.ulysses_degree == 1:
+        parallel = self.parallel if parallel is None else _ulysses_only(parallel)
+        if parallel is None or not parallel.communicates:
             return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None)
         if attn_mask is not None or is_causal:
             raise ValueError("sequence-parallel attention (parallel=...) gets sequence shards and cannot apply "
@@ -104,6 +105,15 @@ class SparseSDPA(nn.Module):
     def extra_repr(self) -> str:
         return (f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}, "
                 f"token_grid={self.token_grid}")
+
+
+def _ulysses_only(parallel) -> ParallelConfig | None:
+    parallel = ParallelConfig.check(parallel)
+    if parallel is not None and parallel.ring_degree > 1:
+        raise ValueError(f"patched attention (SparseSDPA) runs Ulysses sequence parallelism only, got a 'ring' dim "
+                         f"of size {parallel.ring_degree}: its dense fallbacks and token grid need the whole "
+                         f"sequence on a rank; call flexsparse.attention or SparseAttention for ring attention")
+    return parallel
 
 
 def grid_order(token_grid: Sequence[int] | None) -> TokenOrder | None:

@@ -26,6 +26,7 @@ class Method:
     self_attention: ClassVar[bool] = True         # q and k must have the same length
     keeps_views: ClassVar[bool] = False           # its triton kernels read strided q, k, v in place
     sparse_branch: ClassVar[str | None] = "block"  # what ``quant`` quantizes: "block", "llsa" or None
+    ring: ClassVar[str | None] = None             # its ring strategy (``flexsparse.parallel.ring``), if any
 
     def init_params(self, cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict[str, torch.Tensor]:
         """Initial learnable parameters (fp32), by name; ``{}`` for methods without any."""

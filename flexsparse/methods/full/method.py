@@ -16,6 +16,7 @@ class Full(Method):
     backends = ("reference", "torch")
     self_attention = False
     sparse_branch = None
+    ring = "rotate"
 
     def select(self, q, k, v, cfg, backend, params):
         return None

@@ -16,6 +16,7 @@ class TopK(Method):
     config = TopKConfig
     example = {"method": "topk", "block_size": 64, "topk": 8}
     self_attention = False
+    ring = "fetch_blocks"
 
     def select(self, q, k, v, cfg, backend, params):
         return select_blocks(q, k, cfg, backend)

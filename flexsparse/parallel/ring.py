@@ -1,0 +1,143 @@
+"""Ring sequence parallelism: the ranks of the ``"ring"`` group hold contiguous chunks of one sequence for the same
+heads (in rank order, any lengths) and attend their queries over every chunk's keys.
+
+A method names its strategy (``Method.ring``):
+
+* ``"rotate"`` (``full``): the K/V chunks rotate around the ring, ``P - 1`` exchanges with the neighbours; each step
+  attends the local queries to the chunk at hand and the partial outputs merge by their LSE (fp32; fp64 for fp64).
+* ``"fetch_blocks"`` (``topk``): the selection is global: the ranks all-gather the pooled keys (``N / block_k``
+  rows), each selects the top-K blocks for its query blocks among all of them, then fetches from their owners only
+  the key blocks it selected (an all-to-all of block ids, then one of the blocks) and attends them on a compact
+  K/V as in one process: the same blocks in the same order, so the same numbers. It moves at most what a rotation
+  moves (every K/V chunk to every rank) and attends each selected block once. Every chunk but the last must hold
+  whole blocks (``block_q``, ``block_k``), so that a chunk's blocks are the sequence's.
+
+Autograd flows through every exchange (``collectives.all_to_all``): a fetched block's gradient returns to its owner
+and sums over the ranks that fetched it. Per call and rank, the rotation moves ``(P - 1) / P`` of K and V (and
+their gradients back), ``2 (P - 1) / P · B Hk N D`` elements each way; the fetch moves the selected blocks only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_topk_fits
+from ..masks import BlockSelection, accumulation_dtype, num_blocks
+from .collectives import all_to_all, shard_lengths
+from .config import ParallelConfig
+
+
+def ring_methods(methods) -> list[str]:
+    """The names of the methods of the registry ``methods`` that run over a ring."""
+    return [name for name, method in methods.items() if method.ring is not None]
+
+
+def ring_attention(q, k, v, method, cfg, backend, *, scale: float, params: dict, need_lse: bool,
+                   parallel: ParallelConfig):
+    """Attention of this rank's chunk q ``(B, H, n_r, D)`` over the keys and values of every chunk of the ring
+    group (k, v ``(B, Hk, m_r, D)`` here) with ``method`` on ``backend``: ``(o (B, H, n_r, D), lse (B, H, n_r) or
+    None)``, this rank's rows of the one-process call."""
+    strategy = {"rotate": _rotate, "fetch_blocks": _fetch_blocks}[method.ring]
+    return strategy(q, k, v, method, cfg, backend, scale=scale, params=params, need_lse=need_lse,
+                    parallel=parallel)
+
+
+def _rotate(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel):
+    p, rank, group = parallel.ring_degree, parallel.ring_rank, parallel.ring_group
+    _, lengths_k = shard_lengths(q, k, group)
+    acc = accumulation_dtype(q.dtype)
+    out = lse = None
+    for step in range(p):
+        if step:
+            k, v = (_pass_on(x, lengths_k[(rank - step) % p], rank, p, group) for x in (k, v))
+        o_s, lse_s = backend.attend(method, q, k, v, None, cfg, scale=scale, params=params, need_lse=True)
+        o_s, lse_s = o_s.to(acc), lse_s.to(acc)
+        if out is None:
+            out, lse = o_s, lse_s
+            continue
+        merged = torch.logaddexp(lse, lse_s)
+        out = out * (lse - merged).exp().unsqueeze(-1) + o_s * (lse_s - merged).exp().unsqueeze(-1)
+        lse = merged
+    return out.to(q.dtype), lse if need_lse else None
+
+
+def _pass_on(x: torch.Tensor, incoming_length: int, rank: int, p: int, group) -> torch.Tensor:
+    """Send ``x (B, Hx, n, D)`` to the next rank of the ring and return the previous rank's ``(B, Hx,
+    incoming_length, D)`` (differentiable: the gradient goes back the other way)."""
+    bsz, heads, _, d = x.shape
+    sent, received = [0] * p, [0] * p
+    sent[(rank + 1) % p] = x.numel()
+    received[(rank - 1) % p] = bsz * heads * incoming_length * d
+    return all_to_all(x.contiguous().flatten(), received, sent, group).view(bsz, heads, incoming_length, d)
+
+
+def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel):
+    p, group = parallel.ring_degree, parallel.ring_group
+    lengths_q, lengths_k = shard_lengths(q, k, group)
+    _check_whole_blocks(lengths_q, cfg.block_q, "block_q", method.name)
+    _check_whole_blocks(lengths_k, cfg.block_k, "block_k", method.name)
+    blocks_k = [num_blocks(n, cfg.block_k) for n in lengths_k]
+    check_topk_fits("topk", cfg.topk, sum(blocks_k), f"key blocks of the whole sequence ({sum(blocks_k)})")
+    first = [sum(blocks_k[:r]) for r in range(p)]
+    with torch.no_grad():
+        pooled_keys = _all_gather_rows(backend.mean_pool(k, cfg.block_k).detach(), blocks_k, group)
+        top, _ = backend.block_topk(backend.mean_pool(q, cfg.block_q).detach(), pooled_keys, cfg.topk)
+        wanted = torch.unique(top).long()                            # ascending global key-block ids
+        owner = torch.bucketize(wanted, torch.tensor(first[1:], device=wanted.device), right=True)
+        asked = [wanted[owner == r] - first[r] for r in range(p)]    # block ids local to their owner
+        to_send = _exchange_ids(asked, group)                        # the blocks each rank asks of this one
+        position = torch.full((sum(blocks_k),), -1, dtype=torch.int64, device=top.device)
+        position[wanted] = torch.arange(wanted.numel(), device=top.device)
+    k_c, v_c = (_fetch(x, to_send, [_tokens(ids, cfg.block_k, lengths_k[r]) for r, ids in enumerate(asked)],
+                       cfg.block_k, group) for x in (k, v))
+    selection = BlockSelection(position[top.long()].to(torch.int32), cfg.block_q, cfg.block_k, q.shape[2],
+                               k_c.shape[2])
+    return backend.attend(method, q, k_c, v_c, selection, cfg, scale=scale, params=params, need_lse=need_lse)
+
+
+def _check_whole_blocks(lengths: list[int], block: int, key: str, method: str) -> None:
+    ragged = [r for r, n in enumerate(lengths[:-1]) if n % block]
+    if ragged:
+        raise ValueError(f"ring attention with method {method!r} selects whole blocks of the sequence: every ring "
+                         f"chunk but the last must be a multiple of {key}={block} tokens, got chunk lengths "
+                         f"{lengths}")
+
+
+def _all_gather_rows(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
+    """Every rank's ``x (B, Hx, rows[r], D)`` concatenated along dim 2 in rank order (no gradient)."""
+    widest = max(rows)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, widest - x.shape[2])).contiguous()
+    every = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(every, padded, group=group)
+    return torch.cat([part[:, :, :n] for part, n in zip(every, rows)], dim=2)
+
+
+def _exchange_ids(asked: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Send ``asked[r]`` (int64 ids) to rank r; returns what every rank sent to this one, in rank order."""
+    counts = torch.tensor([ids.numel() for ids in asked], dtype=torch.int64, device=asked[0].device)
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)
+    sizes = incoming.tolist()
+    received = torch.empty(sum(sizes), dtype=torch.int64, device=counts.device)
+    dist.all_to_all_single(received, torch.cat(asked), sizes, counts.tolist(), group=group)
+    return list(received.split(sizes))
+
+
+def _tokens(block_ids: torch.Tensor, block: int, length: int) -> torch.Tensor:
+    """The token ids of ``block_ids`` (ascending) in a chunk of ``length`` tokens (its last block may be short)."""
+    tokens = (block_ids.unsqueeze(1) * block + torch.arange(block, device=block_ids.device)).flatten()
+    return tokens[tokens < length]
+
+
+def _fetch(x: torch.Tensor, to_send: list[torch.Tensor], incoming: list[torch.Tensor], block: int,
+           group) -> torch.Tensor:
+    """Send every rank the tokens of the blocks of ``x (B, Hx, m, D)`` it asked for (``to_send[r]``, block ids) and
+    receive this rank's (``incoming[r]``: the token ids asked of rank r): ``(B, Hx, sum_r len(incoming[r]), D)``
+    in rank order, i.e. ascending in the sequence. Differentiable."""
+    bsz, heads, length, d = x.shape
+    outgoing = [_tokens(ids, block, length) for ids in to_send]
+    send = torch.cat([x.index_select(2, tokens).movedim(2, 0).flatten() for tokens in outgoing])
+    received = all_to_all(send, [t.numel() * bsz * heads * d for t in incoming],
+                          [t.numel() * bsz * heads * d for t in outgoing], group)
+    total = sum(t.numel() for t in incoming)
+    return received.view(total, bsz, heads, d).movedim(0, 2).contiguous()
