@@ -83,6 +83,9 @@ def test_the_reference_check_catches_a_wrong_output(monkeypatch):
         def forward(self, q, k, v):
             return self.inner(q, k, v) * 1.001
 
+        def load_state_dict(self, state_dict, *args, **kwargs):   # the reference's keys, unprefixed
+            return self.inner.load_state_dict(state_dict, *args, **kwargs)
+
     monkeypatch.setattr(measure, "build_module", lambda config, backend, *a: (
         build(config, backend, *a) if backend == "reference" else Off(build(config, backend, *a))))
     case = {"kind": "method", "config": {"method": "llsa", "block_size": 16, "topk": 4}, "backend": "torch",
