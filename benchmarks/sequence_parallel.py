@@ -111,9 +111,11 @@ def correctness(args, device: torch.device) -> list[dict]:
         q, k, v, grad, params = inputs(args, n, name, device, seed=n)
         o, grads = forward_backward(q, k, v, grad, params, CONFIGS[name], args.backend)
         layouts = [(f"ulysses {d}", d, ulysses(d, device)) for d in range(2, world + 1) if world % d == 0]
+        layouts = [(label, d, parallel, parallel.ulysses_group) for label, d, parallel in layouts]
         if flexsparse.METHODS[name].ring is not None and world > 1:
-            layouts.append((f"ring {world}", world, ring(device)))
-        for layout, degree, parallel in layouts:
+            parallel = ring(device)
+            layouts.append((f"ring {world}", world, parallel, parallel.ring_group))
+        for layout, degree, parallel, group in layouts:
             shard = parallel.shard_index
 
             def piece(x):
@@ -126,8 +128,7 @@ def correctness(args, device: torch.device) -> list[dict]:
                 if want is None:
                     continue
                 total = torch.zeros_like(want) if got is None else got.clone()
-                dist.all_reduce(total, group=parallel.ulysses_group if degree == parallel.ulysses_degree
-                                else parallel.ring_group)
+                dist.all_reduce(total, group=group)
                 errors[f"d{key}"] = (total, want)
             for what, (got, want) in errors.items():
                 row = {"method": name, "N": n, "layout": layout, "rank": rank, "tensor": what,

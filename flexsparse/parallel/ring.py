@@ -49,7 +49,7 @@ def _rotate(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel)
     out = lse = None
     for step in range(p):
         if step:
-            k, v = (_pass_on(x, lengths_k[(rank - step) % p], rank, p, group) for x in (k, v))
+            k, v = _pass_on(k, v, lengths_k[(rank - step) % p], rank, p, group)
         o_s, lse_s = backend.attend(method, q, k, v, None, cfg, scale=scale, params=params, need_lse=True)
         o_s, lse_s = o_s.to(acc), lse_s.to(acc)
         if out is None:
@@ -61,14 +61,15 @@ def _rotate(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel)
     return out.to(q.dtype), lse if need_lse else None
 
 
-def _pass_on(x: torch.Tensor, incoming_length: int, rank: int, p: int, group) -> torch.Tensor:
-    """Send ``x (B, Hx, n, D)`` to the next rank of the ring and return the previous rank's ``(B, Hx,
-    incoming_length, D)`` (differentiable: the gradient goes back the other way)."""
-    bsz, heads, _, d = x.shape
+def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming_length: int, rank: int, p: int, group):
+    """Send k, v ``(B, Hx, n, D)`` to the next rank of the ring in one exchange and return the previous rank's
+    ``(B, Hx, incoming_length, D)`` pair (differentiable: the gradients go back the other way)."""
+    bsz, heads, _, d = k.shape
     sent, received = [0] * p, [0] * p
-    sent[(rank + 1) % p] = x.numel()
-    received[(rank - 1) % p] = bsz * heads * incoming_length * d
-    return all_to_all(x.contiguous().flatten(), received, sent, group).view(bsz, heads, incoming_length, d)
+    sent[(rank + 1) % p] = 2 * k.numel()
+    received[(rank - 1) % p] = 2 * bsz * heads * incoming_length * d
+    both = all_to_all(torch.cat([k.flatten(), v.flatten()]), received, sent, group)
+    return tuple(half.view(bsz, heads, incoming_length, d) for half in both.chunk(2))
 
 
 def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel):
@@ -88,8 +89,8 @@ def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, par
         to_send = _exchange_ids(asked, group)                        # the blocks each rank asks of this one
         position = torch.full((sum(blocks_k),), -1, dtype=torch.int64, device=top.device)
         position[wanted] = torch.arange(wanted.numel(), device=top.device)
-    k_c, v_c = (_fetch(x, to_send, [_tokens(ids, cfg.block_k, lengths_k[r]) for r, ids in enumerate(asked)],
-                       cfg.block_k, group) for x in (k, v))
+    k_c, v_c = _fetch(k, v, to_send, [_tokens(ids, cfg.block_k, lengths_k[r]) for r, ids in enumerate(asked)],
+                      cfg.block_k, group)
     selection = BlockSelection(position[top.long()].to(torch.int32), cfg.block_q, cfg.block_k, q.shape[2],
                                k_c.shape[2])
     return backend.attend(method, q, k_c, v_c, selection, cfg, scale=scale, params=params, need_lse=need_lse)
@@ -129,15 +130,17 @@ def _tokens(block_ids: torch.Tensor, block: int, length: int) -> torch.Tensor:
     return tokens[tokens < length]
 
 
-def _fetch(x: torch.Tensor, to_send: list[torch.Tensor], incoming: list[torch.Tensor], block: int,
-           group) -> torch.Tensor:
-    """Send every rank the tokens of the blocks of ``x (B, Hx, m, D)`` it asked for (``to_send[r]``, block ids) and
-    receive this rank's (``incoming[r]``: the token ids asked of rank r): ``(B, Hx, sum_r len(incoming[r]), D)``
-    in rank order, i.e. ascending in the sequence. Differentiable."""
-    bsz, heads, length, d = x.shape
+def _fetch(k: torch.Tensor, v: torch.Tensor, to_send: list[torch.Tensor], incoming: list[torch.Tensor], block: int,
+           group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send every rank the tokens of the blocks of k, v ``(B, Hx, m, D)`` it asked for (``to_send[r]``, block ids)
+    and receive this rank's (``incoming[r]``: the token ids asked of rank r), k and v in one exchange: each
+    ``(B, Hx, sum_r len(incoming[r]), D)`` in rank order, i.e. ascending in the sequence. Differentiable."""
+    bsz, heads, length, d = k.shape
     outgoing = [_tokens(ids, block, length) for ids in to_send]
-    send = torch.cat([x.index_select(2, tokens).movedim(2, 0).flatten() for tokens in outgoing])
-    received = all_to_all(send, [t.numel() * bsz * heads * d for t in incoming],
-                          [t.numel() * bsz * heads * d for t in outgoing], group)
-    total = sum(t.numel() for t in incoming)
-    return received.view(total, bsz, heads, d).movedim(0, 2).contiguous()
+    send = torch.cat([x.index_select(2, tokens).movedim(2, 0).flatten() for tokens in outgoing for x in (k, v)])
+    received = all_to_all(send, [2 * t.numel() * bsz * heads * d for t in incoming],
+                          [2 * t.numel() * bsz * heads * d for t in outgoing], group)
+    pieces = [piece.view(2, t.numel(), bsz, heads, d) for piece, t in
+              zip(received.split([2 * t.numel() * bsz * heads * d for t in incoming]), incoming)]
+    k_c, v_c = torch.cat(pieces, dim=1).movedim(1, 3).unbind(0)
+    return k_c.contiguous(), v_c.contiguous()
