@@ -54,10 +54,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
 
 def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params,
             ring: ParallelConfig | None = None):
-    """The method's select and attend steps on the backend resolved for this call: ``(o, lse or None)``. ``ring``:
-    q, k, v are this rank's chunk of the ring group's sequence (``flexsparse.parallel.ring``)."""
+    """The method's select and attend steps on the backend resolved for this call, with the config fitted to the
+    lengths (``Method.fit``): ``(o, lse or None)``. ``ring``: q, k, v are this rank's chunk of the ring group's
+    sequence (``flexsparse.parallel.ring``), whose chunks hold whole blocks, so the config runs unfitted."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    blocks = tuple(getattr(cfg, name) for name in ("block_q", "block_k", "block_size") if hasattr(cfg, name))
+    fitted = method.fit(cfg, q.shape[2], k.shape[2]) if ring is None else cfg
+    blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
     chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse or ring is not None,
                               dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
     q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
@@ -67,8 +69,8 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
             out, lse = ring_attention(q, k, v, method, cfg, chosen, scale=scale, params=params, need_lse=return_lse,
                                       parallel=ring)
         else:
-            selection = method.select(q, k, v, cfg, chosen, params)
-            out, lse = chosen.attend(method, q, k, v, selection, cfg, scale=scale, params=params,
+            selection = method.select(q, k, v, fitted, chosen, params)
+            out, lse = chosen.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
                                      need_lse=return_lse)
     if not return_lse:
         return out, None

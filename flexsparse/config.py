@@ -4,6 +4,9 @@ A config is a plain dict such as ``{"method": "llsa", "block_size": 16, "topk": 
 ``Config.from_dict`` turns it into the frozen dataclass of its method (each method folder defines its own, and
 ``flexsparse.methods`` registers it), checking every key and value; ``to_dict`` gives back a dict that round-trips.
 Unknown methods or keys raise ``ValueError`` naming them, suggesting a close valid one and listing the valid ones.
+Sizes have upper bounds that do not depend on the input: block sizes at most ``MAX_BLOCK`` (int32 index tables),
+LLSA's ``levels`` at most ``MAX_LEVELS``. A block longer than the sequence is legal and runs as one block covering
+it (``flexsparse.masks.fit_block``), so memory follows the input, not the config.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
+MAX_BLOCK = 2**31 - 1   # block sizes: the index tables and the kernels' token rows are int32
+MAX_LEVELS = 32         # LLSA levels: with blocks of >= 2 tokens level 32 spans 2**32 tokens, past any int32 length
 
 
 def did_you_mean(names, known) -> str:
@@ -22,12 +27,19 @@ def did_you_mean(names, known) -> str:
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
+def check_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"config key {name!r} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"config key {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"config key {name!r} must be <= {maximum}, got {value}")
     return value
+
+
+def check_block(name: str, value: Any, minimum: int = 1) -> int:
+    """A block size: an int in ``[minimum, MAX_BLOCK]``."""
+    return check_int(name, value, minimum, MAX_BLOCK)
 
 
 def check_float(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
@@ -159,14 +171,15 @@ class Config:
 
 
 class BlockAliases:
-    """``block_size`` is shorthand for equal ``block_q`` and ``block_k``."""
+    """``block_size`` is shorthand for equal ``block_q`` and ``block_k``. Blocks hold 1 to ``MAX_BLOCK`` = 2**31 - 1
+    tokens (int32 index tables); one longer than the sequence covers it whole."""
 
     ALIASES = ("block_size",)
 
     @classmethod
     def _normalise_aliases(cls, kwargs: dict) -> dict:
         if "block_size" in kwargs:
-            size = kwargs.pop("block_size")
+            size = check_block("block_size", kwargs.pop("block_size"))
             for key in ("block_q", "block_k"):
                 if key in kwargs and kwargs[key] != size:
                     raise ValueError(

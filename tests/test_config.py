@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import flexsparse as fs
-from flexsparse.config import Config
+from flexsparse.config import MAX_BLOCK, MAX_LEVELS, Config
 from flexsparse.methods.llsa.config import LLSAConfig
 from flexsparse.methods.sla.config import SLAConfig
 from flexsparse.methods.topk.config import TopKConfig
@@ -79,6 +79,10 @@ def test_unrelated_names_get_no_suggestion():
     ({"method": "llsa", "block_size": 1}, "'block_size' must be >= 2"),
     ({"method": "llsa", "topk": [4, 4], "levels": 3}, "one K per level"),
     ({"method": "llsa", "levels": "many"}, "'levels' must be an int"),
+    ({"method": "llsa", "levels": 33}, "'levels' must be <= 32, got 33"),
+    ({"method": "llsa", "topk": [1] * 33}, "'topk' must be an int or a list of 1 to 32 ints"),
+    ({"method": "llsa", "block_size": 2**31}, "'block_size' must be <= 2147483647, got 2147483648"),
+    ({"method": "topk", "block_size": 2**62}, "'block_size' must be <= 2147483647"),
     ({"method": "sla", "topk_ratio": 0.0}, "'topk_ratio'"),
     ({"method": "sla", "linear": "dense"}, "'linear' must be one of"),
     ({"method": "sla", "feature_map": "hedgehog"}, "'feature_map'"),
@@ -89,6 +93,28 @@ def test_unrelated_names_get_no_suggestion():
 def test_bad_values_name_the_key(config, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Config.from_dict(config)
+
+
+# (method, key) for every block key of every method's config, aliases included
+BLOCK_KEYS = [(method, key) for method, cls in sorted(Config.registry.items()) for key in ("block_size", "block_q",
+              "block_k") if key in cls._field_names() + list(cls.ALIASES)]
+
+
+@pytest.mark.parametrize("method, key", BLOCK_KEYS)
+def test_every_block_key_is_bounded_by_int32(method, key):
+    """Blocks of up to ``MAX_BLOCK`` tokens are legal (longer than any sequence: one block covers it); one more is
+    a ValueError naming the key given, alias or field."""
+    cfg = Config.from_dict({"method": method, key: MAX_BLOCK})
+    assert getattr(cfg, "block_k" if key == "block_size" and method != "llsa" else key) == MAX_BLOCK
+    with pytest.raises(ValueError, match=rf"config key '{key}' must be <= {MAX_BLOCK}, got {MAX_BLOCK + 1}"):
+        Config.from_dict({"method": method, key: MAX_BLOCK + 1})
+
+
+def test_llsa_levels_are_bounded():
+    assert Config.from_dict({"method": "llsa", "levels": MAX_LEVELS, "topk": 1}).levels == MAX_LEVELS
+    assert Config.from_dict({"method": "llsa", "topk": [1] * MAX_LEVELS}).topk == (1,) * MAX_LEVELS
+    with pytest.raises(ValueError, match=rf"'levels' must be <= {MAX_LEVELS}, got {10**9}"):
+        Config.from_dict({"method": "llsa", "levels": 10**9})
 
 
 def test_config_object_and_dict_are_interchangeable():

@@ -12,6 +12,7 @@ from flexsparse.triton.llsa.naive import llsa_attention
 from flexsparse.triton.pooling.naive import pool_pyramid
 from flexsparse.triton.selection.naive import llsa_topk
 
+import triton_support as ts
 from helpers import exhaustive_where, grads, qkv, rel_err
 
 
@@ -50,6 +51,21 @@ def test_torch_matches_reference_fp64(n, block, levels, heads, kv_heads, d):
     o_r, lse_r = fs.attention(q, k, v, cfg, backend="reference", return_lse=True)
     assert rel_err(o_t, o_r) < 1e-12
     assert rel_err(lse_t, lse_r) < 1e-12
+    for g_t, g_r in zip(grads([o_t, lse_t], (q, k, v)), grads([o_r, lse_r], (q, k, v))):
+        assert rel_err(g_t, g_r) < 1e-11
+
+
+@pytest.mark.parametrize("n, block, levels", [(64, 64, 4), (70, 4, 6), (37, 2, 32), (50, 65536, 3)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_levels_past_the_sequence_match_reference_fp64(n, block, levels, backend):
+    """Levels whose spans ``b^l`` reach past N hold one token (the mean of all N, weight ln N), padded to no more
+    than the sequence: the torch backend and the triton backend's PyTorch bodies (fp64) against the reference."""
+    q, k, v = qkv(batch=1, heads=2, kv_heads=1, n=n, d=8, requires_grad=True)
+    cfg = config(n, block, levels)
+    with ts.triton_ops_on_cpu():
+        o_t, lse_t = fs.attention(q, k, v, cfg, backend=backend, return_lse=True)
+    o_r, lse_r = fs.attention(q, k, v, cfg, backend="reference", return_lse=True)
+    assert rel_err(o_t, o_r) < 1e-12 and rel_err(lse_t, lse_r) < 1e-12
     for g_t, g_r in zip(grads([o_t, lse_t], (q, k, v)), grads([o_r, lse_r], (q, k, v))):
         assert rel_err(g_t, g_r) < 1e-11
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from flexsparse.masks import csr_to_csc, log_token_weights, token_counts
+from flexsparse.masks import csr_to_csc, fit_block, level_span, level_table, log_token_weights, token_counts
+from flexsparse.masks.levels import SPAN
 from flexsparse.methods.dense import span_means
 from flexsparse.triton.pooling.naive import mean_pool, pool_pyramid
 from flexsparse.triton.selection.naive import block_topk, stable_topk
@@ -60,6 +61,34 @@ def test_pyramid_accumulates_bf16_in_fp32():
     assert pooled[0].dtype == torch.float32
     exact = span_means(x.bfloat16().double(), 256)
     assert rel_err(pooled[1], exact) < 1e-6
+
+
+@pytest.mark.parametrize("n, block, levels", [(64, 64, 4), (70, 4, 6), (5, 2, 32), (1, 2, 3)])
+def test_pyramid_levels_past_the_sequence_have_one_token_of_all(n, block, levels):
+    x = torch.randn(1, 2, n, 4, dtype=torch.float64)
+    for level, pooled in enumerate(pool_pyramid(x, block, levels), start=1):
+        want = span_means(x, min(block**level, n))
+        assert pooled.shape == want.shape and rel_err(pooled, want) < 1e-13
+
+
+def test_fit_block_covers_the_sequence_with_a_bounded_block():
+    assert [fit_block(b, 100) for b in (7, 100, 101, 128, 129, 65536, 2**31 - 1)] == [7, 100, 101, 128, 128, 128, 128]
+    assert [fit_block(b, 5) for b in (3, 8, 16, 17, 2**20)] == [3, 8, 16, 16, 16]
+
+
+def test_level_span_stops_at_the_sequence():
+    assert [level_span(100, 4, level) for level in range(5)] == [1, 4, 16, 64, 100]
+    assert level_span(64, 64, 1) == level_span(64, 64, 32) == 64
+    assert level_span(10, 2**31 - 1, 32) == 10
+
+
+def test_level_table_spans_fit_int32_and_refuse_overflowing_kernel_products():
+    table = level_table(64, 64, (1,) * 32)
+    assert [row[SPAN] for row in table.rows] == [1] + [64] * 32
+    assert all(table.tokens(level) == 1 for level in range(1, 33))
+    table.meta(torch.empty(0))                      # every entry fits int32
+    with pytest.raises(ValueError, match="block_size=65536 at N=65536.*int32"):
+        level_table(65536, 65536, (1, 1))
 
 
 def test_counts_and_log_weights():

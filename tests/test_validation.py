@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import flexsparse as fs
+from flexsparse.config import MAX_BLOCK
 
-from helpers import qkv
+import triton_support as ts
+from helpers import grads, qkv, rel_err
 
 LLSA = {"method": "llsa", "block_size": 4, "topk": 2, "levels": 1}
 
@@ -55,6 +57,30 @@ def test_topk_larger_than_blocks(config, match):
     q, k, v = qkv(n=32, d=8)
     with pytest.raises(ValueError, match=match):
         fs.attention(q, k, v, config)
+
+
+# every method with blocks, its example config's K or ratio lowered to what one key block holds
+ONE_BLOCK_CONFIGS = [ts.example_config(name, topk=1, topk_ratio=1.0) for name, method in fs.METHODS.items()
+                     if {"block_q", "block_size"} & {f.name for f in dataclasses.fields(method.config)}]
+
+
+@pytest.mark.parametrize("cfg", ONE_BLOCK_CONFIGS, ids=lambda c: c["method"])
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_a_block_longer_than_the_sequence_is_one_block_of_it(cfg, backend):
+    """Blocks of 65536 tokens and of MAX_BLOCK at N=37 give what blocks of exactly N give (one block covers the
+    sequence): outputs, LSE and gradients, GQA, learned parameters included."""
+    n, d, heads = 37, 8, 4
+    leaves = qkv(batch=2, heads=heads, kv_heads=2, n=n, d=d, requires_grad=True)
+    params = fs.METHODS[cfg["method"]].init_params(fs.Config.from_dict(cfg), d, heads, n)
+    runs = []
+    for block in (n, 65536, MAX_BLOCK):
+        keys = ("block_size",) if "block_size" in cfg else ("block_q", "block_k")
+        out, lse = fs.attention(*leaves, {**cfg, **dict.fromkeys(keys, block)}, backend=backend, return_lse=True,
+                                params=params)
+        runs.append([out, lse, *grads([out, lse], leaves)])
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            assert rel_err(got, want) < 1e-12
 
 
 def test_bad_backend_and_scale():

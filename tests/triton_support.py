@@ -227,6 +227,7 @@ def method_selection(backend: str, q, k, v, config, params=None):
     from flexsparse.methods import METHODS
     cfg = Config.from_dict(config)
     method, chosen = METHODS[cfg.method], BACKENDS[backend]
+    cfg = method.fit(cfg, q.shape[2], k.shape[2])
     with torch.no_grad():
         q, k, v = chosen.prepare_inputs(*(x.detach() for x in (q, k, v)), keep_views=method.keeps_views,
                                         needs_grad=False)

@@ -24,7 +24,8 @@ from torch._inductor.choices import InductorChoices
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..config import QuantConfig
-from ..masks import BlockSelection, LLSALayout, LLSASelection, block_selection_to_block_mask, llsa_block_mask
+from ..masks import (BlockSelection, LLSALayout, LLSASelection, block_selection_to_block_mask, level_span,
+                     llsa_block_mask)
 from ..triton.linear import naive as linear_naive
 from .base import Backend
 from .compiled import StaticThenDynamic, grad_flags
@@ -154,7 +155,7 @@ def llsa_score_mod(layout: LLSALayout):
     from ``kv_idx`` with integer arithmetic over the layout's segments (no captured buffer). One
     factory, so one ``__code__`` for every call; the layout's ints are guarded constants."""
     starts = [layout.start_block(level) * layout.block for level in range(layout.levels + 1)]
-    spans = [layout.block**level for level in range(layout.levels + 1)]
+    spans = [level_span(layout.n, layout.block, level) for level in range(layout.levels + 1)]
     n = layout.n
 
     def add_log_count(score, b, h, q_idx, kv_idx):

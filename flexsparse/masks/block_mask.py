@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from .csc import csr_to_csc
-from .geometry import num_blocks
+from .geometry import level_span, num_blocks
 from .selection import BlockSelection, LLSASelection
 
 BITS = 32  # selected-block flags per int32 word of the mask_mod table
@@ -165,7 +165,7 @@ class LLSALayout:
 
 def llsa_layout(n: int, block: int, levels: int) -> LLSALayout:
     """Layout of the extended KV for length ``n``, block ``block`` and ``levels`` levels."""
-    return LLSALayout(n, block, tuple(num_blocks(n, block ** (level + 1)) for level in range(levels + 1)))
+    return LLSALayout(n, block, tuple(num_blocks(n, level_span(n, block, level + 1)) for level in range(levels + 1)))
 
 
 def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor:
@@ -181,7 +181,7 @@ def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor
     rows = torch.arange(t1, device=fine.device)
     parts = [fine]
     for level in range(1, levels):
-        parts.append(selection.indices[level][:, :, rows // b**level] + layout.start_block(level))
+        parts.append(selection.indices[level][:, :, rows // level_span(t1, b, level)] + layout.start_block(level))
     top = torch.arange(layout.segment_blocks[levels], dtype=torch.int32, device=fine.device)
     parts.append((top + layout.start_block(levels)).expand(bsz, heads, t1, -1))
     return torch.cat(parts, dim=-1)

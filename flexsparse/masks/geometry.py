@@ -1,5 +1,6 @@
-"""Block arithmetic shared by every layer: block counts, accumulation dtypes, the real tokens under coarse tokens,
-head maps of grouped-query attention and block counts from ratios. Plain integers and small index tensors only."""
+"""Block arithmetic shared by every layer: block counts, the blocks and level spans a sequence runs with,
+accumulation dtypes, the real tokens under coarse tokens, head maps of grouped-query attention and block counts from
+ratios. Plain integers and small index tensors only."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,30 @@ RATIO_DIGITS = 10**9   # ratios count to 9 decimals
 def num_blocks(n: int, block: int) -> int:
     """Number of blocks of ``block`` tokens covering ``n`` tokens (the last may be ragged)."""
     return -(-n // block)
+
+
+def fit_block(block: int, n: int) -> int:
+    """The block size a sequence of ``n`` tokens runs with for a configured ``block``: ``block`` itself, or for a block
+    longer than the sequence the smallest power of two >= max(n, 16) where that is smaller. Either way one block
+    covers the whole sequence (the same pooled means, selections and attention), and the padding of a block, hence
+    memory, stays below ``n`` tokens (or 16) whatever the config. Powers of two >= 16 keep every backend's block
+    constraints (multiples of 16 for FlexAttention on CUDA, the Triton tiles)."""
+    fit = 16
+    while fit < n:
+        fit *= 2
+    return min(block, fit)
+
+
+def level_span(n: int, block: int, level: int) -> int:
+    """Fine tokens under one level-``level`` token of a pyramid of ``block``-token blocks over ``n`` tokens:
+    ``block**level``, or ``n`` where that reaches past the sequence (the level then has one, ragged, token). Spans,
+    groups and padding bounded by ``n`` at any level; no power past ``n * block`` is formed."""
+    span = 1
+    for _ in range(level):
+        span *= block
+        if span >= n:
+            return n
+    return span
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

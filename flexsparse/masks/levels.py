@@ -8,7 +8,11 @@ The level table ``meta`` is an int32 tensor ``(L + 1, 6)``, one row per level l 
 * ``SEL_OFF`` first entry of ``S_{l+1}`` in a packed selection ``(B, H, sum_l T_l * K_l)`` (row-major
   ``(T_{l+1}, K_{l+1})`` blocks, finest first),
 * ``CSC_OFF`` first entry of the key offsets of ``S_{l+1}``'s CSC in ``(B, H, sum_l (T_l + 1))``,
-* ``SPAN``    ``b^l``, fine tokens under one level-l token.
+* ``SPAN``    ``b^l``, fine tokens under one level-l token; N where that reaches past the sequence
+  (``level_span``: the level's one token covers all N), so every entry fits int32 whatever the levels.
+
+The kernels multiply a span by b (the queries under one token of the level above) in int32: a table whose
+``SPAN * b`` below the top level reaches ``2**31`` is refused (``ValueError``).
 """
 from __future__ import annotations
 
@@ -18,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .geometry import num_blocks
+from .geometry import level_span, num_blocks
 from .selection import LLSASelection
 
 T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = range(6)
+INT32_MAX = 2**31 - 1
 _META: dict = {}
 
 
@@ -61,7 +66,7 @@ class Levels:
     def _log2_counts(self, device) -> torch.Tensor:
         parts = []  # constants only (inductor failed on the arange arithmetic inside a compiled CUDA graph)
         for level in range(1, self.levels + 1):
-            span, tokens = self.block**level, self.tokens(level)
+            span, tokens = self.rows[level][SPAN], self.tokens(level)
             parts += [torch.full((tokens - 1,), math.log2(span), device=device),
                       torch.full((1,), math.log2(self.n - (tokens - 1) * span), device=device)]
         return torch.cat(parts)
@@ -100,14 +105,14 @@ def level_table(n: int, block: int, topk) -> Levels:
     """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)`` (cached: every op of a call
     asks for it). Raises ``ValueError`` where a selection row could not be filled (``K_L`` over the top level's
     tokens, or ``K_l`` over the fewest candidates a parent set can have, ``fewest_candidates``): the kernels would
-    read unwritten selection slots."""
+    read unwritten selection slots; and where the kernels' int32 arithmetic would overflow (module docstring)."""
     return _level_table(int(n), int(block), tuple(int(k) for k in topk))
 
 
 def fewest_candidates(n: int, block: int, level: int, parents: int) -> int:
-    """The fewest level-``level`` tokens (spans of ``block**level`` of ``n`` tokens) under any ``parents`` tokens of
-    the next level: ``parents * block``, less what the ragged last parent lacks when it can be among them."""
-    children = num_blocks(n, block**level)
+    """The fewest level-``level`` tokens (spans ``level_span(n, block, level)`` of ``n`` tokens) under any ``parents``
+    tokens of the next level: ``parents * block``, less what the ragged last parent lacks when it can be among them."""
+    children = num_blocks(n, level_span(n, block, level))
     last = children - (num_blocks(children, block) - 1) * block     # children of the last parent, 1..block
     return min(children, (parents - 1) * block + last)
 
@@ -115,9 +120,10 @@ def fewest_candidates(n: int, block: int, level: int, parents: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _level_table(n: int, block: int, topk: tuple[int, ...]) -> Levels:
     levels = len(topk)
-    if topk[-1] > num_blocks(n, block**levels):
-        raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {num_blocks(n, block**levels)} "
-                         f"level-{levels} tokens at N={n} (block {block})")
+    top_tokens = num_blocks(n, level_span(n, block, levels))
+    if topk[-1] > top_tokens:
+        raise ValueError(f"LLSA topk: K_{levels}={topk[-1]} exceeds the {top_tokens} level-{levels} tokens at N={n} "
+                         f"(block {block})")
     for level in range(levels - 1):
         fewest = fewest_candidates(n, block, level + 1, topk[level + 1])
         if topk[level] > fewest:
@@ -125,13 +131,18 @@ def _level_table(n: int, block: int, topk: tuple[int, ...]) -> Levels:
                              f"{topk[level + 1]} level-{level + 2} tokens (as few as {fewest} at N={n}, block {block})")
     rows, kv_off, sel_off, csc_off = [], 0, 0, 0
     for level in range(levels + 1):
-        tokens = num_blocks(n, block**level)
+        span = level_span(n, block, level)
+        if level < levels and span * block > INT32_MAX:
+            raise ValueError(f"LLSA block_size={block} at N={n}: the {span} fine tokens under a level-{level} token "
+                             f"times block_size reach past int32 ({INT32_MAX}), which the kernels index with; "
+                             f"lower block_size or levels")
+        tokens = num_blocks(n, span)
         k = topk[level] if level < levels else 0
-        rows.append((tokens, kv_off if level else 0, k, sel_off, csc_off, block**level))
+        rows.append((tokens, kv_off if level else 0, k, sel_off, csc_off, span))
         if level:
             kv_off += tokens
         if level < levels:
-            parents = num_blocks(n, block ** (level + 1))
+            parents = num_blocks(n, level_span(n, block, level + 1))
             sel_off += parents * k
             csc_off += parents + 1
     return Levels(n, block, topk, tuple(rows), kv_off, sel_off, csc_off)

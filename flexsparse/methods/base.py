@@ -3,7 +3,8 @@
 A method never names a backend: ``select`` and ``attend`` ask the ``Backend`` they are given for every step
 (``flexsparse.backends.base``), so one selection feeds every backend and a method that yields a block selection runs
 on all of them. ``reference`` is the method's dense O(N^2) spec on the selection ``select`` made; the ``reference``
-backend runs it in place of ``attend``.
+backend runs it in place of ``attend``. A call runs ``fit``'s config: blocks longer than the sequence shrunk to it, so
+that no step's memory grows with a block size past the input.
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from ..config import Config
+from ..masks import fit_block
 
 ALL_BACKENDS = ("reference", "torch", "flex", "triton")
+BLOCK_SIDES = {"block_q": 0, "block_k": 1, "block_size": 0}   # block keys and what they tile: q's (0) or k's tokens
 
 
 class Method:
@@ -27,6 +30,17 @@ class Method:
     keeps_views: ClassVar[bool] = False           # its triton kernels read strided q, k, v in place
     sparse_branch: ClassVar[str | None] = "block"  # what ``quant`` quantizes: "block", "llsa" or None
     ring: ClassVar[str | None] = None             # its ring strategy (``flexsparse.parallel.ring``), if any
+
+    def fit(self, cfg, n_q: int, n_k: int) -> Config:
+        """The config a call over ``n_q`` queries and ``n_k`` keys runs with: each block (``BLOCK_SIDES``) longer
+        than its sequence replaced by ``flexsparse.masks.fit_block``'s, which covers the sequence alike (the same
+        results); ``cfg`` itself when no block changes."""
+        lengths, changes = (n_q, n_k), {}
+        for key, side in BLOCK_SIDES.items():
+            block = getattr(cfg, key, None)
+            if block is not None and block > lengths[side] and fit_block(block, lengths[side]) != block:
+                changes[key] = fit_block(block, lengths[side])
+        return cfg.replace(**changes) if changes else cfg
 
     def init_params(self, cfg, head_dim: int, num_heads: int, seq_len: int | None) -> dict[str, torch.Tensor]:
         """Initial learnable parameters (fp32), by name; ``{}`` for methods without any."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...config import BlockAliases, Config, FEATURE_MAPS, QuantConfig, check_bool, check_choice, check_float, check_int
+from ...config import (BlockAliases, Config, FEATURE_MAPS, QuantConfig, check_block, check_bool, check_choice,
+                       check_float, check_int)
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class SLA2Config(BlockAliases, Config):
     deterministic: bool = False
 
     def __post_init__(self):
-        check_int("block_q", self.block_q)
-        check_int("block_k", self.block_k)
+        check_block("block_q", self.block_q)
+        check_block("block_k", self.block_k)
         check_float("topk_ratio", self.topk_ratio, 0.0, 1.0, low_open=True)
         check_choice("feature_map", self.feature_map, FEATURE_MAPS)
         check_float("eps", self.eps, 0.0, 1.0, low_open=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...config import BlockAliases, Config, check_bool, check_int
+from ...config import BlockAliases, Config, check_block, check_bool, check_int
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class VSAConfig(BlockAliases, Config):
     deterministic: bool = False
 
     def __post_init__(self):
-        check_int("block_q", self.block_q)
-        check_int("block_k", self.block_k)
+        check_block("block_q", self.block_q)
+        check_block("block_k", self.block_k)
         check_int("topk", self.topk)
         check_bool("gate", self.gate)
         check_bool("deterministic", self.deterministic)

@@ -79,9 +79,13 @@ def soft_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_
 
 def _rows(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor,
           key_bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: q_rows ``(B, H, R, bq, D)``, keys/values ``(B, H, Tk*bk, D)``, log_weights ``(B, H, R, Tk)``."""
+    """One chunk: q_rows ``(B, H, R, bq, D)``, keys/values ``(B, H, Tk*bk, D)``, log_weights ``(B, H, R, Tk)``.
+    The products take the chunk's ``R * bq`` rows at once: the gradients of keys and values are ``(B, H, Tk*bk, D)``,
+    not one per query block (a product broadcast over R materialises ``R`` of them, ``D / bq`` times the scores)."""
+    bsz, heads, rows, bq, _ = q_rows.shape
     tk, bk = key_bias.shape
-    logits = (q_rows @ keys.unsqueeze(2).transpose(-1, -2)) * scale                  # (B, H, R, bq, Tk*bk)
-    logits = (logits.unflatten(-1, (tk, bk)) + log_weights[:, :, :, None, :, None] + key_bias).flatten(-2)
+    logits = (q_rows.flatten(2, 3) @ keys.transpose(-1, -2)).view(bsz, heads, rows, bq, tk, bk) * scale
+    logits = (logits + log_weights[:, :, :, None, :, None] + key_bias).flatten(-2)   # (B, H, R, bq, Tk*bk)
     lse = torch.logsumexp(logits, dim=-1)
-    return torch.exp(logits - lse.unsqueeze(-1)) @ values.unsqueeze(2), lse
+    out = torch.exp(logits - lse.unsqueeze(-1)).flatten(2, 3) @ values
+    return out.view(bsz, heads, rows, bq, -1), lse

@@ -275,7 +275,7 @@ def _sparse_dkv_kernel(Q, K, V, KC, VC, DO, LSE, DELTA, OFFSETS, ROWS, META, DK,
     span = tl.load(META + LEVEL * 6 + SPAN)
     sel_off = tl.load(META + LEVEL * 6 + SEL_OFF)
     csc_off = tl.load(META + LEVEL * 6 + CSC_OFF)
-    group = span * BLOCK
+    group = tl.minimum(span * BLOCK, N)  # queries under one level-(LEVEL+1) token: N where it is the only one
     child = tl.arange(0, BK)
     tok = parent * BLOCK + child
     k_ok = (child < BLOCK) & (tok < tokens)

@@ -29,6 +29,7 @@ from .._runtime.registry import launcher
 from ..common.jit import (CSC_OFF, KV_OFF, LOG2E, SEL_OFF, SPAN, T, TOPK, dkv_rows, load_rows, log2_count,
                           program_heads, store_rows)
 from .._runtime.sizes import cdiv, pow2
+from ...masks import level_span
 from ...masks.levels import Levels
 
 
@@ -120,8 +121,8 @@ def _chunks(levels: Levels, level: int, tiles: dict) -> tuple[int, int]:
 
 def _splits(levels: Levels, level: int, tiles: dict) -> tuple[int, int]:
     """Rows per split (a multiple of ``entry_QR``, at most ``entry_rows`` unless that is below one step) and splits
-    of one level-(level+1) token's ``b^{level+1}`` rows."""
-    group_rows = levels.block ** (level + 1)
+    of one level-(level+1) token's ``b^{level+1}`` rows (N where that reaches past the sequence: ``level_span``)."""
+    group_rows = level_span(levels.n, levels.block, level + 1)
     rows = cdiv(cdiv(group_rows, cdiv(group_rows, tiles["entry_rows"])), tiles["entry_QR"]) * tiles["entry_QR"]
     return rows, cdiv(group_rows, rows)
 

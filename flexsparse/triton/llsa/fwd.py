@@ -67,16 +67,16 @@ def _coarse_list_kernel(SEL, META, LIST, S_TOTAL, LEVELS: tl.constexpr, BLOCK: t
     out = LIST + (bh * tl.num_programs(0) + g) * N_SPARSE
     e = tl.arange(0, BK)
     first = 0
-    span = 1  # b^(level - 1): fine rows of level-2 ancestors per level-(level + 1) ancestor, in level-2 units
+    up = g  # the level-(level + 1) ancestor, g // b^(level - 1), by one division per level (no power of b to overflow)
     for level in tl.static_range(1, LEVELS):
         topk = tl.load(META + level * 6 + TOPK)
         ok = e < topk * BLOCK
-        ids = tl.load(sel + tl.load(META + level * 6 + SEL_OFF) + (g // span) * topk + e // BLOCK, mask=ok, other=0)
+        ids = tl.load(sel + tl.load(META + level * 6 + SEL_OFF) + up * topk + e // BLOCK, mask=ok, other=0)
         tok = ids * BLOCK + e % BLOCK
         rows = tl.where(tok < tl.load(META + level * 6 + T), tl.load(META + level * 6 + KV_OFF) + tok, -1)
         tl.store(out + first + e, rows, mask=ok)
         first += topk * BLOCK
-        span *= BLOCK
+        up = up // BLOCK
 
 
 def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:

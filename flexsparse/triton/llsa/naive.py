@@ -2,13 +2,15 @@
 written-out backward (the CPU branch of ``flexsparse::llsa_attn_bwd``) and the adjoint of the pooling pyramid.
 
 Computes in fp32 (fp64 for fp64 inputs), gathers like the block-sparse branch, no N x N tensor; padding enters no
-softmax (``-inf`` log weights).
+softmax (``-inf`` log weights). Spans past the sequence are ``level_span``'s (N) and a level of fewer than b tokens
+is one block of them (``block_width``): query groups and key blocks are padded to their ragged lengths, never to
+``b^l`` or b.
 """
 from __future__ import annotations
 
 import torch
 
-from ...masks import Levels, LLSASelection, accumulation_dtype, kv_head_index, log_token_weights
+from ...masks import Levels, LLSASelection, accumulation_dtype, kv_head_index, level_span, log_token_weights
 from ..common.gather import (gather_blocks, gathered_grads, key_bias, pad_tokens, query_groups, softmax_delta,
                              softmax_with_lse)
 
@@ -30,16 +32,16 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     logits, values = [], []
     for level in range(levels):
         ids = selection.indices[level]                         # S_{level+1}: (B, H, G, K)
-        groups, span = ids.shape[2], b ** (level + 1)
-        padded = groups * b
-        keys = gather_blocks(pad_tokens(k_levels[level].to(acc), padded), ids, b)
-        vals = gather_blocks(pad_tokens(v_levels[level].to(acc), padded), ids, b)
-        bias = key_bias(ids, log_token_weights(n, b ** level, padded, q.device, acc), b)
+        groups, span, width = ids.shape[2], level_span(n, b, level + 1), block_width(k_levels[level], b)
+        padded = groups * width
+        keys = gather_blocks(pad_tokens(k_levels[level].to(acc), padded), ids, width)
+        vals = gather_blocks(pad_tokens(v_levels[level].to(acc), padded), ids, width)
+        bias = key_bias(ids, log_token_weights(n, level_span(n, b, level), padded, q.device, acc), width)
         scores = (query_groups(qa, groups, span) @ keys.transpose(-1, -2)) * scale + bias.unsqueeze(-2)
         logits.append(scores.flatten(2, 3)[:, :, :n])
         values.append(vals)
     top_k = k_levels[levels].to(acc)
-    top_bias = log_token_weights(n, b ** levels, None, q.device, acc)
+    top_bias = log_token_weights(n, level_span(n, b, levels), None, q.device, acc)
     heads = q.shape[1]
     kv_heads = kv_head_index(heads, top_k.shape[1], q.device)
     top_k, top_v = top_k[:, kv_heads], v_levels[levels].to(acc)[:, kv_heads]
@@ -49,7 +51,7 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     probs = probs.split(widths, dim=-1)
     out = probs[-1] @ top_v
     for level in range(levels):
-        groups, span = values[level].shape[2], b ** (level + 1)
+        groups, span = values[level].shape[2], level_span(n, b, level + 1)
         p = pad_tokens(probs[level], groups * span).unflatten(2, (groups, span))
         out = out + (p @ values[level]).flatten(2, 3)[:, :, :n]
     return out.to(q.dtype), lse
@@ -68,16 +70,16 @@ def llsa_attention_backward(do, dlse, q, k_levels, v_levels, selection: LLSASele
     dq = torch.zeros_like(qa)
     dks, dvs = [], []
     for level in range(levels):
-        ids = selection.indices[level]
-        log_weights = log_token_weights(n, b**level, ids.shape[2] * b, q.device, acc)
-        dq_l, dk, dv = gathered_grads(qa, doa, lse, delta, ids, k_levels[level], v_levels[level], b ** (level + 1), b,
-                                       log_weights, scale)
+        ids, width = selection.indices[level], block_width(k_levels[level], b)
+        log_weights = log_token_weights(n, level_span(n, b, level), ids.shape[2] * width, q.device, acc)
+        dq_l, dk, dv = gathered_grads(qa, doa, lse, delta, ids, k_levels[level], v_levels[level],
+                                       level_span(n, b, level + 1), width, log_weights, scale)
         dq = dq + dq_l
         dks.append(dk.to(k_levels[level].dtype))
         dvs.append(dv.to(v_levels[level].dtype))
     kv = kv_head_index(heads, kv_heads, q.device)
     top_k, top_v = k_levels[levels].to(acc)[:, kv], v_levels[levels].to(acc)[:, kv]
-    bias = log_token_weights(n, b**levels, None, q.device, acc)
+    bias = log_token_weights(n, level_span(n, b, levels), None, q.device, acc)
     p = torch.exp((qa @ top_k.transpose(-1, -2)) * scale + bias - lse.unsqueeze(-1))
     ds = p * (doa @ top_v.transpose(-1, -2) - delta.unsqueeze(-1))
     dq = dq + (ds @ top_k) * scale
@@ -89,11 +91,17 @@ def llsa_attention_backward(do, dlse, q, k_levels, v_levels, selection: LLSASele
     return dq.to(q.dtype), dks, dvs
 
 
+def block_width(level: torch.Tensor, block: int) -> int:
+    """Keys per selected block of a level ``(B, Hk, T, D)``: ``block``, or T for a level of fewer tokens (its one
+    parent's children are all of them), so that no block is padded past the level."""
+    return min(block, level.shape[2])
+
+
 def unpool(grad_pyr: torch.Tensor, levels: Levels) -> torch.Tensor:
     """Backward of the pooling pyramid: ``(B, H, sum T_l, D)`` -> ``(B, H, N, D)``."""
     out = 0
     for level, grad in enumerate(levels.split_pyramid(grad_pyr), start=1):
-        span = levels.block**level
+        span = level_span(levels.n, levels.block, level)
         counts = (levels.n - torch.arange(grad.shape[2], device=grad.device) * span).clamp(max=span)
         out = out + (grad / counts.to(grad.dtype)[:, None]).repeat_interleave(span, dim=2)[:, :, :levels.n]
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import accumulation_dtype, token_counts
+from ...masks import accumulation_dtype, level_span, token_counts
 
 
 def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -69,16 +69,16 @@ def _divisors(n: int, span: int, sums: torch.Tensor) -> torch.Tensor | int:
 def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]:
     """Levels 1..L of the mean-pooling pyramid of ``x`` (level 0, ``x`` itself, is not included).
 
-    Level l holds the mean of the real fine tokens under each span of ``block**l`` tokens,
-    computed recursively from block sums. x: ``(B, H, N, D)``; level l: ``(B, H, ceil(N/block**l), D)``,
-    in the accumulation dtype (differentiable).
+    Level l holds the mean of the real fine tokens under each span of ``block**l`` tokens (``level_span``: one
+    token of all N past the sequence), computed recursively from block sums. x: ``(B, H, N, D)``; level l:
+    ``(B, H, ceil(N/block**l), D)``, in the accumulation dtype (differentiable).
     """
     n = x.shape[-2]
     out = []
     sums = x
     for level in range(1, levels + 1):
         sums = block_sums(sums, block)
-        out.append(sums / _divisors(n, block**level, sums))
+        out.append(sums / _divisors(n, level_span(n, block, level), sums))
     return out
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
-from ...masks.levels import Levels
+from ...masks.levels import SPAN, Levels
 from .._runtime.tiles import overrides
 
 
@@ -172,10 +172,10 @@ def deeper_levels(x: torch.Tensor, sums: torch.Tensor, means: torch.Tensor, low:
     bd, block = pow2(d), levels.block
     for level in range(level, levels.levels + 1):
         (dst_tokens, dst_off), (src_tokens, src_off) = levels.rows[level][:2], levels.rows[level - 1][:2]
-        step = pass_step(d, x.device, dst_tokens, bsz * heads)
+        step, span = pass_step(d, x.device, dst_tokens, bsz * heads), levels.rows[level][SPAN]
         launcher(_pool_kernel)[(cdiv(dst_tokens, step), bsz * heads)](
             x, sums, means, low, x.stride(0), x.stride(1), x.stride(2), means.stride(0), means.stride(1), heads, n,
-            src_tokens, src_off, dst_off, dst_tokens, block**level, 0, 0, D=d, BD=bd, BLOCK=block, TT=pow2(step),
+            src_tokens, src_off, dst_off, dst_tokens, span, 0, 0, D=d, BD=bd, BLOCK=block, TT=pow2(step),
             STEP=step, FROM_SUMS=True, UP=False, KEEP_SUMS=False, HAS_LOW=has_low, num_warps=warps_for(step, bd))
 
 

@@ -76,9 +76,11 @@ def children_topk(q_level: torch.Tensor, k_level: torch.Tensor, parent: torch.Te
     q_level: ``(B, H, T, D)``, k_level: ``(B, Hk, T, D)`` pooled tokens of this level;
     parent: ``(B, H, ceil(T/block), Kp)`` ids at the next coarser level.
     Returns ``(B, H, T, topk)`` int32 ids at this level, ascending. Children past ``T`` are
-    never chosen; ties go to the smallest id.
+    never chosen; ties go to the smallest id. A level of fewer than ``block`` tokens has one parent, whose
+    children are its T tokens (no block padded past them).
     """
     bsz, heads, t, d = q_level.shape
+    block = min(block, t)
     tp, kp = parent.shape[2], parent.shape[3]
     cand_count = kp * block
     acc = accumulation_dtype(q_level.dtype)
