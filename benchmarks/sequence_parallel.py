@@ -77,7 +77,7 @@ def ulysses(degree: int, device: torch.device) -> flexsparse.ParallelConfig:
 
 
 def ring(device: torch.device) -> flexsparse.ParallelConfig:
-    """Every rank on the ring dim (``full`` and ``topk`` only)."""
+    """Every rank on the ring dim (the methods with a ring strategy: ``full``, ``topk``, ``llsa``)."""
     return flexsparse.ParallelConfig(init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ring",)))
 
 

@@ -16,8 +16,9 @@ from flexsparse import backends
 from flexsparse.backends import BACKENDS
 from flexsparse.backends import flex_backend as flex
 from flexsparse.config import Config
-from flexsparse.masks import BlockSelection
-from flexsparse.masks.block_mask import block_selection_to_block_mask, block_tables, llsa_block_mask
+from flexsparse.masks import BlockSelection, llsa_block_ids, ring_llsa_layout
+from flexsparse.masks.block_mask import (block_mask_from_ids, block_selection_to_block_mask, block_tables,
+                                         llsa_block_mask)
 from flexsparse.methods import METHODS
 from flexsparse.methods.blocks import select_blocks
 from flexsparse.methods.dense import block_sparse_dense
@@ -106,6 +107,30 @@ def test_eager_flex_honours_the_selection():
                          block_mask=mask, scale=0.2, enable_gqa=True)
     ref, _ = llsa_naive.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    # a chunk of whole query blocks over its fetched fine blocks (level 0 not the sequence) and the whole pyramid
+    rows = torch.arange(5, 12)
+    fine, position = chunk_fine_blocks(k, v, sel, rows, 16)
+    chunk = ring_llsa_layout(300, 16, levels, fine[0].shape[2])
+    ids = llsa_block_ids(sel, chunk, rows, position)
+    q_c = q[:, :, 5 * 16:12 * 16]
+    mask = block_mask_from_ids(ids, chunk.num_blocks, 16, 16, (q_c.shape[2], chunk.length))
+    k_ext = flex.extended_kv([fine[0], *k_levels], chunk.segment_blocks, 16, q.dtype)
+    v_ext = flex.extended_kv([fine[1], *v_levels], chunk.segment_blocks, 16, q.dtype)
+    out = flex_attention(q_c, k_ext, v_ext, score_mod=flex.llsa_score_mod(chunk), block_mask=mask, scale=0.2,
+                         enable_gqa=True)
+    torch.testing.assert_close(out, ref[:, :, 5 * 16:12 * 16], atol=1e-5, rtol=1e-5)
+
+
+def chunk_fine_blocks(k, v, selection, rows, block):
+    """The fine blocks the query blocks ``rows`` select, in sequence order, as a ring rank fetches them:
+    ``((k_c, v_c), position)``, ``position[i]`` block i's place among them."""
+    wanted = torch.unique(selection.indices[0][:, :, rows]).long()
+    tokens = (wanted[:, None] * block + torch.arange(block, device=k.device)).flatten()
+    tokens = tokens[tokens < k.shape[2]]
+    position = torch.full((-(-k.shape[2] // block),), -1, dtype=torch.int64, device=k.device)
+    position[wanted] = torch.arange(wanted.numel(), device=k.device)
+    return (k[:, :, tokens], v[:, :, tokens]), position
 
 
 # ---------------------------------------------------------------- CPU forward (compiled)
@@ -366,6 +391,28 @@ def test_gpu_llsa_levels(case, dtype, record_property):
     selection = BACKENDS["flex"].llsa_select(q.detach(), k.detach(), v.detach(), 16, topk).selection
     out, lse = flexsparse.attention(q, k, v, cfg, backend="flex", return_lse=True)
     _check_fwd_bwd(out, lse, lambda a, b, c: llsa_dense(a, b, c, selection, 0.125), q, k, v, dtype, record_property)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_llsa_chunk_over_fetched_blocks(dtype, record_property):
+    """A ring rank's LLSA step on flex: a chunk of query blocks over its fetched fine blocks (a level 0 shorter than
+    the sequence) and the whole pyramid, the short last query block among them, against the fp64 gather form."""
+    n, b, topk, scale = 4097, 16, (8, 4), 0.125
+    q, k, v = (x.detach() for x in _cuda_qkv(4, 2, n, 64, dtype, seed=5))
+    k_levels, v_levels = pool_pyramid(k, b, 2), pool_pyramid(v, b, 2)
+    selection = llsa_topk(q, k, topk, b)
+    rows = torch.arange(200, 257, device="cuda")          # the last query blocks, the short one among them
+    (k_c, v_c), position = chunk_fine_blocks(k, v, selection, rows, b)
+    layout = ring_llsa_layout(n, b, 2, k_c.shape[2])
+    ids = llsa_block_ids(selection, layout, rows, position)
+    q_c, k_c, v_c = (x.clone().requires_grad_() for x in (q[:, :, 200 * b:], k_c, v_c))
+    out, lse = BACKENDS["flex"].llsa_extended_softmax(q_c, [k_c, *k_levels], [v_c, *v_levels], ids, layout, scale)
+
+    def reference(q64, k64, v64):
+        return llsa_naive.extended_attention(q64, [k64, *(x.double() for x in k_levels)],
+                                             [v64, *(x.double() for x in v_levels)], ids, layout, scale)
+    _check_fwd_bwd(out, lse, reference, q_c, k_c, v_c, dtype, record_property)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -142,8 +142,8 @@ def ring_parallel(world: int) -> fs.ParallelConfig:
 
 
 def check_ring(rank: int, world: int) -> None:
-    """Ring attention for the methods with a ring strategy (``full``: uneven chunks; ``topk``: whole 8-token blocks
-    in every chunk but the last), alone or inside Ulysses, against one process; the errors."""
+    """Ring attention for the methods with a ring strategy (``full``: uneven chunks; ``topk`` and ``llsa``: whole
+    blocks in every chunk but the last), alone or inside Ulysses, against one process; the errors."""
     made = fs.ParallelConfig.setup(2, "cpu", ring_degree=world // 2)
     assert (made.ring_degree, made.ulysses_degree, made.shard_index) == (world // 2, 2, rank)
     parallel = ring_parallel(world)
@@ -156,14 +156,18 @@ def check_ring(rank: int, world: int) -> None:
                  piece=lambda x: shard(x, parallel.shard_index, shards))
     check_method("topk", CONFIGS["topk"], "torch", parallel, rank, world, piece=piece)
     check_method("topk", CONFIGS["topk"], "reference", parallel, rank, world, piece=piece)
+    check_method("llsa", CONFIGS["llsa"], "torch", parallel, rank, world, piece=piece)
+    check_method("llsa", CONFIGS["llsa"], "reference", parallel, rank, world, piece=piece)
     q = torch.randn(1, 4, 20, 8)
-    with pytest.raises(ValueError, match=r"ring attention .* runs the methods \['full', 'topk'\], not 'llsa'"):
-        fs.attention(q, q, q, CONFIGS["llsa"], parallel=parallel)
+    with pytest.raises(ValueError, match=r"ring attention .* runs the methods \['full', 'topk', 'llsa'\], not 'vsa'"):
+        fs.attention(q, q, q, CONFIGS["vsa"], parallel=parallel)
     with pytest.raises(ValueError, match="SparseSDPA.*Ulysses sequence parallelism only"):
         SparseSDPA(CONFIGS["topk"], head_dim=8, num_heads=4, parallel=parallel)
     if parallel.ulysses_degree == 1:   # 20 + 20 tokens: the first chunk is not whole 8-token blocks
         with pytest.raises(ValueError, match=r"multiple of block_q=8 tokens, got chunk lengths \[20, 20\]"):
             fs.attention(q, q, q, CONFIGS["topk"], parallel=parallel)
+        with pytest.raises(ValueError, match=r"multiple of block_size=8 tokens, got chunk lengths \[20, 20\]"):
+            fs.attention(q, q, q, dict(CONFIGS["llsa"], block_size=8), parallel=parallel)
 
 
 def test_parallel_config_errors():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QuantConfig
-from ..masks import BlockSelection, LLSASelection, accumulation_dtype, kv_head_index
+from ..masks import BlockSelection, LLSALayout, LLSASelection, accumulation_dtype, kv_head_index
 from ..quant import qat_attention, quantize_kv, quantizes_p
 from ..triton.block_sparse import naive as block_naive
 from ..triton.linear import naive as linear_naive
@@ -61,6 +61,10 @@ class Backend:
         """Sums of ``block`` tokens: ``(B, H, N, D)`` -> ``(B, H, ceil(N / block), D)`` in the accumulation dtype."""
         return pooling.block_sums(x, block)
 
+    def pyramid_from_sums(self, sums: torch.Tensor, n: int, block: int, levels: int) -> list[torch.Tensor]:
+        """Levels 1..L of the mean-pooling pyramid of ``n`` tokens from their ``block_sums`` ``(B, H, T_1, D)``."""
+        return pooling.pyramid_from_sums(sums, n, block, levels)
+
     def mean_pool(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """Block means (true means on a ragged tail): ``(B, H, N, D)`` -> ``(B, H, ceil(N / block), D)``."""
         return pooling.mean_pool(x, block)
@@ -101,6 +105,11 @@ class Backend:
         with k's pyramid for the attention."""
         k_levels = pooling.pool_pyramid(k, block, len(topk))
         return PooledLLSA(selection_naive.llsa_topk(q, k, topk, block, k_levels=k_levels), k_levels)
+
+    def llsa_select_levels(self, q_levels: list[torch.Tensor], k_levels: list[torch.Tensor], topk: tuple[int, ...],
+                           block: int, n: int) -> LLSASelection:
+        """LLSA's hierarchical selection from given pyramids (levels 1..L of q and k, a ring's all-gathered ones)."""
+        return selection_naive.hierarchical_topk(q_levels, k_levels, topk, block, n)
 
     # ---- attention
 
@@ -160,6 +169,13 @@ class Backend:
                      quantize_p: bool = False):
         """LLSA's softmax over given levels (k_levels[l], v_levels[l] ``(B, Hk, T_l, D)``, l = 0..L)."""
         return llsa_naive.llsa_attention(q, k_levels, v_levels, selection, scale, quantize_p=quantize_p)
+
+    def llsa_extended_softmax(self, q, k_levels, v_levels, ids: torch.Tensor, layout: LLSALayout, scale: float):
+        """LLSA's softmax of each query block over its listed blocks ``ids`` of an extended KV (``layout``; a ring
+        rank's queries over its fetched fine blocks and the whole pyramid): ``(o, lse)``. The PyTorch gather form
+        here (``flexsparse.triton.llsa.naive.extended_attention``), on the triton backend too: no Triton kernel
+        reads a level 0 other than the sequence."""
+        return llsa_naive.extended_attention(q, k_levels, v_levels, ids, layout, scale)
 
     def linear_attention(self, q, k, v, *, feature_map: str, eps: float) -> torch.Tensor:
         """Linear attention over every key (SLA ``linear="full"``): ``(B, H, Nq, D)`` in q's dtype."""

@@ -25,7 +25,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ..config import QuantConfig
 from ..masks import (BlockSelection, LLSALayout, LLSASelection, block_selection_to_block_mask, level_span,
-                     llsa_block_mask)
+                     llsa_block_ids, llsa_layout)
+from ..masks.block_mask import block_mask_from_ids
 from ..triton.linear import naive as linear_naive
 from .base import Backend
 from .compiled import StaticThenDynamic, grad_flags
@@ -156,11 +157,11 @@ def llsa_score_mod(layout: LLSALayout):
     factory, so one ``__code__`` for every call; the layout's ints are guarded constants."""
     starts = [layout.start_block(level) * layout.block for level in range(layout.levels + 1)]
     spans = [level_span(layout.n, layout.block, level) for level in range(layout.levels + 1)]
-    n = layout.n
+    tokens = [layout.real_tokens(level) for level in range(layout.levels + 1)]
 
     def add_log_count(score, b, h, q_idx, kv_idx):
         log_count = torch.zeros_like(score)
-        for start, span in zip(starts, spans):
+        for start, span, n in zip(starts, spans, tokens):
             count = torch.clamp(n - (kv_idx - start) * span, min=0, max=span)
             log_count = torch.where(kv_idx >= start, torch.log(count.to(score.dtype)), log_count)
         return score + log_count
@@ -188,9 +189,21 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
     Returns ``o (B, H, N, D)`` in q's dtype and ``lse (B, H, N)`` fp32 (``None`` on CPU).
     """
     _check_no_p_quant(quantize_p)
+    layout = llsa_layout(selection.n, selection.block, selection.levels)
+    return llsa_extended_attention(q, k_levels, v_levels, llsa_block_ids(selection, layout), layout, scale)
+
+
+def llsa_extended_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
+                            ids: torch.Tensor, layout: LLSALayout,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each query block of q ``(B, H, Nq, D)`` over the blocks ``ids (B, H, ceil(Nq / b), K)`` of the extended KV
+    ``[level 0 | ... | level L]`` of ``layout`` (semantics of ``flexsparse.triton.llsa.naive.extended_attention``):
+    one flex call, the ``ln(count)`` weights added by a score_mod. Returns ``o`` in q's dtype, ``lse`` fp32
+    (``None`` on CPU)."""
     needs_grad = _needs_grad(q, *k_levels, *v_levels)
-    _check(q, (selection.block,), needs_grad)
-    block_mask, layout = llsa_block_mask(selection, needs_grad)
+    _check(q, (layout.block,), needs_grad)
+    block_mask = block_mask_from_ids(ids, layout.num_blocks, layout.block, layout.block, (q.shape[2], layout.length),
+                                     needs_grad)
     k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
     v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
     return attend(q, k, v, block_mask, llsa_score_mod(layout), scale)
@@ -247,6 +260,9 @@ class FlexBackend(Backend):
 
     def llsa_softmax(self, q, k_levels, v_levels, selection, scale, *, quantize_p=False):
         return llsa_attention(q, k_levels, v_levels, selection, scale, quantize_p=quantize_p)
+
+    def llsa_extended_softmax(self, q, k_levels, v_levels, ids, layout, scale):
+        return llsa_extended_attention(q, k_levels, v_levels, ids, layout, scale)
 
     def masked_linear_attention(self, q, k, v, selection, *, feature_map, eps):
         return masked_linear_attention_dense_blocks(q, k, v, selection, feature_map=feature_map, eps=eps)

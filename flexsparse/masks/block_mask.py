@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from .csc import csr_to_csc
-from .geometry import level_span, num_blocks
+from .geometry import level_span, log_token_weights, num_blocks
 from .selection import BlockSelection, LLSASelection
 
 BITS = 32  # selected-block flags per int32 word of the mask_mod table
@@ -136,15 +136,17 @@ def block_selection_to_block_mask(selection: BlockSelection, key_major: bool = T
 
 @dataclass(frozen=True)
 class LLSALayout:
-    """The extended KV of LLSA on FlexAttention: ``[level 0 | level 1 | ... | level L]``.
+    """The extended KV of LLSA: ``[level 0 | level 1 | ... | level L]``.
 
     Level l is padded to ``segment_blocks[l] * block`` tokens, ``segment_blocks[l] = T_{l+1} =
-    ceil(N / block^(l+1))``, so every segment is a whole number of KV blocks of ``block`` tokens.
+    ceil(N / block^(l+1))``, so every segment is a whole number of KV blocks of ``block`` tokens. ``fine_n``: the
+    real tokens of level 0 where it is not the sequence (a ring rank's fetched blocks, ``ring_llsa_layout``).
     """
 
     n: int
     block: int
     segment_blocks: tuple[int, ...]
+    fine_n: int | None = None
 
     @property
     def levels(self) -> int:
@@ -162,28 +164,54 @@ class LLSALayout:
         """First KV block of ``level``'s segment."""
         return sum(self.segment_blocks[:level])
 
+    def real_tokens(self, level: int) -> int:
+        """The sequence tokens level ``level``'s tokens cover: ``fine_n`` (else N) at level 0, N above."""
+        return self.fine_n if level == 0 and self.fine_n is not None else self.n
+
+    def log_weights(self, device, dtype: torch.dtype) -> torch.Tensor:
+        """``ln(count)`` of every extended-KV token, ``-inf`` on padding: ``(length,)``."""
+        return torch.cat([log_token_weights(self.real_tokens(level), level_span(self.n, self.block, level),
+                                            blocks * self.block, device, dtype)
+                          for level, blocks in enumerate(self.segment_blocks)])
+
 
 def llsa_layout(n: int, block: int, levels: int) -> LLSALayout:
     """Layout of the extended KV for length ``n``, block ``block`` and ``levels`` levels."""
     return LLSALayout(n, block, tuple(num_blocks(n, level_span(n, block, level + 1)) for level in range(levels + 1)))
 
 
-def llsa_block_ids(selection: LLSASelection, layout: LLSALayout) -> torch.Tensor:
+def ring_llsa_layout(n: int, block: int, levels: int, fine_n: int) -> LLSALayout:
+    """Layout of an extended KV whose level 0 holds ``fine_n`` tokens of whole blocks (a ring rank's fetched fine
+    blocks, in sequence order; only the sequence's last block may be short, and last) and levels 1..L the whole
+    sequence's pyramid."""
+    whole = llsa_layout(n, block, levels)
+    return LLSALayout(n, block, (num_blocks(fine_n, block), *whole.segment_blocks[1:]), fine_n)
+
+
+def llsa_block_ids(selection: LLSASelection, layout: LLSALayout, rows: torch.Tensor | None = None,
+                   fine_position: torch.Tensor | None = None) -> torch.Tensor:
     """KV blocks of the extended KV attended by each query block of ``block`` rows.
 
     Query block i (= level-1 token i) attends: level 0, the blocks ``S_1[i]``; level l (1 <= l < L),
     the blocks ``S_{l+1}[i // b^l]`` (a level-l block is the children of one level-(l+1) token);
-    level L, every block. Returns ``(B, H, T_1, K_1 + ... + K_L + T_{L+1})`` int32, ascending.
+    level L, every block. ``rows``: the query blocks to list (default all ``T_1``); ``fine_position``: the block of
+    level 0's segment holding each sequence block (default itself). Returns ``(B, H, len(rows), K_1 + ... + K_L +
+    T_{L+1})`` int32, ascending.
     """
     b, levels = selection.block, selection.levels
     fine = selection.indices[0]
     bsz, heads, t1, _ = fine.shape
-    rows = torch.arange(t1, device=fine.device)
+    if rows is None:
+        rows = torch.arange(t1, device=fine.device)
+    else:
+        fine = fine[:, :, rows]
+    if fine_position is not None:
+        fine = fine_position[fine.long()].to(torch.int32)
     parts = [fine]
     for level in range(1, levels):
         parts.append(selection.indices[level][:, :, rows // level_span(t1, b, level)] + layout.start_block(level))
     top = torch.arange(layout.segment_blocks[levels], dtype=torch.int32, device=fine.device)
-    parts.append((top + layout.start_block(levels)).expand(bsz, heads, t1, -1))
+    parts.append((top + layout.start_block(levels)).expand(bsz, heads, rows.numel(), -1))
     return torch.cat(parts, dim=-1)
 
 

@@ -11,6 +11,12 @@ A method names its strategy (``Method.ring``):
   K/V as in one process: the same blocks in the same order, so the same numbers. It moves at most what a rotation
   moves (every K/V chunk to every rank) and attends each selected block once. Every chunk but the last must hold
   whole blocks (``block_q``, ``block_k``), so that a chunk's blocks are the sequence's.
+* ``"fetch_levels"`` (``llsa``): the ranks all-gather the level-1 block sums of q, k and v (``N / b`` rows; the
+  sequence's, chunks being whole blocks) and pool the sequence's pyramids from them as one process does
+  (``pyramid_from_sums``); each runs the hierarchical selection on them, fetches the fine blocks its query blocks
+  selected (as ``"fetch_blocks"``) and attends one softmax per query over those blocks and the whole pyramid, an
+  extended KV whose level 0 is the fetched blocks (``flexsparse.masks.ring_llsa_layout``,
+  ``Backend.llsa_extended_softmax``).
 
 Autograd flows through every exchange (``collectives.all_to_all``): a fetched block's gradient returns to its owner
 and sums over the ranks that fetched it. Per call and rank, the rotation moves ``(P - 1) / P`` of K and V (and
@@ -22,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_topk_fits
-from ..masks import BlockSelection, accumulation_dtype, num_blocks
+from ..masks import BlockSelection, accumulation_dtype, llsa_block_ids, num_blocks, ring_llsa_layout
 from .collectives import all_to_all, shard_lengths
 from .config import ParallelConfig
 
@@ -37,7 +43,7 @@ def ring_attention(q, k, v, method, cfg, backend, *, scale: float, params: dict,
     """Attention of this rank's chunk q ``(B, H, n_r, D)`` over the keys and values of every chunk of the ring
     group (k, v ``(B, Hk, m_r, D)`` here) with ``method`` on ``backend``: ``(o (B, H, n_r, D), lse (B, H, n_r) or
     None)``, this rank's rows of the one-process call."""
-    strategy = {"rotate": _rotate, "fetch_blocks": _fetch_blocks}[method.ring]
+    strategy = {"rotate": _rotate, "fetch_blocks": _fetch_blocks, "fetch_levels": _fetch_levels}[method.ring]
     return strategy(q, k, v, method, cfg, backend, scale=scale, params=params, need_lse=need_lse,
                     parallel=parallel)
 
@@ -73,27 +79,45 @@ def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming_length: int, rank: int, 
 
 
 def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel):
-    p, group = parallel.ring_degree, parallel.ring_group
+    group = parallel.ring_group
     lengths_q, lengths_k = shard_lengths(q, k, group)
     _check_whole_blocks(lengths_q, cfg.block_q, "block_q", method.name)
     _check_whole_blocks(lengths_k, cfg.block_k, "block_k", method.name)
     blocks_k = [num_blocks(n, cfg.block_k) for n in lengths_k]
     check_topk_fits("topk", cfg.topk, sum(blocks_k), f"key blocks of the whole sequence ({sum(blocks_k)})")
-    first = [sum(blocks_k[:r]) for r in range(p)]
     with torch.no_grad():
         pooled_keys = _all_gather_rows(backend.mean_pool(k, cfg.block_k).detach(), blocks_k, group)
         top, _ = backend.block_topk(backend.mean_pool(q, cfg.block_q).detach(), pooled_keys, cfg.topk)
-        wanted = torch.unique(top).long()                            # ascending global key-block ids
-        owner = torch.bucketize(wanted, torch.tensor(first[1:], device=wanted.device), right=True)
-        asked = [wanted[owner == r] - first[r] for r in range(p)]    # block ids local to their owner
-        to_send = _exchange_ids(asked, group)                        # the blocks each rank asks of this one
-        position = torch.full((sum(blocks_k),), -1, dtype=torch.int64, device=top.device)
-        position[wanted] = torch.arange(wanted.numel(), device=top.device)
-    k_c, v_c = _fetch(k, v, to_send, [_tokens(ids, cfg.block_k, lengths_k[r]) for r, ids in enumerate(asked)],
-                      cfg.block_k, group)
+    k_c, v_c, position = _fetch_selected(k, v, top, blocks_k, lengths_k, cfg.block_k, group)
     selection = BlockSelection(position[top.long()].to(torch.int32), cfg.block_q, cfg.block_k, q.shape[2],
                                k_c.shape[2])
     return backend.attend(method, q, k_c, v_c, selection, cfg, scale=scale, params=params, need_lse=need_lse)
+
+
+def _fetch_levels(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel):
+    if cfg.quant is not None:
+        raise ValueError(f"ring attention with method {method.name!r} runs without config key 'quant'")
+    rank, group, b = parallel.ring_rank, parallel.ring_group, cfg.block_size
+    _, lengths_k = shard_lengths(q, k, group)      # a self-attention method: q's chunks are k's
+    _check_whole_blocks(lengths_k, b, "block_size", method.name)
+    n, blocks = sum(lengths_k), [num_blocks(m, b) for m in lengths_k]
+    levels, topk = method.plan(cfg, n)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    # every rank's level-1 sums of q (the selection's only), k and v (differentiable: a level's gradient returns
+    # to the ranks whose tokens it pools), then the sequence's pyramids as one process pools them
+    sums = _all_gather_rows_differentiable(backend.block_sums(torch.cat([q.detach(), k, v], dim=1), b), blocks,
+                                           group)
+    q_levels, k_levels, v_levels = (backend.pyramid_from_sums(part, n, b, levels)
+                                    for part in sums.split([heads, kv_heads, kv_heads], dim=1))
+    with torch.no_grad():
+        selection = backend.llsa_select_levels(q_levels, [x.detach() for x in k_levels], topk, b, n)
+    first = sum(blocks[:rank])
+    rows = torch.arange(first, first + blocks[rank], device=q.device)
+    k_c, v_c, position = _fetch_selected(k, v, selection.indices[0][:, :, rows], blocks, lengths_k, b, group)
+    layout = ring_llsa_layout(n, b, levels, k_c.shape[2])
+    ids = llsa_block_ids(selection, layout, rows, position)
+    out, lse = backend.llsa_extended_softmax(q, [k_c, *k_levels], [v_c, *v_levels], ids, layout, scale)
+    return out, lse if need_lse else None
 
 
 def _check_whole_blocks(lengths: list[int], block: int, key: str, method: str) -> None:
@@ -111,6 +135,32 @@ def _all_gather_rows(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
     every = [torch.empty_like(padded) for _ in rows]
     dist.all_gather(every, padded, group=group)
     return torch.cat([part[:, :, :n] for part, n in zip(every, rows)], dim=2)
+
+
+def _fetch_selected(k, v, selected: torch.Tensor, blocks: list[int], lengths: list[int], block: int, group):
+    """The blocks ``selected`` (global block ids, any shape) of the ring's K and V fetched from their owners:
+    ``(k_c, v_c, position)``, k_c, v_c ``(B, Hx, m, D)`` the distinct blocks in sequence order (only the sequence's
+    last block may be short, and last) and ``position`` ``(sum(blocks),)`` int64 a global block's place in them."""
+    p, first = len(blocks), [sum(blocks[:r]) for r in range(len(blocks))]
+    with torch.no_grad():
+        wanted = torch.unique(selected).long()                       # ascending global block ids
+        owner = torch.bucketize(wanted, torch.tensor(first[1:], device=wanted.device), right=True)
+        asked = [wanted[owner == r] - first[r] for r in range(p)]    # block ids local to their owner
+        to_send = _exchange_ids(asked, group)                        # the blocks each rank asks of this one
+        position = torch.full((sum(blocks),), -1, dtype=torch.int64, device=wanted.device)
+        position[wanted] = torch.arange(wanted.numel(), device=wanted.device)
+    k_c, v_c = _fetch(k, v, to_send, [_tokens(ids, block, lengths[r]) for r, ids in enumerate(asked)], block, group)
+    return k_c, v_c, position
+
+
+def _all_gather_rows_differentiable(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
+    """Every rank's ``x (B, Hx, rows[r], D)`` concatenated along dim 2 in rank order, through one all-to-all that
+    sends x to every rank: the backward returns each rank's gradient of x, summed over the ranks."""
+    bsz, heads, _, d = x.shape
+    sizes = [bsz * heads * r * d for r in rows]
+    flat = x.movedim(2, 0).flatten()
+    received = all_to_all(torch.cat([flat] * len(rows)), sizes, [flat.numel()] * len(rows), group)
+    return torch.cat([part.view(r, bsz, heads, d) for part, r in zip(received.split(sizes), rows)]).movedim(0, 2)
 
 
 def _exchange_ids(asked: list[torch.Tensor], group) -> list[torch.Tensor]:

@@ -24,6 +24,11 @@ class LLSA(Method):
     example = {"method": "llsa", "block_size": 16, "topk": 8}
     keeps_views = True      # the triton kernels read q, k, v views in place, forward and backward
     sparse_branch = "llsa"
+    ring = "fetch_levels"
+
+    def plan(self, cfg, n: int) -> tuple[int, tuple[int, ...]]:
+        """Levels L and ``(K_1, ..., K_L)`` at length ``n`` (``plan``)."""
+        return plan(cfg, n)
 
     def select(self, q, k, v, cfg, backend, params):
         _, topk = plan(cfg, q.shape[2])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import Levels, LLSASelection, accumulation_dtype, kv_head_index, level_span, log_token_weights
+from ...masks import LLSALayout, Levels, LLSASelection, accumulation_dtype, kv_head_index, level_span, log_token_weights
 from ..common.gather import (gather_blocks, gathered_grads, key_bias, pad_tokens, query_groups, softmax_delta,
                              softmax_with_lse)
 
@@ -55,6 +55,25 @@ def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list
         p = pad_tokens(probs[level], groups * span).unflatten(2, (groups, span))
         out = out + (p @ values[level]).flatten(2, 3)[:, :, :n]
     return out.to(q.dtype), lse
+
+
+def extended_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor], ids: torch.Tensor,
+                       layout: LLSALayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query block (``layout.block`` rows) of q ``(B, H, Nq, D)`` over the blocks ``ids (B, H, ceil(Nq / b), K)``
+    of the extended KV ``[level 0 | ... | level L]`` (k_levels[l], v_levels[l] ``(B, Hk, T_l, D)``, each padded to
+    its segment), a token's logit plus its ``ln(count)`` (``layout.log_weights``); one softmax per query. The same
+    softmax as ``llsa_attention`` for ids listing the blocks it reads (``flexsparse.masks.llsa_block_ids``), for any
+    rows of queries and any level 0 (a ring rank's fetched fine blocks). Autograd; memory ``B H Nq K b D``.
+    Returns ``o (B, H, Nq, D)``, ``lse (B, H, Nq)`` (fp32, fp64 for fp64)."""
+    acc, b, n_q = accumulation_dtype(q.dtype), layout.block, q.shape[2]
+    k = torch.cat([pad_tokens(x.to(acc), blocks * b) for x, blocks in zip(k_levels, layout.segment_blocks)], dim=2)
+    v = torch.cat([pad_tokens(x.to(acc), blocks * b) for x, blocks in zip(v_levels, layout.segment_blocks)], dim=2)
+    groups = ids.shape[2]
+    bias = key_bias(ids, layout.log_weights(q.device, acc), b)
+    scores = query_groups(q.to(acc), groups, b) @ gather_blocks(k, ids, b).transpose(-1, -2) * scale
+    probs, lse = softmax_with_lse(scores + bias.unsqueeze(-2), False)
+    out = (probs @ gather_blocks(v, ids, b)).flatten(2, 3)[:, :, :n_q]
+    return out.to(q.dtype), lse.flatten(2, 3)[:, :, :n_q]
 
 
 def llsa_attention_backward(do, dlse, q, k_levels, v_levels, selection: LLSASelection, scale: float, o, lse):

@@ -73,11 +73,17 @@ def pool_pyramid(x: torch.Tensor, block: int, levels: int) -> list[torch.Tensor]
     token of all N past the sequence), computed recursively from block sums. x: ``(B, H, N, D)``; level l:
     ``(B, H, ceil(N/block**l), D)``, in the accumulation dtype (differentiable).
     """
-    n = x.shape[-2]
+    return pyramid_from_sums(block_sums(x, block), x.shape[-2], block, levels)
+
+
+def pyramid_from_sums(sums: torch.Tensor, n: int, block: int, levels: int) -> list[torch.Tensor]:
+    """Levels 1..L of ``pool_pyramid`` of ``n`` tokens from their ``block_sums`` ``(B, H, ceil(n/block), D)`` (a ring
+    all-gathers these rows, the sequence's however it is chunked into whole blocks): the same operations, the same
+    values."""
     out = []
-    sums = x
     for level in range(1, levels + 1):
-        sums = block_sums(sums, block)
+        if level > 1:
+            sums = block_sums(sums, block)
         out.append(sums / _divisors(n, level_span(n, block, level), sums))
     return out
 
