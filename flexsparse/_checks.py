@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -66,8 +67,18 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_topk_fits(name: str, topk: int, available: int, what: str) -> None:
-    """Raise if a top-K asks for more blocks than exist."""
-    if topk > available:
-        raise ValueError(f"config key {name!r}={topk} is larger than the number of {what} ({available}); "
-                         f"lower it or use a longer sequence / smaller block")
+def clamp_topk(name: str, topk: int, available: int, what: str) -> int:
+    """``min(topk, available)``: a top-K that covers every block there is selects them all, which is exact dense
+    attention over them (a model trained long runs at a short length). Warns once per clamp (config key, K, blocks),
+    in eager calls (a warning inside a compiled graph would break it)."""
+    if topk <= available:
+        return topk
+    key = (name, topk, available, what)
+    if key not in _CLAMPED and not torch.compiler.is_compiling():
+        _CLAMPED.add(key)
+        warnings.warn(f"config key {name!r}={topk} covers all {available} {what}: clamped to {available}, every one "
+                      f"of them selected (exact dense attention over them)", stacklevel=2)
+    return available
+
+
+_CLAMPED: set[tuple] = set()

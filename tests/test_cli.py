@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import flexsparse as fs
 from flexsparse.bench import cli, compare, measure, plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,11 +110,23 @@ def test_forward_backward_is_autograd_grad_with_a_given_gradient_and_fills_no_gr
     assert forward().grad_fn is None                          # the forward is timed under no_grad
 
 
-def test_a_config_that_does_not_fit_a_size_is_skipped_and_reported(tmp_path):
+def refuse_lengths(monkeypatch, method: str, lengths) -> None:
+    """``method``'s selection raises a ValueError at the given lengths, as a config that does not fit them would."""
+    select = fs.METHODS[method].select
+
+    def refusing(q, *args, **kwargs):
+        if q.shape[2] in lengths:
+            raise ValueError(f"config does not fit N={q.shape[2]}")
+        return select(q, *args, **kwargs)
+    monkeypatch.setattr(fs.METHODS[method], "select", refusing)
+
+
+def test_a_config_that_does_not_fit_a_size_is_skipped_and_reported(tmp_path, monkeypatch):
+    refuse_lengths(monkeypatch, "topk", {256})
     status, printed = run_main(TINY + ["--methods", "topk", "llsa", "--sizes", "256", "--no-check",
                                        "--out", str(tmp_path)])
     assert status == 0
-    assert "skipped: topk/torch N=256 fwd: config key 'topk'=8 is larger than the number of key blocks" in printed
+    assert "skipped: topk/torch N=256 fwd: config does not fit N=256" in printed
     with open(tmp_path / "results.json") as f:
         results = {r["case"]["label"]: r for r in json.load(f)["results"]}
     assert results["topk/torch N=256 fwd+bwd"]["status"] == "skipped"
@@ -122,11 +135,12 @@ def test_a_config_that_does_not_fit_a_size_is_skipped_and_reported(tmp_path):
     assert not (tmp_path / "timing.png").exists()
 
 
-def test_a_size_that_no_case_fits_exits_non_zero_without_a_plot(tmp_path):
+def test_a_size_that_no_case_fits_exits_non_zero_without_a_plot(tmp_path, monkeypatch):
+    refuse_lengths(monkeypatch, "topk", {100, 200})
     status, printed = run_main(TINY + ["--methods", "topk", "--sizes", "100", "200", "--no-check",
                                        "--no-backward", "--out", str(tmp_path)])
     assert status == 1
-    assert "no method case ran at N=[100, 200]" in printed and "topk'=8 is larger" in printed
+    assert "no method case ran at N=[100, 200]" in printed and "config does not fit N=100" in printed
     assert not (tmp_path / "timing.png").exists()
 
 

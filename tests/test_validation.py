@@ -1,9 +1,11 @@
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
 import flexsparse as fs
+from flexsparse import _checks
 from flexsparse.config import MAX_BLOCK
 
 import triton_support as ts
@@ -47,16 +49,45 @@ def test_non_divisible_heads():
         fs.attention(q, k, v, LLSA)
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"method": "topk", "block_size": 8, "topk": 5}, r"'topk'=5 is larger than the number of key blocks \(4\)"),
-    ({"method": "vsa", "block_size": 16, "topk": 3}, r"'topk'=3 is larger"),
-    ({"method": "llsa", "block_size": 4, "topk": 3, "levels": 2}, r"'topk'=3 is larger than the number of level-2"),
-    ({"method": "llsa", "block_size": 4, "topk": [9, 2], "levels": 2}, r"K_1=9 exceeds the level-1 tokens under 2"),
+@pytest.mark.parametrize("config, clamped, match", [
+    ({"method": "topk", "block_size": 8, "topk": 5}, {"topk": 4}, r"'topk'=5 covers all 4 key blocks: clamped to 4"),
+    ({"method": "vsa", "block_size": 16, "topk": 3}, {"topk": 2}, r"'topk'=3 covers all 2 key blocks"),
+    ({"method": "llsa", "block_size": 4, "topk": 3, "levels": 2}, {"topk": [3, 2]},
+     r"'topk'=3 covers all 2 level-2 tokens at N=32"),
+    ({"method": "llsa", "block_size": 4, "topk": [9, 2], "levels": 2}, {"topk": [8, 2]},
+     r"'topk\[0\]'=9 covers all 8 level-1 candidates under 2 level-2 tokens"),
 ])
-def test_topk_larger_than_blocks(config, match):
+def test_topk_covering_every_block_selects_them_all_and_warns_once(config, clamped, match, monkeypatch):
+    """A top-K over the blocks that exist runs as the top-K of all of them (for topk: dense attention), with one
+    warning per clamp."""
+    monkeypatch.setattr(_checks, "_CLAMPED", set())
     q, k, v = qkv(n=32, d=8)
-    with pytest.raises(ValueError, match=match):
-        fs.attention(q, k, v, config)
+    with pytest.warns(UserWarning, match=match):
+        out = fs.attention(q, k, v, config, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = fs.attention(q, k, v, config, backend="torch")
+        want = fs.attention(q, k, v, {**config, **clamped}, backend="torch")
+    assert torch.equal(out, want) and torch.equal(again, want)
+    if config["method"] == "topk":
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert rel_err(out, dense) < 1e-12
+
+
+@pytest.mark.parametrize("name", sorted(fs.METHODS))
+def test_every_method_runs_its_default_config_at_any_length(name):
+    """``{"method": name}`` at N = 1, 2 and 17 (fewer tokens than one default block, top-K over every block):
+    torch and reference backends agree (fp64), outputs finite, no error."""
+    cfg = fs.Config.from_dict({"method": name})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)       # the clamps' warnings
+        for n in (1, 2, 17):
+            q, k, v = qkv(batch=1, heads=2, kv_heads=1, n=n, d=8)
+            params = fs.METHODS[name].init_params(cfg, 8, 2, n)
+            params = {key: value.double() for key, value in params.items()} or None
+            out = fs.attention(q, k, v, cfg, backend="torch", params=params)
+            ref = fs.attention(q, k, v, cfg, backend="reference", params=params)
+            assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-12, (name, n)
 
 
 # every method with blocks, its example config's K or ratio lowered to what one key block holds

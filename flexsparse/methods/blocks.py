@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_topk_fits
+from .._checks import clamp_topk
 from ..masks import BlockSelection, num_blocks
 
 
 def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg, backend,
                   pooled: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockSelection:
-    """Top ``cfg.topk`` key blocks per query block from raw-dot pooled scores (fp32, no grad) on ``backend``.
+    """Top ``cfg.topk`` key blocks per query block (all of them where there are fewer, ``clamp_topk``) from raw-dot
+    pooled scores (fp32, no grad) on ``backend``.
     ``pooled``: ``(mean_pool(q, block_q), mean_pool(k, block_k))`` when the caller has them."""
-    check_topk_fits("topk", cfg.topk, num_blocks(k.shape[2], cfg.block_k), "key blocks")
+    topk = clamp_topk("topk", cfg.topk, num_blocks(k.shape[2], cfg.block_k), "key blocks")
     with torch.no_grad():
         if pooled is None:
             pooled = backend.mean_pool(q, cfg.block_q), backend.mean_pool(k, cfg.block_k)
-        top, _ = backend.block_topk(pooled[0].detach(), pooled[1].detach(), cfg.topk)
+        top, _ = backend.block_topk(pooled[0].detach(), pooled[1].detach(), topk)
     return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])

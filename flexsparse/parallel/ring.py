@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._checks import check_topk_fits
+from .._checks import clamp_topk
 from ..masks import BlockSelection, accumulation_dtype, llsa_block_ids, num_blocks, ring_llsa_layout
 from .collectives import all_to_all, shard_lengths
 from .config import ParallelConfig
@@ -84,10 +84,10 @@ def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, par
     _check_whole_blocks(lengths_q, cfg.block_q, "block_q", method.name)
     _check_whole_blocks(lengths_k, cfg.block_k, "block_k", method.name)
     blocks_k = [num_blocks(n, cfg.block_k) for n in lengths_k]
-    check_topk_fits("topk", cfg.topk, sum(blocks_k), f"key blocks of the whole sequence ({sum(blocks_k)})")
+    topk = clamp_topk("topk", cfg.topk, sum(blocks_k), "key blocks of the whole sequence")
     with torch.no_grad():
         pooled_keys = _all_gather_rows(backend.mean_pool(k, cfg.block_k).detach(), blocks_k, group)
-        top, _ = backend.block_topk(backend.mean_pool(q, cfg.block_q).detach(), pooled_keys, cfg.topk)
+        top, _ = backend.block_topk(backend.mean_pool(q, cfg.block_q).detach(), pooled_keys, topk)
     k_c, v_c, position = _fetch_selected(k, v, top, blocks_k, lengths_k, cfg.block_k, group)
     selection = BlockSelection(position[top.long()].to(torch.int32), cfg.block_q, cfg.block_k, q.shape[2],
                                k_c.shape[2])

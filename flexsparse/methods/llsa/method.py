@@ -10,8 +10,8 @@ combine: nothing, the output is that softmax's.
 """
 from __future__ import annotations
 
-from ..._checks import check_topk_fits
-from ...masks import auto_levels, num_blocks
+from ..._checks import clamp_topk
+from ...masks import auto_levels, level_span, num_blocks
 from ...masks.levels import fewest_candidates
 from ..base import Method
 from . import reference
@@ -42,20 +42,20 @@ class LLSA(Method):
 
 
 def plan(cfg, n: int) -> tuple[int, tuple[int, ...]]:
-    """Levels L and ``(K_1, ..., K_L)`` for length ``n``, checked against the number of tokens."""
+    """Levels L and ``(K_1, ..., K_L)`` for length ``n``, each clamped to the tokens it selects among
+    (``clamp_topk``): ``K_L`` to the level-L tokens, then ``K_l`` to the fewest candidates under ``K_{l+1}``."""
     b = cfg.block_size
     if cfg.levels != "auto":
         levels = cfg.levels
     else:  # a per-level topk list fixes L
         levels = len(cfg.topk) if isinstance(cfg.topk, tuple) else auto_levels(n, b, cfg.topk)
-    topk = cfg.topk_per_level(levels)
-    check_topk_fits(f"topk[{levels - 1}]" if isinstance(cfg.topk, tuple) else "topk", topk[-1],
-                    num_blocks(n, b**levels), f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")
-    for level in range(levels - 1):
-        reachable = fewest_candidates(n, b, level + 1, topk[level + 1])
-        if topk[level] > reachable:
-            raise ValueError(f"config key 'topk': K_{level + 1}={topk[level]} exceeds the level-{level + 1} tokens "
-                             f"under {topk[level + 1]} level-{level + 2} tokens at N={n} (block_size={b}): as few as "
-                             f"{reachable} when the selection holds the ragged last one; lower it")
-    return levels, topk
+    topk = list(cfg.topk_per_level(levels))
+    key = (lambda level: f"topk[{level}]") if isinstance(cfg.topk, tuple) else (lambda level: "topk")
+    topk[-1] = clamp_topk(key(levels - 1), topk[-1], num_blocks(n, level_span(n, b, levels)),
+                          f"level-{levels} tokens at N={n} (block_size={b}, levels={levels})")
+    for level in range(levels - 2, -1, -1):     # top down: K_l against the candidates under the clamped K_{l+1}
+        topk[level] = clamp_topk(key(level), topk[level], fewest_candidates(n, b, level + 1, topk[level + 1]),
+                                 f"level-{level + 1} candidates under {topk[level + 1]} level-{level + 2} tokens at "
+                                 f"N={n} (block_size={b}; fewest when the ragged last one is among them)")
+    return levels, tuple(topk)
 
