@@ -15,6 +15,7 @@ from flexsparse.masks import SoftBlockMask
 from flexsparse.methods import METHODS
 from flexsparse.methods.dense import block_select_bruteforce, expand_kv_heads, span_means
 from flexsparse.methods.sla2 import router as sla2_router
+from flexsparse.methods.sla2.method import alpha_logits_at
 from flexsparse.methods.sla2.softtopk import soft_topk, soft_topk_logits
 from flexsparse.triton.block_sparse import naive as block_naive
 from flexsparse.triton.linear import naive as linear_naive
@@ -384,16 +385,91 @@ def test_soft_router_with_tiny_tau_approaches_hard_router():
     torch.testing.assert_close(out_soft, out_hard, rtol=1e-6, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------------- alpha at any length
+
+def logits_at_by_hand(stored: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The documented rule written out: call block ``i`` of ``blocks`` sits at the normalised centre
+    ``(i + 0.5) / blocks``, stored block ``j`` of ``T`` at ``(j + 0.5) / T``; the logit there is the linear
+    interpolation of the two stored blocks around it, the outer stored value past the outer centres."""
+    t = stored.shape[1]
+    columns = []
+    for i in range(blocks):
+        x = min(max((i + 0.5) / blocks * t - 0.5, 0.0), t - 1.0)   # position in units of stored blocks
+        lo = math.floor(x)
+        hi, w = min(lo + 1, t - 1), x - lo
+        columns.append((1 - w) * stored[:, lo] + w * stored[:, hi])
+    return torch.stack(columns, 1)
+
+
+@pytest.mark.parametrize("t,blocks", [(1, 1), (1, 5), (6, 6), (6, 4), (6, 13), (7, 2), (3, 1), (5, 64)])
+def test_alpha_logits_at_follows_the_rule(t, blocks):
+    stored = torch.randn(3, t, dtype=torch.float64, requires_grad=True)
+    got = alpha_logits_at(stored, blocks)
+    assert got.shape == (3, blocks)
+    if t == blocks:
+        assert got is stored
+    torch.testing.assert_close(got, logits_at_by_hand(stored, blocks), rtol=1e-13, atol=1e-13)
+    weight = torch.randn(3, blocks, dtype=torch.float64)
+    (g_got,) = torch.autograd.grad((got * weight).sum(), stored)
+    (g_hand,) = torch.autograd.grad((logits_at_by_hand(stored, blocks) * weight).sum(), stored)
+    torch.testing.assert_close(g_got, g_hand, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_alpha_trained_at_one_length_runs_at_others(backend, per_head):
+    """A module stored at N=96 (6 query blocks of 16) trains a few Adam steps there, then runs at N=61 (4 blocks,
+    the last ragged) and N=203 (13): the output equals the method called with the stored logits interpolated by
+    hand to the call's blocks, and the gradient reaches every stored block, equal to the hand-made path's."""
+    cfg = sla2_config(block_q=16, block_k=8, topk_ratio=0.25, alpha_per_head=per_head)
+    module = flexsparse.SparseAttention(cfg, head_dim=8, num_heads=2, seq_len=96, backend=backend).double()
+    stored = module.params["alpha_logit"]
+    assert stored.shape == (2 if per_head else 1, 6)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.2)
+    for _ in range(3):
+        q, k, v = (x.detach() for x in leaf_qkv(2, 2, 1, 96, 8))
+        loss = (module(q, k, v) - flexsparse.attention(q, k, v, {"method": "full"})).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert stored.detach().unique().numel() > 1                  # trained: the blocks differ
+    for n, blocks in ((61, 4), (203, 13)):
+        q, k, v = (x.detach() for x in leaf_qkv(2, 2, 1, n, 8))
+        weight = torch.randn(2, 2, n, 8, dtype=torch.float64)
+        out = module(q, k, v)
+        (grad,) = torch.autograd.grad((out * weight).sum(), stored)
+        leaf = stored.detach().clone().requires_grad_()
+        explicit = {"proj_q": module.params["proj_q"].detach(), "proj_k": module.params["proj_k"].detach(),
+                    "alpha_logit": logits_at_by_hand(leaf, blocks)}
+        want = flexsparse.attention(q, k, v, cfg, backend=backend, params=explicit)
+        (grad_want,) = torch.autograd.grad((want * weight).sum(), leaf)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, grad_want, rtol=1e-10, atol=1e-12)
+        assert (grad != 0).all()
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_alpha_at_the_stored_length_is_the_parameter_itself(per_head):
+    """Equal block counts: the backends get the stored tensor itself, so outputs and gradients are bit-identical to
+    passing it straight through; a length with the same block count (N=90 for 96 in blocks of 16) too."""
+    cfg = Config.from_dict(sla2_config(block_q=16, block_k=8, topk_ratio=0.25, alpha_per_head=per_head))
+    params = params_for(cfg.to_dict(), 8, 2, 96)
+    for n in (96, 90):
+        q = leaf_qkv(1, 2, 1, n, 8)[0]
+        assert SLA2.check_params(cfg, q, params)["alpha_logit"] is params["alpha_logit"]
+    q, k, v = leaf_qkv(1, 2, 1, 96, 8)
+    module = flexsparse.SparseAttention(cfg, head_dim=8, num_heads=2, seq_len=96, backend="torch").double()
+    with torch.no_grad():
+        for name, value in params.items():
+            module.params[name].copy_(value)
+    got = module(q, k, v)
+    want = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got.sum(), module.params["alpha_logit"])[0],
+                       torch.autograd.grad(want.sum(), params["alpha_logit"])[0])
+
+
 # ----------------------------------------------------------------------------------- errors
-
-def test_seq_len_mismatch_raises():
-    module = flexsparse.SparseAttention(sla2_config(block_size=8), head_dim=8, num_heads=2, seq_len=64)
-    q, k, v = leaf_qkv(1, 2, 1, 64, 8, dtype=torch.float32)
-    assert module(q, k, v).shape == q.shape
-    q, k, v = leaf_qkv(1, 2, 1, 80, 8, dtype=torch.float32)
-    with pytest.raises(ValueError, match="seq_len=80"):
-        module(q, k, v)
-
 
 def test_functional_call_needs_params():
     q, k, v = leaf_qkv(1, 2, 1, 16, 8)
@@ -401,16 +477,28 @@ def test_functional_call_needs_params():
         flexsparse.attention(q, k, v, sla2_config(block_size=4))
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"proj_q": torch.eye(4)}, "proj_q.*shape \\(8, 8\\)"),
-    ({"alpha_logit": torch.zeros(2, 4)}, "alpha_logit.*shape \\(1, 4\\)"),
-    ({"extra": torch.zeros(1)}, "unknown \\['extra'\\]"),
+@pytest.mark.parametrize("change,error,match", [
+    ({"proj_q": torch.eye(4)}, ValueError, "proj_q.*shape \\(8, 8\\)"),
+    ({"alpha_logit": torch.zeros(2, 4)}, ValueError, "alpha_logit.*shape \\(1, T\\).*got \\(2, 4\\)"),
+    ({"alpha_logit": torch.zeros(4)}, ValueError, "alpha_logit.*shape \\(1, T\\).*got \\(4,\\)"),
+    ({"alpha_logit": torch.zeros(1, 0)}, ValueError, "alpha_logit.*T >= 1.*got \\(1, 0\\)"),
+    ({"alpha_logit": torch.zeros(1, 4, dtype=torch.int64)}, TypeError, "alpha_logit.*floating-point"),
+    ({"alpha_logit": [[0.0] * 4]}, TypeError, "alpha_logit.*torch.Tensor"),
+    ({"extra": torch.zeros(1)}, ValueError, "unknown \\['extra'\\]"),
 ])
-def test_bad_params_raise(change, match):
+def test_bad_params_raise(change, error, match):
     q, k, v = leaf_qkv(1, 2, 1, 16, 8)
     params = {**SLA2.init_params(Config.from_dict(sla2_config(block_size=4)), 8, 2, 16), **change}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         flexsparse.attention(q, k, v, sla2_config(block_size=4), params=params)
+
+
+def test_per_head_alpha_needs_a_row_per_head():
+    cfg = sla2_config(block_size=4, alpha_per_head=True)
+    q, k, v = leaf_qkv(1, 2, 1, 16, 8)
+    params = {**SLA2.init_params(Config.from_dict(cfg), 8, 2, 16), "alpha_logit": torch.zeros(1, 4)}
+    with pytest.raises(ValueError, match="shape \\(2, T\\): one row per head"):
+        flexsparse.attention(q, k, v, cfg, params=params)
 
 
 @pytest.mark.parametrize("cfg,match", [

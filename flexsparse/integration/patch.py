@@ -44,7 +44,7 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     dense_warmup_steps: inference steps run dense after ``flexsparse.set_step(model, step)``.
     token_grid: ``(h, w)`` or ``(t, h, w)`` when the model's tokens are a raster grid: the sparse
         method then sees them in Z-order / tile order (see ``SparseSDPA``).
-    seq_len: sequence length, for methods whose parameters depend on it (SLA2).
+    seq_len: the sequence length SLA2 stores its per-block alpha at (calls at other lengths interpolate it).
     head_dim, num_heads: the query geometry, when it cannot be read from the modules.
     parallel: a ``flexsparse.ParallelConfig`` when the model runs sequence parallel (each rank holds a shard of the
         tokens): the patched attention exchanges the shards (``SparseSDPA``). Not needed under diffusers'

@@ -14,6 +14,9 @@ combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dt
 sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); a backend may fuse it into the
 linear branch (``mixed_linear_output``) or run both branches and the combine in one op (``sparse_linear_output``).
 The returned LSE is the sparse branch's.
+lengths: ``alpha_logit`` holds ``T`` stored blocks (``seq_len``'s); a call with another number of query blocks ``Tq``
+runs on ``alpha_logits_at``'s linear interpolation of them, made once in ``check_params``, so every backend and the
+reference see the call's ``(1 or H, Tq)``.
 """
 from __future__ import annotations
 
@@ -44,9 +47,11 @@ class SLA2(Method):
 
     def init_params(self, cfg, head_dim, num_heads, seq_len):
         """Router projections ``proj_q``, ``proj_k`` (identity, ``(D, D)``) and ``alpha_logit``
-        ``(1 or H, Tq)`` with ``sigmoid = alpha_init``; ``Tq`` comes from ``seq_len``. fp32."""
+        ``(1 or H, T)`` with ``sigmoid = alpha_init``, ``T = ceil(seq_len / block_q)``: the resolution alpha is
+        stored and learned at; calls at other lengths interpolate it (``alpha_logits_at``). fp32."""
         if seq_len is None:
-            raise ValueError("method 'sla2' learns one alpha per query block, so it needs seq_len: "
+            raise ValueError("method 'sla2' stores one alpha per query block of seq_len tokens (other lengths "
+                             "interpolate them), so it needs seq_len: "
                              "flexsparse.SparseAttention(config, head_dim=..., num_heads=..., seq_len=N)")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -59,14 +64,22 @@ class SLA2(Method):
         return ("alpha_logit",) if cfg.alpha_per_head else ()
 
     def check_params(self, cfg, q, params):
+        """The checked parameters, ``alpha_logit`` ``(rows, T)`` (any ``T >= 1``) returned as the call's
+        ``(rows, Tq)`` by ``alpha_logits_at`` (the stored tensor itself when ``T == Tq``)."""
         heads, n, d = q.shape[1], q.shape[2], q.shape[3]
         rows, tq = heads if cfg.alpha_per_head else 1, num_blocks(n, cfg.block_q)
         alpha = (params or {}).get("alpha_logit")
-        if isinstance(alpha, torch.Tensor) and alpha.dim() == 2 and alpha.shape[0] == rows and alpha.shape[1] != tq:
-            raise ValueError(f"params['alpha_logit'] holds {alpha.shape[1]} query blocks but N={n} with "
-                             f"block_q={cfg.block_q} gives {tq}; SLA2's alpha is per query block, so build "
-                             f"SparseAttention with seq_len={n}")
-        return require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, tq)})
+        if isinstance(alpha, torch.Tensor):
+            if alpha.dim() != 2 or alpha.shape[0] != rows or alpha.shape[1] < 1:
+                per = f"one row per head (alpha_per_head, H={heads})" if cfg.alpha_per_head else "one row"
+                raise ValueError(f"params['alpha_logit'] must have shape ({rows}, T): {per} of T >= 1 stored query "
+                                 f"blocks (interpolated to the call's {tq}), got {tuple(alpha.shape)}")
+            if not alpha.is_floating_point():
+                raise TypeError(f"params['alpha_logit'] must be a floating-point tensor, got {alpha.dtype}")
+        stored = alpha.shape[1] if isinstance(alpha, torch.Tensor) else tq
+        checked = require_params("sla2", params, {"proj_q": (d, d), "proj_k": (d, d), "alpha_logit": (rows, stored)})
+        checked["alpha_logit"] = alpha_logits_at(checked["alpha_logit"], tq)
+        return checked
 
     def select(self, q, k, v, cfg, backend, params) -> SLA2Selection:
         k_sums = backend.block_sums(k, cfg.block_k)   # one pass over k for the router and the smoothing mean
@@ -99,6 +112,20 @@ class SLA2(Method):
     def reference(self, q, k, v, selection, cfg, *, scale, params):
         return reference.sla2_dense(q, selection.keys, v, selection.mask, scale, feature_map=cfg.feature_map,
                                     eps=cfg.eps, alpha_logit=params["alpha_logit"], quant=cfg.quant)
+
+
+def alpha_logits_at(alpha_logit: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The stored per-block logits ``(rows, T)`` at a call's ``blocks`` query blocks: ``(rows, blocks)``.
+
+    ``alpha_logit`` itself when ``T == blocks`` (no op, bit-identical). Otherwise the logits are a function of the
+    normalised position, block ``j`` of ``T`` at its centre ``(j + 0.5) / T`` (by block index: a ragged last block
+    counts whole), linearly interpolated between neighbouring centres and constant past the outer ones, read at the
+    call's centres ``(i + 0.5) / blocks`` (``F.interpolate``, ``mode="linear"``, ``align_corners=False``), in
+    ``alpha_logit``'s dtype and differentiable, so a call at any length trains the stored parameter.
+    """
+    if alpha_logit.shape[-1] == blocks:
+        return alpha_logit
+    return F.interpolate(alpha_logit.unsqueeze(0), size=blocks, mode="linear", align_corners=False).squeeze(0)
 
 
 def combine(o_s: torch.Tensor, o_l: torch.Tensor, alpha: torch.Tensor, block_q: int) -> torch.Tensor:
