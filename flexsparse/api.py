@@ -9,14 +9,16 @@ import torch
 
 from . import backends
 from ._checks import check_flag, check_qkv, resolve_scale
-from .config import Config
+from .backends.text_keys import WithTextKeys
+from .config import Config, Joint
 from .methods import METHODS
 from .parallel import ParallelConfig, ring_attention, ring_methods, ulysses_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mapping[str, Any] | Config", *,
               backend: str = "auto", scale: float | None = None, return_lse: bool = False,
-              params: Mapping[str, torch.Tensor] | None = None, parallel: ParallelConfig | None = None):
+              params: Mapping[str, torch.Tensor] | None = None, parallel: ParallelConfig | None = None,
+              joint: "Joint | Mapping[str, Any] | None" = None):
     """Sparse attention shaped like ``F.scaled_dot_product_attention``.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``H % Hk == 0`` (GQA).
@@ -25,6 +27,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     params: learnable tensors of methods that have them (``SparseAttention`` passes its own).
     parallel: a ``flexsparse.ParallelConfig``: q, k, v are this rank's shards of the sequence (every head) and the
     result is this rank's shard (``flexsparse.parallel.ulysses_attention``); ``None``: no communication.
+    joint: a ``flexsparse.Joint`` (or ``{"text": "prefix" | "suffix", "length": n}``): the sequence is text and
+    visual tokens; the method selects among the visual ones, and every query attends every text token densely.
     Returns ``o (B, H, Nq, D)`` in q's dtype, and with ``return_lse`` also the natural-log LSE
     ``(B, H, Nq)`` (fp32; fp64 for fp64 inputs) of the (sparse) softmax branch.
     """
@@ -34,8 +38,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     scale = resolve_scale(scale, q.shape[-1])
     check_flag("return_lse", return_lse)
     parallel = ParallelConfig.check(parallel)
+    joint = Joint.from_value(joint)
+    joint = joint if joint is not None and joint.length else None
     if parallel is not None and parallel.communicates:
         ring = parallel if parallel.ring_degree > 1 else None
+        if ring is not None and joint is not None:
+            raise ValueError("joint attention runs under Ulysses sequence parallelism, not over a 'ring' mesh dim "
+                             "(its text tokens would sit in one rank's chunk)")
         if ring is not None and method.ring is None:
             raise ValueError(f"ring attention (a 'ring' mesh dim of size {ring.ring_degree}) runs the methods "
                              f"{ring_methods(METHODS)}, not {cfg.method!r}: put every sequence-parallel rank of "
@@ -43,10 +52,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
 
         def attend_heads(q, k, v, heads: slice):
             local_params = head_params(method, cfg, params, heads)
+            if joint is not None:
+                return _attend_joint(q, k, v, cfg, method, backend, scale, return_lse, local_params, joint)
             return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params, ring)
         if parallel.ulysses_degree > 1:
             return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
         out, lse = attend_heads(q, k, v, slice(None))
+    elif joint is not None:
+        out, lse = _attend_joint(q, k, v, cfg, method, backend, scale, return_lse, params, joint)
     else:
         out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
     return (out, lse) if return_lse else out
@@ -74,6 +87,37 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
                                      need_lse=return_lse)
     if not return_lse:
         return out, None
+    return out, (lse if lse.dtype == torch.float64 else lse.float())
+
+
+def _attend_joint(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params, joint: Joint):
+    """Joint text+visual attention (``Joint``): the method's select and attend steps on the visual tokens, every
+    softmax branch also over the text keys (``WithTextKeys``), the text queries densely over every key; the outputs
+    in the sequence's order: ``(o, lse or None)``."""
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"joint attention is self-attention over one sequence: q and k must have the same length, "
+                         f"got {q.shape[2]} and {k.shape[2]}")
+    text, visual = joint.slices(q.shape[2])
+    n_visual = visual.stop - visual.start
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    fitted = method.fit(cfg, n_visual, n_visual)
+    blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
+    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=True, dtype=q.dtype, blocks=blocks,
+                              head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
+    q_v, k_v, v_v = chosen.prepare_inputs(q[:, :, visual], k[:, :, visual], v[:, :, visual],
+                                          keep_views=method.keeps_views, needs_grad=needs_grad)
+    with _without_autocast(q.device.type):
+        params = method.check_params(cfg, q_v, params)
+        selection = method.select(q_v, k_v, v_v, fitted, chosen, params)
+        with_text = WithTextKeys(chosen, k[:, :, text], v[:, :, text])
+        o_v, lse_v = with_text.attend(method, q_v, k_v, v_v, selection, fitted, scale=scale, params=params,
+                                      need_lse=True)
+        o_t, lse_t = chosen.dense_attention(q[:, :, text], k, v, scale, need_lse=return_lse)
+    order = (0, 1) if joint.text == "prefix" else (1, 0)
+    out = torch.cat([(o_t, o_v)[i].to(q.dtype) for i in order], dim=2)
+    if not return_lse:
+        return out, None
+    lse = torch.cat([(lse_t, lse_v)[i].to(lse_v.dtype) for i in order], dim=2)
     return out, (lse if lse.dtype == torch.float64 else lse.float())
 
 

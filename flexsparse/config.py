@@ -67,6 +67,44 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class Joint:
+    """A joint text+visual sequence (SD3-, Flux-, HunyuanVideo-style blocks; a ViT's class token is a 1-token
+    prefix): ``length`` text tokens at the start (``text="prefix"``) or the end (``"suffix"``) of the sequence. Text
+    queries attend every token densely; visual queries attend every text token densely and the visual tokens by the
+    method, in one softmax (the method's softmax branch and the text keys merge by LSE); selection and pooling see
+    the visual tokens only. A call argument, not a config key: the text length belongs to the call (the prompt), and
+    a config (and the checkpoints that carry it) stays independent of it."""
+
+    text: str
+    length: int
+
+    def __post_init__(self):
+        check_choice("joint.text", self.text, ("prefix", "suffix"))
+        check_int("joint.length", self.length, minimum=0)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "Joint | None":
+        """``None``, a ``Joint`` or a dict ``{"text": "prefix" | "suffix", "length": n}``."""
+        if value is None or isinstance(value, Joint):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"joint must be a flexsparse.Joint, a dict {{'text': 'prefix' | 'suffix', 'length': n}} "
+                            f"or None, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"text", "length"})
+        if unknown or len(value) != 2:
+            raise ValueError(f"joint takes the keys 'text' and 'length', got {sorted(value)}")
+        return cls(**value)
+
+    def slices(self, n: int) -> tuple[slice, slice]:
+        """``(text, visual)`` token slices of a sequence of ``n`` tokens; raises where no visual token is left."""
+        if self.length >= n:
+            raise ValueError(f"joint.length={self.length} text tokens leave no visual token in a sequence of {n}")
+        if self.text == "prefix":
+            return slice(0, self.length), slice(self.length, n)
+        return slice(n - self.length, n), slice(0, n - self.length)
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """FP8 e4m3 quantization of the sparse softmax branch's forward, straight-through backward
     (docs/methods.md "FP8 QAT"). ``dtype``: format of P and V; ``qk_dtype``: format of Q and K

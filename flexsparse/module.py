@@ -24,10 +24,12 @@ class SparseAttention(nn.Module):
     """Sparse attention with the method's learnable parameters (SLA projection, SLA2 router and
     alpha, VSA gate) registered as module parameters, so they train and live in ``state_dict``.
 
-    ``forward(q, k, v)`` takes ``(B, H, N, D)`` tensors like ``F.scaled_dot_product_attention``.
-    ``seq_len`` is needed only by methods whose parameters depend on it (SLA2's per-block alpha); it is the whole
-    sequence's length under sequence parallelism. ``parallel``: a ``flexsparse.ParallelConfig`` when q, k, v are
-    this rank's shards of the sequence (``flexsparse.attention``).
+    ``forward(q, k, v)`` takes ``(B, H, N, D)`` tensors like ``F.scaled_dot_product_attention`` (``joint=``: a
+    ``flexsparse.Joint`` for joint text+visual sequences, see ``flexsparse.attention``).
+    ``seq_len`` is needed only by methods whose parameters are laid out along the sequence (SLA2's per-block alpha,
+    stored at ``seq_len``'s blocks and interpolated to a call's at other lengths); it is the whole sequence's length
+    under sequence parallelism. ``parallel``: a ``flexsparse.ParallelConfig`` when q, k, v are this rank's shards of
+    the sequence (``flexsparse.attention``).
 
     Checkpoints: besides ``params.*``, ``state_dict`` holds ``config``: the canonical JSON of the config with
     ``head_dim`` and ``num_heads``, as a uint8 tensor of its UTF-8 bytes (a tensor, since safetensors cannot store
@@ -55,7 +57,7 @@ class SparseAttention(nn.Module):
         self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                return_lse: bool = False):
+                return_lse: bool = False, joint=None):
         if q.shape[-1] != self.head_dim:
             raise ValueError(f"q has head dim {q.shape[-1]} but this SparseAttention was built with "
                              f"head_dim={self.head_dim}")
@@ -63,7 +65,7 @@ class SparseAttention(nn.Module):
             raise ValueError(f"q has {q.shape[1]} heads but this SparseAttention was built with "
                              f"num_heads={self.num_heads}")
         return attention(q, k, v, self.config, backend=self.backend, scale=scale, return_lse=return_lse,
-                         params=dict(self.params.items()), parallel=self.parallel)
+                         params=dict(self.params.items()), parallel=self.parallel, joint=joint)
 
     def forward_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice, *,
                       scale: float | None = None) -> torch.Tensor:

@@ -50,7 +50,7 @@ def learned_params(name: str, cfg: dict) -> dict[str, torch.Tensor]:
             for key, value in initial.items()}
 
 
-def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece):
+def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece, **call):
     """``(one-process results, this rank's parallel results)``, each ``(o, lse, grads of q, k, v, params)``, on
     inputs drawn alike on every rank; ``piece(x)``: this rank's part of the sequence of ``x``."""
     q = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64, requires_grad=True)
@@ -58,22 +58,23 @@ def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelCo
     params = learned_params(name, cfg)
     grad_o, grad_lse = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64), torch.randn(BATCH, HEADS, N,
                                                                                         dtype=torch.float64)
-    o, lse = fs.attention(q, k, v, cfg, backend=backend, return_lse=True, params=params)
+    o, lse = fs.attention(q, k, v, cfg, backend=backend, return_lse=True, params=params, **call)
     leaves = [q, k, v, *params.values()]
     one = (o, lse, torch.autograd.grad((o * grad_o).sum() + (lse * grad_lse).sum(), leaves, allow_unused=True))
     q_r, k_r, v_r = (piece(x).detach().requires_grad_() for x in (q, k, v))
     params_r = {key: value.detach().clone().requires_grad_() for key, value in params.items()}
     o_r, lse_r = fs.attention(q_r, k_r, v_r, cfg, backend=backend, return_lse=True, params=params_r,
-                              parallel=parallel)
+                              parallel=parallel, **call)
     loss = (o_r * piece(grad_o)).sum() + (lse_r * piece(grad_lse)).sum()
     grads = torch.autograd.grad(loss, [q_r, k_r, v_r, *params_r.values()], allow_unused=True)
     return one, (o_r, lse_r, grads)
 
 
-def check_method(name, cfg, backend, parallel, rank, world, piece=None):
-    """This rank's results equal its part of the one-process results (``piece``: default, ``shard``)."""
+def check_method(name, cfg, backend, parallel, rank, world, piece=None, **call):
+    """This rank's results equal its part of the one-process results (``piece``: default, ``shard``); ``call``:
+    more arguments of both calls."""
     piece = piece or (lambda x: shard(x, rank, world))
-    (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, piece)
+    (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, piece, **call)
     where = f"{name} on {backend}, rank {rank} of {world}"
     torch.testing.assert_close(o_r, piece(o), **TOL, msg=lambda m: f"{where}, output: {m}")
     torch.testing.assert_close(lse_r, piece(lse), **TOL, msg=lambda m: f"{where}, LSE: {m}")
@@ -95,6 +96,8 @@ def _worker(rank: int, world: int) -> None:
     for name, cfg in CONFIGS.items():
         check_method(name, cfg, "torch", parallel, rank, world)
     check_method("sla2", CONFIGS["sla2"], "reference", parallel, rank, world)
+    for name in ("llsa", "sla2"):       # joint text+visual: the text tokens in the last rank's shard
+        check_method(name, CONFIGS[name], "torch", parallel, rank, world, joint=fs.Joint("suffix", 11))
     check_patched(rank, world)
     check_communication(rank, world)
     check_ring(rank, world)
@@ -161,6 +164,8 @@ def check_ring(rank: int, world: int) -> None:
     q = torch.randn(1, 4, 20, 8)
     with pytest.raises(ValueError, match=r"ring attention .* runs the methods \['full', 'topk', 'llsa'\], not 'vsa'"):
         fs.attention(q, q, q, CONFIGS["vsa"], parallel=parallel)
+    with pytest.raises(ValueError, match="joint attention runs under Ulysses sequence parallelism, not over a"):
+        fs.attention(q, q, q, CONFIGS["topk"], parallel=parallel, joint=fs.Joint("prefix", 4))
     with pytest.raises(ValueError, match="SparseSDPA.*Ulysses sequence parallelism only"):
         SparseSDPA(CONFIGS["topk"], head_dim=8, num_heads=4, parallel=parallel)
     if parallel.ulysses_degree == 1:   # 20 + 20 tokens: the first chunk is not whole 8-token blocks

@@ -209,6 +209,17 @@ class Backend:
                                                       eps=eps)
 
 
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
+    """One softmax from two over disjoint key sets: outputs ``(B, H, N, D)`` and their natural-log LSEs ``(B, H, N)``
+    -> ``(o, lse)``, computed in the accumulation dtype (fp32; fp64 for fp64), o in o1's dtype. Differentiable,
+    gradients through both LSEs."""
+    acc = accumulation_dtype(o1.dtype)
+    lse1, lse2 = lse1.to(acc), lse2.to(acc)
+    lse = torch.logaddexp(lse1, lse2)
+    out = o1.to(acc) * (lse1 - lse).exp().unsqueeze(-1) + o2.to(acc) * (lse2 - lse).exp().unsqueeze(-1)
+    return out.to(o1.dtype), lse
+
+
 def _chunked_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 1024) -> torch.Tensor:
     """Natural-log LSE of dense attention, computed in row chunks (no N x N tensor)."""
     acc = accumulation_dtype(q.dtype)

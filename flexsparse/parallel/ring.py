@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .._checks import clamp_topk
 from ..masks import BlockSelection, accumulation_dtype, llsa_block_ids, num_blocks, ring_llsa_layout
+from ..backends.base import merge_by_lse
 from .collectives import all_to_all, shard_lengths
 from .config import ParallelConfig
 
@@ -57,13 +58,7 @@ def _rotate(q, k, v, method, cfg, backend, *, scale, params, need_lse, parallel)
         if step:
             k, v = _pass_on(k, v, lengths_k[(rank - step) % p], rank, p, group)
         o_s, lse_s = backend.attend(method, q, k, v, None, cfg, scale=scale, params=params, need_lse=True)
-        o_s, lse_s = o_s.to(acc), lse_s.to(acc)
-        if out is None:
-            out, lse = o_s, lse_s
-            continue
-        merged = torch.logaddexp(lse, lse_s)
-        out = out * (lse - merged).exp().unsqueeze(-1) + o_s * (lse_s - merged).exp().unsqueeze(-1)
-        lse = merged
+        out, lse = (o_s.to(acc), lse_s.to(acc)) if out is None else merge_by_lse(out, lse, o_s, lse_s)
     return out.to(q.dtype), lse if need_lse else None
 
 
