@@ -10,11 +10,13 @@ compiled on CUDA (``KEEP_WEIGHTED_LINEAR``).
   Blocks smaller than the default kernel tiles get forward tiles through ``kernel_options`` and
   backward tiles through ``SmallBlockChoices`` (installed once, at import, when CUDA is present).
 * CPU: compiled forward only (``dynamic=False``), no LSE (returned as ``None``) and no backward:
-  ``backend="auto"`` picks ``torch`` for those (see ``unsupported_reason``).
+  ``backend="auto"`` picks ``torch`` for those (see ``unsupported_reason``). Each new call variant compiles C++ for
+  seconds; the first call of each logs so at INFO (``flexsparse.backends.flex_backend`` logger).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
@@ -31,6 +33,7 @@ from ..triton.linear import naive as linear_naive
 from .base import Backend
 from .compiled import StaticThenDynamic, grad_flags
 
+logger = logging.getLogger(__name__)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CUDA_BLOCK_MULTIPLE = 16  # smallest Triton tile: every CUDA block size must be a multiple of it
 # torch 2.13's C++ FlexAttention template (CPU) is wrong (errors ~1, NaN) for these head dims with KV blocks
@@ -50,6 +53,7 @@ def _flex_call(*args, **kwargs):
 # (room for guards the key does not see) and hitting it is an error.
 FLEX_ATTENTION = StaticThenDynamic(_flex_call, name="flexsparse.backends.flex_backend.FLEX_ATTENTION", budget=16,
                                    recompile_limit=64, fail_on_limit=True)
+CPU_VARIANTS: set = set()   # the CPU call variants (``_variant_key``) whose compile was announced
 
 
 def _variant_key(q, k, v, block_mask: BlockMask, score_mod, options: dict) -> tuple:
@@ -58,6 +62,21 @@ def _variant_key(q, k, v, block_mask: BlockMask, score_mod, options: dict) -> tu
     return (q.shape, k.shape, v.shape, q.dtype, q.device, grad_flags(q, k, v), block_mask.BLOCK_SIZE,
             block_mask.kv_indices.shape, block_mask.seq_lengths, getattr(score_mod, "__code__", score_mod),
             getattr(block_mask.mask_mod, "__code__", block_mask.mask_mod), tuple(sorted(options.items())))
+
+
+def announce_cpu_compile(q, k, v, block_mask: BlockMask, score_mod) -> None:
+    """Log at INFO, once per call variant of the process, that a CPU flex call is about to compile (seconds of C++
+    compilation per new shape; ``backend="auto"`` picks flex on CPU for calls without gradients). Nothing inside a
+    user's compiled region, where the call is traced with the rest."""
+    if torch.compiler.is_compiling():
+        return
+    key = _variant_key(q, k, v, block_mask, score_mod, {})
+    if key in CPU_VARIANTS:
+        return
+    CPU_VARIANTS.add(key)
+    logger.info("flex backend: compiling FlexAttention for CPU for a new call variant (q %s, k %s, %s, blocks %s); "
+                "this can take seconds per new shape; backend='torch' runs without compiling", tuple(q.shape),
+                tuple(k.shape), q.dtype, block_mask.BLOCK_SIZE)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
@@ -121,6 +140,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":  # the C++ kernel misreads inputs that are views of 2-D buffers: copy
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        announce_cpu_compile(q, k, v, block_mask, score_mod)
         out = FLEX_ATTENTION(None, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
         return out, None
     block_q, block_kv = block_mask.BLOCK_SIZE

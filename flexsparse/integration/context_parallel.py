@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -97,23 +98,53 @@ def processor_parallel(site: SparseSDPA, processor: Any, module: nn.Module,
 
 def routed_call(module: nn.Module, site: SparseSDPA, forward: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
     """``forward()`` (the module's ``forward(*args, **kwargs)``) with its SDPA calls sent to ``site``, through
-    flexsparse's Ulysses path when the module's processor is under diffusers' context parallelism."""
+    flexsparse's Ulysses path when the module's processor is under diffusers' context parallelism. A forward that
+    made no SDPA call ran its attention outside flexsparse (a diffusers attention backend other than ``"native"``, a
+    processor or code path of its own): ``site.fallback`` says so (an error under ``strict``), and under context
+    parallelism it is a ValueError (the shards were not exchanged)."""
     processor = getattr(module, "processor", None)
     cp = context_parallel_config(getattr(processor, "_parallel_config", None))
     if cp is None:
-        with RouteSDPA(site):
-            return forward()
+        route = RouteSDPA(site)
+        with route:
+            out = forward()
+        if not route.calls:
+            site.fallback("no SDPA call", bypass_detail(processor))
+        return out
     route = RouteSDPA(site, parallel=bind(site, cp))
     if _argument(module, CONTEXT, args, kwargs) is not None:
         refuse_context(site, module)
     with _dispatch_on_shards(processor), route:
         out = forward()
     if not route.calls:
-        backend = getattr(processor, "_attention_backend", None) or "the active default"
+        backend = diffusers_backend(processor) or "the active default"
         raise ValueError(f"{type(module).__name__} under diffusers context parallelism made no "
                          f"F.scaled_dot_product_attention call (attention backend: {backend}), so flexsparse could "
                          "not exchange its shards; use the 'native' backend (model.set_attention_backend('native'))")
     return out
+
+
+def bypass_detail(processor: Any) -> str:
+    """What a routed module's forward without an SDPA call did, and how to route it, for ``SparseSDPA.fallback``."""
+    detail = "its forward made no F.scaled_dot_product_attention call, so its attention ran outside flexsparse"
+    backend = diffusers_backend(processor)
+    if backend is not None and backend != "native":
+        detail += (f": diffusers attention backend {backend!r} does not call it; run patched modules on 'native' "
+                   "(model.set_attention_backend('native'), outside attention_backend(...))")
+    return detail
+
+
+def diffusers_backend(processor: Any) -> str | None:
+    """The name of the diffusers attention backend that ``processor`` dispatches to: its own
+    (``set_attention_backend``), else the active one (``attention_backend(...)``, ``DIFFUSERS_ATTN_BACKEND``); None for
+    a processor without one (not a dispatching diffusers processor). Reads diffusers only if it is imported already."""
+    if not hasattr(processor, "_attention_backend"):
+        return None
+    backend = processor._attention_backend
+    if backend is None:
+        dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+        backend = getattr(getattr(dispatch, "_AttentionBackendRegistry", None), "_active_backend", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
 
 
 @contextlib.contextmanager

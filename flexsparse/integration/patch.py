@@ -7,10 +7,15 @@ and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexspar
 timm-style ``fused_attn`` flag get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
 Under diffusers' context parallelism, patched modules exchange the sequence shards themselves
 (``flexsparse.integration.context_parallel``), whether ``patch`` runs before or after ``enable_parallelism``.
+
+``patch`` logs a summary at INFO on the ``flexsparse.integration.patch`` logger (what it patched, with which
+methods, and the attention-like modules it skipped and why) and returns it as a ``PatchReport``.
 """
 from __future__ import annotations
 
+import logging
 import types
+from collections import Counter
 from typing import Any, Mapping
 
 import torch
@@ -21,18 +26,49 @@ from ..parallel import ParallelConfig
 from .context_parallel import context_parallel_config, routed_call
 from .processor import FlexSparseAttnProcessor
 from .sdpa import SparseSDPA
-from .sites import find_sites, head_geometry
+from .sites import find_sites, head_geometry, skipped_sites
 from .spec import PatchSpec
 
+logger = logging.getLogger(__name__)
 SITE = "flexsparse"          # attribute of the SparseSDPA on a routed module
 RECORD = "_flexsparse_patch"  # what patch changed on a module, for unpatch
+LISTED = 4                   # module names listed per skip reason in the summary
+
+
+class PatchReport(dict):
+    """What ``patch`` returns: ``{module name: config}`` of the patched modules in patch order (a plain dict to
+    every dict operation) and ``skipped``, ``{module name: reason}`` of the attention-like modules it left alone
+    (``sites.skipped_sites``); ``summary()`` is the line that ``patch`` logs."""
+
+    def __init__(self, patched: Mapping[str, Config], skipped: Mapping[str, str], dense_warmup_steps: int = 0):
+        super().__init__(patched)
+        self.skipped = dict(skipped)
+        self.dense_warmup_steps = dense_warmup_steps
+
+    def summary(self) -> str:
+        methods = ", ".join(f"{method}: {count}" for method, count in Counter(c.method for c in self.values()).items())
+        warmup = f", dense warm-up: {self.dense_warmup_steps} steps" if self.dense_warmup_steps else ""
+        text = f"patched {_modules(len(self))} ({methods}{warmup}); skipped {_modules(len(self.skipped))}"
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.skipped.items():
+            by_reason.setdefault(reason, []).append(name or "<root>")
+        return "; ".join([text, *(f"{len(names)} {reason}: {_listed(names)}" for reason, names in by_reason.items())])
+
+
+def _modules(count: int) -> str:
+    return f"{count} attention module{'' if count == 1 else 's'}"
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
 
 
 def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "str | list[str] | None" = None,
           overrides: Mapping | None = None, dense_warmup_steps: int | None = None,
           token_grid: "tuple[int, ...] | None" = None, seq_len: int | None = None, head_dim: int | None = None,
-          num_heads: int | None = None, backend: str = "auto",
-          parallel: ParallelConfig | None = None) -> dict[str, Config]:
+          num_heads: int | None = None, backend: str = "auto", parallel: ParallelConfig | None = None,
+          strict: bool = False) -> PatchReport:
     """Swap the attention of ``model`` (in place) for the method of ``config``.
 
     config: a method config dict, optionally with the patch keys ``layers``, ``overrides``,
@@ -49,18 +85,26 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     parallel: a ``flexsparse.ParallelConfig`` when the model runs sequence parallel (each rank holds a shard of the
         tokens): the patched attention exchanges the shards (``SparseSDPA``). Not needed under diffusers'
         ``enable_parallelism`` (Ulysses), whose mesh is used; if given, it must be over the same group.
-    Returns ``{module name: config}`` of the patched modules.
+    strict: make every unintended dense run of a patched module an error (``DenseFallbackError`` naming the module
+        and the reason: ``attn_mask``, ``is_causal``, cross-attention with a self-attention-only method, a routed
+        forward that made no SDPA call, e.g. under a diffusers attention backend other than ``"native"``); a
+        ``"full"`` config and warm-up steps stay dense. Without it each reason is logged once per module
+        (``SparseSDPA``).
+    Returns a ``PatchReport``: ``{module name: config}`` of the patched modules, with the skipped ones in
+    ``.skipped``; its summary is logged at INFO.
     """
     spec = PatchSpec.from_config(config, layers=layers, overrides=overrides, dense_warmup_steps=dense_warmup_steps,
                                  token_grid=token_grid)
     if any(hasattr(m, RECORD) for m in model.modules()):
         raise ValueError("model is already patched; call flexsparse.unpatch(model) first")
     sites = find_sites(model, spec.layers)
-    configs = spec.configs([name for name, _, _ in sites])
+    names = [name for name, _, _ in sites]
+    skipped = skipped_sites(model, names, spec.layers)
+    configs = spec.configs(names)
     built = []
     for (name, module, kind), cfg in zip(sites, configs):
         options = dict(seq_len=seq_len, backend=backend, dense_warmup_steps=spec.dense_warmup_steps,
-                       token_grid=spec.token_grid, parallel=parallel,
+                       token_grid=spec.token_grid, parallel=parallel, strict=strict, name=name,
                        **head_geometry(name, module, kind, head_dim, num_heads))
         try:
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
@@ -74,7 +118,9 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
             _install_processor(module, new)
         else:
             _install_route(module, new)
-    return dict(zip([name for name, _, _ in sites], configs))
+    report = PatchReport(dict(zip(names, configs)), skipped, spec.dense_warmup_steps)
+    logger.info("flexsparse.patch: %s", report.summary())
+    return report
 
 
 def unpatch(model: nn.Module) -> list[str]:

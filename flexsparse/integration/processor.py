@@ -23,17 +23,20 @@ from .sdpa import SparseSDPA
 
 class FlexSparseAttnProcessor(nn.Module):
     """``processor(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None)``
-    with ``hidden_states (B, N, C)`` or ``(B, C, H, W)``; arguments of ``SparseSDPA``."""
+    with ``hidden_states (B, N, C)`` or ``(B, C, H, W)``; arguments of ``SparseSDPA`` (``strict`` and ``name``
+    included: its dense fallbacks are logged, or raise under ``strict``, as ``SparseSDPA``'s). It calls its
+    ``SparseSDPA`` itself, never diffusers' attention dispatch, so no diffusers attention backend bypasses it."""
 
     _parallel_config = None   # a diffusers ParallelConfig, set by model.enable_parallelism (context parallelism)
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
-                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
+                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None,
+                 strict: bool = False, name: str | None = None):
         super().__init__()
         self.flexsparse = SparseSDPA(config, head_dim=head_dim, num_heads=num_heads, seq_len=seq_len,
                                      backend=backend, dense_warmup_steps=dense_warmup_steps, token_grid=token_grid,
-                                     parallel=parallel)
+                                     parallel=parallel, strict=strict, name=name)
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,15 @@
 """``SparseSDPA``: a flexsparse method behind ``F.scaled_dot_product_attention``'s signature, the
-``RouteSDPA`` mode that sends a module's SDPA calls to it, and ``set_step`` for dense warm-up."""
+``RouteSDPA`` mode that sends a module's SDPA calls to it, and ``set_step`` for dense warm-up.
+
+A ``SparseSDPA`` says on the ``flexsparse.integration.sdpa`` logger (a child of ``"flexsparse"``) when it runs dense
+attention instead of its method, once per reason (its first such call): at DEBUG for the intended reasons (``INTENDED``:
+a ``"full"`` config, a warm-up step), at WARNING for the others (``attn_mask``, ``is_causal``, cross-attention with a
+self-attention-only method, and, for routed modules, a forward that made no SDPA call). ``strict=True`` turns the
+unintended ones into ``DenseFallbackError``.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -15,6 +23,14 @@ from ..methods import METHODS
 from ..module import SparseAttention
 from ..parallel import ParallelConfig, ulysses_attention
 
+logger = logging.getLogger(__name__)
+INTENDED = ("full config", "warm-up")   # dense by design: logged at DEBUG and allowed under strict
+
+
+class DenseFallbackError(RuntimeError):
+    """A patched module with ``strict=True`` was about to run dense attention for an unintended reason (``attn_mask``,
+    ``is_causal``, cross-attention with a self-attention-only method, a forward that bypasses SDPA)."""
+
 
 class SparseSDPA(nn.Module):
     """``forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -23,7 +39,10 @@ class SparseSDPA(nn.Module):
     Runs the method of ``config`` through a ``SparseAttention`` (child ``attention``, so learned
     parameters live in ``state_dict``), and dense SDPA instead when the config is ``"full"``, during
     the dense warm-up (see ``set_step``), when a mask or ``is_causal`` is given, or when the method is
-    self-attention only and the call is cross-attention (``Nq != Nk``).
+    self-attention only and the call is cross-attention (``Nq != Nk``); it logs each reason once (module docstring).
+
+    strict: raise ``DenseFallbackError`` instead of running dense for an unintended reason (any but a ``"full"``
+    config and warm-up). name: the module's qualified name in its model (``patch`` passes it), for the log and errors.
 
     token_grid: ``(h, w)`` or ``(t, h, w)`` of a raster-ordered token sequence: the sparse method then
     sees the tokens in Z-order (``morton_order_2d``) or tile order (``tile_order_3d``, 4x4x4 tiles), so
@@ -40,9 +59,14 @@ class SparseSDPA(nn.Module):
 
     def __init__(self, config: "Mapping[str, Any] | Config", *, head_dim: int, num_heads: int,
                  seq_len: int | None = None, backend: str = "auto", dense_warmup_steps: int = 0,
-                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None):
+                 token_grid: Sequence[int] | None = None, parallel: ParallelConfig | None = None,
+                 strict: bool = False, name: str | None = None):
         super().__init__()
         self.config = Config.from_dict(config)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {strict!r}")
+        self.strict, self.name = strict, name
+        self._reported: set[str] = set()   # the dense reasons logged so far
         self.parallel = _ulysses_only(parallel)
         self._diffusers_parallel = None   # (diffusers ContextParallelConfig, ParallelConfig built from it)
         if isinstance(dense_warmup_steps, bool) or not isinstance(dense_warmup_steps, int) or dense_warmup_steps < 0:
@@ -78,9 +102,9 @@ class SparseSDPA(nn.Module):
     def _attend(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, heads: slice | None):
         """The call in this process on the whole sequence; ``heads``: the slice of the query heads that q holds
         (sequence parallelism), ``None`` for all of them."""
-        cross = query.shape[-2] != key.shape[-2]
-        if (self.attention is None or self.dense or attn_mask is not None or is_causal
-                or (cross and self.self_attention_only)):
+        reason = self._dense_reason(query, key, attn_mask, is_causal)
+        if reason is not None:
+            self.fallback(*reason)
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if dropout_p:
@@ -102,9 +126,44 @@ class SparseSDPA(nn.Module):
             key, value = key[..., self.perm, :], value[..., self.perm, :]
         return sparse(query, key, value)[..., self.inverse, :]
 
+    def _dense_reason(self, query, key, attn_mask, is_causal) -> tuple[str, str] | None:
+        """``(reason, detail)`` when this call runs dense SDPA, None when the method runs it."""
+        if self.attention is None:
+            return "full config", "its config is 'full'"
+        if self.dense:
+            return "warm-up", f"a step below dense_warmup_steps={self.dense_warmup_steps} (flexsparse.set_step)"
+        if attn_mask is not None:
+            return "attn_mask", "the call passes attn_mask, which sparse methods do not apply"
+        if is_causal:
+            return "is_causal", "the call passes is_causal=True, which sparse methods do not apply"
+        if self.self_attention_only and query.shape[-2] != key.shape[-2]:
+            return "cross-attention", (f"{query.shape[-2]} queries attend {key.shape[-2]} keys and method "
+                                       f"{self.config.method!r} is self-attention only")
+        return None
+
+    def fallback(self, reason: str, detail: str) -> None:
+        """Say that this module runs dense attention for ``reason`` (``detail``: why, what to do): logged on its first
+        occurrence only, at DEBUG if it is ``INTENDED``, else at WARNING, where ``strict`` raises
+        ``DenseFallbackError`` instead. Inside a compiled region nothing is logged (dynamo does not trace logging:
+        the eager calls log)."""
+        intended = reason in INTENDED
+        if self.strict and not intended:
+            raise DenseFallbackError(f"{self.label} would run dense attention ({reason}): {detail}; "
+                                     "strict=True makes this an error")
+        if torch.compiler.is_compiling() or reason in self._reported:
+            return
+        self._reported.add(reason)
+        logger.log(logging.DEBUG if intended else logging.WARNING, "%s runs dense attention (%s): %s", self.label,
+                   reason, detail)
+
+    @property
+    def label(self) -> str:
+        """How messages name this module: by its ``name`` when it has one."""
+        return "a SparseSDPA" if self.name is None else f"module {self.name or '<root>'!r}"
+
     def extra_repr(self) -> str:
         return (f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}, "
-                f"token_grid={self.token_grid}")
+                f"token_grid={self.token_grid}, strict={self.strict}")
 
 
 def _ulysses_only(parallel) -> ParallelConfig | None:
@@ -131,7 +190,7 @@ def grid_order(token_grid: Sequence[int] | None) -> TokenOrder | None:
 class RouteSDPA(TorchFunctionMode):
     """Inside ``with RouteSDPA(site):`` every ``F.scaled_dot_product_attention`` call goes to ``site``
     (a ``SparseSDPA``); other torch functions run unchanged. Traceable by ``torch.compile``. With ``parallel``, the
-    calls run under that config and ``calls`` counts them."""
+    calls run under that config. ``calls`` counts them."""
 
     def __init__(self, site: SparseSDPA, parallel: ParallelConfig | None = None):
         super().__init__()
@@ -142,9 +201,9 @@ class RouteSDPA(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            self.calls += 1
             if self.parallel is None:
                 return self.site(*args, **kwargs)
-            self.calls += 1
             return self.site(*args, parallel=self.parallel, **kwargs)
         return func(*args, **kwargs)
 

@@ -4,17 +4,25 @@ Kinds: ``"processor"`` (a diffusers-style ``Attention`` with the stock processor
 by ``FlexSparseAttnProcessor``), ``"timm"`` (a timm-style ``Attention``: ``qkv``, ``num_heads``,
 ``fused_attn``, ``proj``) and ``"sdpa"`` (any other module, including diffusers modules with a custom
 processor: its ``F.scaled_dot_product_attention`` calls are routed).
+
+``skipped_sites`` names the attention-like modules that a patch leaves alone, and why, for ``patch``'s summary.
 """
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatchcase
 
 from torch import nn
+
+from ..module import SparseAttention
+from .sdpa import SparseSDPA
 
 STOCK_PROCESSORS = ("AttnProcessor", "AttnProcessor2_0")
 _HEADS = ("num_heads", "heads", "n_heads", "n_head", "num_attention_heads")
 _HEAD_DIMS = ("head_dim", "dim_head", "attention_head_dim")
 _WIDTHS = ("inner_dim", "embed_dim", "hidden_size", "dim")
+_ATTENTION_NAME = re.compile("attention|attn", re.IGNORECASE)
+_OURS = (SparseAttention, SparseSDPA)   # already flexsparse: never reported as skipped
 
 
 def is_diffusers_attention(module: nn.Module) -> bool:
@@ -57,10 +65,44 @@ def find_sites(model: nn.Module, layers: tuple[str, ...] | None) -> list[tuple[s
     names = [n for n, _ in chosen]
     for outer in names:
         for inner in names:
-            if inner != outer and (outer == "" or inner.startswith(outer + ".")):
+            if _nested(outer, inner):
                 raise ValueError(f"layers select both {outer or '<root>'!r} and its submodule {inner!r}; "
                                  "select only the attention modules")
     return [(n, m, kind_of(m)) for n, m in chosen]
+
+
+def skipped_sites(model: nn.Module, chosen: list[str], layers: tuple[str, ...] | None) -> dict[str, str]:
+    """``{name: reason}`` of the attention-like modules (``is_attention_like``) of ``model`` that are not in
+    ``chosen`` (the names ``find_sites`` returned for ``layers``), leaving out flexsparse's own modules, those inside
+    or around a chosen one (its parts, the block holding it) and those inside a skipped one (its parts, e.g. a
+    processor that is a module): the outermost of each nest, as ``named_modules`` lists parents first."""
+    picked, skipped = set(chosen), {}
+    for name, module in model.named_modules():
+        if (name in picked or not is_attention_like(module) or isinstance(module, _OURS)
+                or any(_nested(name, other) or _nested(other, name) for other in picked)
+                or any(_nested(other, name) for other in skipped)):
+            continue
+        skipped[name] = _skip_reason(module, layers)
+    return skipped
+
+
+def is_attention_like(module: nn.Module) -> bool:
+    """Diffusers- or timm-style attention, or a class named like one (``Attention``, ``Attn`` in any case)."""
+    return (is_diffusers_attention(module) or is_timm_attention(module)
+            or _ATTENTION_NAME.search(type(module).__name__) is not None)
+
+
+def _skip_reason(module: nn.Module, layers: tuple[str, ...] | None) -> str:
+    if layers is not None:
+        return "not matched by layers="
+    if is_diffusers_attention(module):   # by default only its cross-attention is left out
+        return "cross-attention (patched only when named in layers=)"
+    return "not diffusers- or timm-style (name it in layers= if it calls F.scaled_dot_product_attention)"
+
+
+def _nested(outer: str, inner: str) -> bool:
+    """Whether module name ``inner`` is inside ``outer`` (``""``: the root)."""
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
 def head_geometry(name: str, module: nn.Module, kind: str, head_dim: int | None,
