@@ -94,8 +94,8 @@ def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale):
             torch.cat([(lse_text, lse_visual)[i] for i in order], dim=2))
 
 
-def learned(name, cfg, n):
-    initial = fs.METHODS[name].init_params(fs.Config.from_dict(cfg), D, HEADS, n)
+def learned(name, cfg, n, d=D):
+    initial = fs.METHODS[name].init_params(fs.Config.from_dict(cfg), d, HEADS, n)
     return {key: (value.double() + 0.1 * torch.randn(value.shape, dtype=torch.float64)).requires_grad_()
             for key, value in initial.items()}
 
@@ -173,3 +173,38 @@ def test_sparse_attention_module_takes_joint():
     joint = fs.Joint("prefix", 5)
     assert torch.equal(module(q, k, v, joint=joint),
                        fs.attention(q, k, v, CONFIGS["sla"], params=dict(module.params.items()), joint=joint))
+
+
+GPU_CONFIGS = {
+    "topk": {"method": "topk", "block_size": 64, "topk": 4},
+    "vsa": {"method": "vsa", "block_size": 64, "topk": 4, "gate": True},
+    "llsa": {"method": "llsa", "block_size": 16, "topk": [4, 2]},
+    "sla": {"method": "sla", "block_size": 64, "topk_ratio": 0.2},
+    "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.2},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flex"])
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_joint_bf16_against_fp64_references(name, backend):
+    """bf16 on CUDA, a 77-token text suffix, GQA: outputs and gradients against the fp64 dense references on the
+    same (bf16-valued) inputs."""
+    if backend not in fs.METHODS[name].backends:
+        pytest.skip(f"{name} has no {backend} backend")
+    cfg, scale, n, length = GPU_CONFIGS[name], 0.125, 1000, 77
+    q, k, v = qkv(batch=1, heads=HEADS, kv_heads=KV_HEADS, n=n, d=64, seed=7)
+    q, k, v = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
+    params = {key: value.detach().float().cuda().requires_grad_()
+              for key, value in learned(name, cfg, n - length, 64).items()}
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    p64 = {key: value.detach().double().requires_grad_() for key, value in params.items()}
+    want, _ = expected_joint(name, q64, k64, v64, cfg, p64 or None, "suffix", length, scale)
+    grad = torch.randn_like(want)
+    expected = torch.autograd.grad((want * grad).sum(), [q64, k64, v64], allow_unused=True)
+    out = fs.attention(q, k, v, cfg, backend=backend, scale=scale, params=params or None,
+                       joint=fs.Joint("suffix", length))
+    got = torch.autograd.grad((out * grad.to(out.dtype)).sum(), [q, k, v])
+    assert rel_err(out, want) < 1e-2, "output"
+    for label, a, b in zip("qkv", got, expected):
+        assert rel_err(a, b) < 3e-2, f"gradient of {label}"
