@@ -20,10 +20,19 @@ MAX_BLOCK = 2**31 - 1   # block sizes: the index tables and the kernels' token r
 MAX_LEVELS = 32         # LLSA levels: with blocks of >= 2 tokens level 32 spans 2**32 tokens, past any int32 length
 
 
+# the public SLA / SLA2 code's argument names (``SparseLinearAttention(topk=0.2, BLKQ=64, BLKK=64)``) -> flexsparse's
+FOREIGN_NAMES = {"topk": "topk_ratio", "blkq": "block_q", "blkk": "block_k"}
+
+
 def did_you_mean(names, known) -> str:
-    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` close to one of ``known`` (lowercase), else ``""``."""
-    hints = [f"{match[0]!r} for {name!r}" for name in names
-             if (match := difflib.get_close_matches(str(name).lower(), list(known), n=1))]
+    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` that is another code's name of one of ``known``
+    (``FOREIGN_NAMES``) or close to one of them (lowercase), else ``""``."""
+    hints = []
+    for name in names:
+        foreign = FOREIGN_NAMES.get(str(name).lower())
+        match = [foreign] if foreign in known else difflib.get_close_matches(str(name).lower(), list(known), n=1)
+        if match:
+            hints.append(f"{match[0]!r} for {name!r}")
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 

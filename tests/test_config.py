@@ -59,6 +59,9 @@ def test_unknown_key_is_named_with_valid_keys():
     ({"method": "sla", "topk_ration": 0.1, "linaer": "full"},
      r"did you mean 'linear' for 'linaer', 'topk_ratio' for 'topk_ration'\?"),
     ({"method": "topk", "quant": {"qk_dtpye": "int8"}}, r"in config 'quant' \(did you mean 'qk_dtype' for 'qk_dtpye'"),
+    ({"method": "sla", "topk": 0.2, "BLKQ": 64, "BLKK": 32},      # the public SLA code's names
+     r"did you mean 'block_k' for 'BLKK', 'block_q' for 'BLKQ', 'topk_ratio' for 'topk'\?"),
+    ({"method": "sla2", "topk": 0.05}, r"did you mean 'topk_ratio' for 'topk'\?"),
     ({"method": "sla", "feature_map": "Softmax"}, r"got 'Softmax' \(did you mean 'softmax' for 'Softmax'\?\)"),
 ])
 def test_misspelt_names_get_a_suggestion(config, match):

@@ -3,6 +3,7 @@ dense warm-up and fallbacks, state_dict round trips, unpatch, deepcopy, torch.co
 import copy
 import functools
 import io
+import logging
 
 import pytest
 import torch
@@ -168,10 +169,16 @@ def test_masks_fall_back_to_dense_and_dropout_is_an_error():
         attn.train()(x)
 
 
+def test_an_override_glob_that_matches_nothing_is_logged_and_changes_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="flexsparse"):
+        patched = flexsparse.patch(TinyModel("timm"), {**ONE_BLOCK, "overrides": {"blocks.9.*": "full"}})
+    assert all(cfg.method == ONE_BLOCK["method"] for cfg in patched.values())
+    assert "overrides key 'blocks.9.*' matches none of the patched modules" in caplog.text
+
+
 def test_errors_name_the_argument():
     model = TinyModel("timm")
     for kwargs, error, match in [
-        (dict(overrides={"blocks.9.*": "full"}), ValueError, "matches none of the patched modules"),
         (dict(overrides={5: "full"}), ValueError, "out of range"),
         (dict(overrides={0: 3}), TypeError, r"overrides\[0\] must be 'full' or a config dict"),
         (dict(overrides={0: {"topk": 0}}), ValueError, "module 'blocks.0.attn' after overrides"),
@@ -186,6 +193,10 @@ def test_errors_name_the_argument():
             flexsparse.patch(model, ONE_BLOCK, **kwargs)
     with pytest.raises(ValueError, match="given both"):
         flexsparse.patch(model, {**ONE_BLOCK, "overrides": {}}, overrides={})
+    with pytest.raises(ValueError, match=r"method 'sla2' .* pass flexsparse.patch\(model, config, seq_len=N\)"):
+        flexsparse.patch(model, {"method": "sla2", "block_size": 8})
+    with pytest.raises(ValueError, match=r"SparseAttention\(config, head_dim=\.\.\., num_heads=\.\.\., seq_len=N\)"):
+        flexsparse.SparseAttention({"method": "sla2"}, head_dim=8, num_heads=2)
     with pytest.raises(ValueError, match="found no diffusers- or timm-style"):
         flexsparse.patch(TinyModel("generic"), ONE_BLOCK)
     assert not any(".flexsparse." in name for name in model.state_dict()), "a failed patch must change nothing"
@@ -315,3 +326,29 @@ def test_real_diffusers_custom_processor_is_routed():
     flexsparse.unpatch(attn)
     flexsparse.patch(attn, ONE_BLOCK)
     assert (attn(x) - ref).abs().max() > 1e-3
+
+
+def test_real_diffusers_save_pretrained_restores_by_patching_then_loading(tmp_path):
+    """The README's restore recipe: ``from_pretrained`` (flexsparse keys unexpected), the same patch, then
+    ``load_state_dict`` of the saved file gives the saved model's outputs."""
+    pixart = pytest.importorskip("diffusers").PixArtTransformer2DModel
+    safetensors = pytest.importorskip("safetensors.torch")
+    shape = dict(sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, in_channels=4,
+                 out_channels=8, cross_attention_dim=16, caption_channels=16, patch_size=2)
+    config = {"method": "sla", "block_size": 4, "topk_ratio": 0.5}
+    model = pixart(**shape)
+    flexsparse.patch(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".flexsparse." in name:
+                p.add_(torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    restored = pixart.from_pretrained(tmp_path, low_cpu_mem_usage=False)
+    flexsparse.patch(restored, config)
+    restored.load_state_dict(safetensors.load_file(tmp_path / "diffusion_pytorch_model.safetensors"))
+    x, t, text = torch.randn(1, 4, 8, 8), torch.tensor([1]), torch.randn(1, 5, 16)
+    conditions = {"resolution": None, "aspect_ratio": None}
+    with torch.no_grad():
+        want = model(x, encoder_hidden_states=text, timestep=t, added_cond_kwargs=conditions).sample
+        got = restored(x, encoder_hidden_states=text, timestep=t, added_cond_kwargs=conditions).sample
+    assert torch.equal(got, want)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..methods import SeqLenRequired
 from ..parallel import ParallelConfig
 from .context_parallel import context_parallel_config, routed_call
 from .processor import FlexSparseAttnProcessor
@@ -108,6 +109,10 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
                        **head_geometry(name, module, kind, head_dim, num_heads))
         try:
             built.append((FlexSparseAttnProcessor if kind == "processor" else SparseSDPA)(cfg, **options))
+        except SeqLenRequired as err:
+            raise ValueError(f"patching module {name!r}: method {cfg.method!r} stores parameters per query block "
+                             f"of seq_len tokens: pass flexsparse.patch(model, config, seq_len=N), N the token count "
+                             f"of the model's attention calls (other lengths interpolate them)") from err
         except (TypeError, ValueError) as err:
             raise type(err)(f"patching module {name!r}: {err}") from err
     inherited = getattr(model, "_parallel_config", None)   # diffusers' enable_parallelism ran before patch

@@ -10,10 +10,13 @@ A patch config is a method config plus optional patch keys::
      "token_grid": [64, 64]}                      # raster tokens of a 64x64 grid: blocks in Z-order
 
 An override value is ``"full"`` (dense), a dict without ``"method"`` (keys changed on the default
-config) or a dict with ``"method"`` (a new config). Overrides apply in order; later ones win.
+config) or a dict with ``"method"`` (a new config). Overrides apply in order; later ones win. A glob that matches
+no patched module is logged (WARNING) and changes nothing, so one config serves models of any depth; an index out
+of range is an error.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -22,6 +25,7 @@ from typing import Any, Mapping
 from ..config import Config
 from .sdpa import grid_order
 
+logger = logging.getLogger(__name__)
 PATCH_KEYS = ("layers", "overrides", "dense_warmup_steps", "token_grid")
 _INDEX = re.compile(r"-?\d+")
 _ALIASES = {"block_size": ("block_q", "block_k"), "block_q": ("block_size",), "block_k": ("block_size",)}
@@ -69,8 +73,9 @@ class PatchSpec:
         chosen = [dict(self.default) for _ in names]
         for key, value in self.overrides:
             hits = _matches(key, names)
-            if not hits:
-                raise ValueError(f"overrides key {key!r} matches none of the patched modules {names}")
+            if not hits:      # a glob: one config serves models of any depth (an index out of range raises)
+                logger.warning("flexsparse.patch: overrides key %r matches none of the patched modules %s; it "
+                               "changes nothing", key, names)
             for i in hits:
                 chosen[i] = _apply(chosen[i], value)
         out = []

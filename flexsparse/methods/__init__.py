@@ -4,9 +4,9 @@ plus one name in the line below (CONTRIBUTING.md, "Adding a method").
 """
 from ..config import Config
 from . import full, llsa, sla, sla2, topk, vsa
-from .base import Method
+from .base import Method, SeqLenRequired
 
 METHODS: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (full, topk, vsa, llsa, sla, sla2)}
 Config.registry.update({name: method.config for name, method in METHODS.items()})
 
-__all__ = ["METHODS", "Method"]
+__all__ = ["METHODS", "Method", "SeqLenRequired"]

@@ -19,6 +19,11 @@ ALL_BACKENDS = ("reference", "torch", "flex", "triton")
 BLOCK_SIDES = {"block_q": 0, "block_k": 1, "block_size": 0}   # block keys and what they tile: q's (0) or k's tokens
 
 
+class SeqLenRequired(ValueError):
+    """A method whose parameters are laid out along the sequence was given no ``seq_len``; callers that take
+    ``seq_len`` themselves (``patch``) say how to pass it to them."""
+
+
 class Method:
     """Base of the methods; one instance per method is registered in ``flexsparse.methods.METHODS``."""
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...masks import BlockSelection, SoftBlockMask, accumulation_dtype, num_blocks
-from ..base import Method, require_params
+from ..base import Method, SeqLenRequired, require_params
 from . import reference
 from .config import SLA2Config
 from .router import route, smoothed_keys
@@ -50,7 +50,7 @@ class SLA2(Method):
         ``(1 or H, T)`` with ``sigmoid = alpha_init``, ``T = ceil(seq_len / block_q)``: the resolution alpha is
         stored and learned at; calls at other lengths interpolate it (``alpha_logits_at``). fp32."""
         if seq_len is None:
-            raise ValueError("method 'sla2' stores one alpha per query block of seq_len tokens (other lengths "
+            raise SeqLenRequired("method 'sla2' stores one alpha per query block of seq_len tokens (other lengths "
                              "interpolate them), so it needs seq_len: "
                              "flexsparse.SparseAttention(config, head_dim=..., num_heads=..., seq_len=N)")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
