@@ -175,6 +175,17 @@ def test_sparse_attention_module_takes_joint():
                        fs.attention(q, k, v, CONFIGS["sla"], params=dict(module.params.items()), joint=joint))
 
 
+def test_joint_compiles_in_one_graph():
+    module = fs.SparseAttention(CONFIGS["llsa"], head_dim=D, num_heads=2, backend="torch")
+    q, k, v = qkv(heads=2, n=70, d=D, dtype=torch.float32)
+
+    def call(q, k, v):
+        return module(q, k, v, joint=fs.Joint("suffix", 6))
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
+    torch.testing.assert_close(torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v), call(q, k, v))
+
+
 GPU_CONFIGS = {
     "topk": {"method": "topk", "block_size": 64, "topk": 4},
     "vsa": {"method": "vsa", "block_size": 64, "topk": 4, "gate": True},
