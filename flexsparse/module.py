@@ -68,16 +68,17 @@ class SparseAttention(nn.Module):
                          params=dict(self.params.items()), parallel=self.parallel, joint=joint)
 
     def forward_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice, *,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, joint=None) -> torch.Tensor:
         """Attention of the query heads ``heads`` (a slice of ``range(num_heads)``) over the whole sequence in this
         process, with those heads' rows of the per-head parameters: the call a sequence-parallel caller makes on
-        each rank (``flexsparse.parallel.ulysses_attention``). q ``(B, len(heads), N, D)``."""
+        each rank (``flexsparse.parallel.ulysses_attention``). q ``(B, len(heads), N, D)``; ``joint``: a
+        ``flexsparse.Joint`` of that whole sequence."""
         if q.shape[1] != len(range(self.num_heads)[heads]):
             raise ValueError(f"q has {q.shape[1]} heads but the slice {heads} of this SparseAttention's "
                              f"{self.num_heads} heads has {len(range(self.num_heads)[heads])}")
         method = METHODS[self.config.method]
         return attention(q, k, v, self.config, backend=self.backend, scale=scale,
-                         params=head_params(method, self.config, dict(self.params.items()), heads))
+                         params=head_params(method, self.config, dict(self.params.items()), heads), joint=joint)
 
     @staticmethod
     def without_configs(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Small stand-ins of the attention modules ``flexsparse.patch`` knows: diffusers-style (stock and custom
-processor), timm-style, and a generic module that calls SDPA; ``TinyModel`` stacks them in blocks."""
+processor), timm-style, and a generic module that calls SDPA; ``TinyModel`` stacks them in blocks, ``TinyViT`` puts
+a class token before its tokens."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
@@ -122,4 +124,21 @@ class TinyModel(nn.Module):
     def forward(self, x, context=None):
         for block in self.blocks:
             x = block(x, context)
+        return x
+
+
+class TinyViT(nn.Module):
+    """A ViT's token layout: a learned class token before the patch tokens ``(B, N, dim)``, announced as timm's
+    VisionTransformer does (``num_prefix_tokens``), then ``depth`` blocks of timm-style attention."""
+
+    def __init__(self, depth: int = 2, dim: int = 32, heads: int = 2):
+        super().__init__()
+        self.num_prefix_tokens = 1
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.blocks = nn.ModuleList(Block("timm", dim, heads, None) for _ in range(depth))
+
+    def forward(self, x):
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        for block in self.blocks:
+            x = block(x)
         return x

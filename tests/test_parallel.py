@@ -3,8 +3,8 @@
 Every registered method (fp64, torch backend; reference backend once) with GQA (fewer K/V heads than ranks) and a
 sequence length no degree divides: each rank's output, LSE and q, k, v gradients equal its shard of the one-process
 ones, and the sum over ranks of each learnable parameter's gradient equals the one-process gradient. The patched
-path (``SparseSDPA``) with a token grid and its dense fallbacks, the errors, and the absence of communication
-without a parallel config (or with degree 1) are checked in the same processes.
+path (``SparseSDPA``) with a token grid, a class token (``joint``) and its dense fallbacks, the errors, and the
+absence of communication without a parallel config (or with degree 1) are checked in the same processes.
 """
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import flexsparse as fs
 from _parallel_testing import collectives_in, shard, spawn
-from flexsparse.integration import SparseSDPA
+from flexsparse.integration import RouteSDPA, SparseSDPA
+from flexsparse.integration.joint import CallText
 
 # every registered method, with blocks small enough for N = 97
 CONFIGS = {
@@ -125,6 +127,14 @@ def check_patched(rank: int, world: int) -> None:
         torch.testing.assert_close(got, shard(one(q, cross_k, cross_v), rank, world), **TOL)   # vsa sparse, llsa dense
         with pytest.raises(ValueError, match="attn_mask or is_causal"):
             sharded(*(shard(x, rank, world) for x in (q, k, v)), is_causal=True)
+        q, k, v = (torch.randn(BATCH, HEADS, n + 1, D, dtype=torch.float64) for _ in range(3))   # a class token
+        cls = fs.Joint("prefix", 1)
+        got = sharded(*(shard(x, rank, world) for x in (q, k, v)), joint=cls)
+        torch.testing.assert_close(got, shard(one(q, k, v, joint=cls), rank, world), **TOL)
+        local = shard(q, rank, world)
+        with RouteSDPA(sharded, text=CallText("prefix", 4, local.shape[2] - 4, "JoiningBlock")), \
+                pytest.raises(ValueError, match="JoiningBlock joins its text.*each rank joins its own"):
+            F.scaled_dot_product_attention(local, local, local)
 
 
 def check_communication(rank: int, world: int) -> None:

@@ -16,10 +16,11 @@ rank order, as in one process:
 
 ValueError instead of attention within the local shard: ring attention (``ring_degree > 1``); a sparse method on a
 call given ``encoder_hidden_states`` (cross-attention, whose context diffusers may replicate, or joint text-image
-attention, whose ranks interleave text and image shards: neither order is the one-process one); a routed module
-whose forward made no SDPA call (a backend other than ``"native"``); ``patch(..., parallel=)`` over another group.
-Not detectable here: a block that concatenates two sharded streams before its attention module (Flux's single
-blocks); such a module sees the streams interleaved by rank.
+attention, whose ranks interleave text and image shards: neither order is the one-process one) or on a joint call
+of a single-stream block (which joins its text and image shards before its attention module: ``RouteSDPA``
+refuses it); a routed module whose forward made no SDPA call (a backend other than ``"native"``);
+``patch(..., parallel=)`` over another group. Not detectable here: a single-stream module whose block gets the two
+sharded streams already joined (patched only when named in ``layers=``) sees them interleaved by rank.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import ParallelConfig
+from .joint import CallText
 from .sdpa import RouteSDPA, SparseSDPA
 
 CONTEXT = "encoder_hidden_states"
@@ -96,22 +98,24 @@ def processor_parallel(site: SparseSDPA, processor: Any, module: nn.Module,
     return parallel
 
 
-def routed_call(module: nn.Module, site: SparseSDPA, forward: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+def routed_call(module: nn.Module, site: SparseSDPA, forward: Callable[[], Any], args: tuple, kwargs: dict,
+                text: CallText | None = None) -> Any:
     """``forward()`` (the module's ``forward(*args, **kwargs)``) with its SDPA calls sent to ``site``, through
-    flexsparse's Ulysses path when the module's processor is under diffusers' context parallelism. A forward that
+    flexsparse's Ulysses path when the module's processor is under diffusers' context parallelism; ``text``: the
+    call's text tokens (``flexsparse.integration.joint``), for its joint SDPA calls. A forward that
     made no SDPA call ran its attention outside flexsparse (a diffusers attention backend other than ``"native"``, a
     processor or code path of its own): ``site.fallback`` says so (an error under ``strict``), and under context
     parallelism it is a ValueError (the shards were not exchanged)."""
     processor = getattr(module, "processor", None)
     cp = context_parallel_config(getattr(processor, "_parallel_config", None))
     if cp is None:
-        route = RouteSDPA(site)
+        route = RouteSDPA(site, text=text)
         with route:
             out = forward()
         if not route.calls:
             site.fallback("no SDPA call", bypass_detail(processor))
         return out
-    route = RouteSDPA(site, parallel=bind(site, cp))
+    route = RouteSDPA(site, parallel=bind(site, cp), text=text)
     if _argument(module, CONTEXT, args, kwargs) is not None:
         refuse_context(site, module)
     with _dispatch_on_shards(processor), route:

@@ -5,8 +5,10 @@ Each patched module gets a ``SparseSDPA`` (learned parameters included) register
 ``FlexSparseAttnProcessor`` (keys ``<name>.processor.flexsparse.*``); any other module keeps its code
 and its ``F.scaled_dot_product_attention`` calls are routed to ``<name>.flexsparse`` (modules with a
 timm-style ``fused_attn`` flag get ``fused_attn = True`` so that they call SDPA). ``unpatch`` undoes it.
-Under diffusers' context parallelism, patched modules exchange the sequence shards themselves
-(``flexsparse.integration.context_parallel``), whether ``patch`` runs before or after ``enable_parallelism``.
+Routed modules attend their joint text+visual calls as such (``flexsparse.integration.joint``): the forward of the
+block around a single-stream module is wrapped too, to hand it its call's text length. Under diffusers' context
+parallelism, patched modules exchange the sequence shards themselves (``flexsparse.integration.context_parallel``),
+whether ``patch`` runs before or after ``enable_parallelism``.
 
 ``patch`` logs a summary at INFO on the ``flexsparse.integration.patch`` logger (what it patched, with which
 methods, and the attention-like modules it skipped and why) and returns it as a ``PatchReport``.
@@ -25,9 +27,11 @@ from ..config import Config
 from ..methods import SeqLenRequired
 from ..parallel import ParallelConfig
 from .context_parallel import context_parallel_config, routed_call
+from .joint import (BLOCK_TEXT, SINGLE_STREAM_BLOCKS, call_text, is_single_stream, joined_text, prefix_tokens,
+                    text_positions)
 from .processor import FlexSparseAttnProcessor
 from .sdpa import SparseSDPA
-from .sites import find_sites, head_geometry, skipped_sites
+from .sites import block_of, find_sites, head_geometry, skipped_sites
 from .spec import PatchSpec
 
 logger = logging.getLogger(__name__)
@@ -75,12 +79,14 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
     config: a method config dict, optionally with the patch keys ``layers``, ``overrides``,
         ``dense_warmup_steps`` and ``token_grid`` (see ``flexsparse.integration.spec``), which may also
         be given as keywords.
-    layers: module-name globs of the modules to patch; default: every diffusers-style self-attention
-        and timm-style attention. Other modules that call ``F.scaled_dot_product_attention`` need a glob.
+    layers: module-name globs of the modules to patch; default: every diffusers-style self-attention (single-stream
+        ones, without ``to_out``, where their block's forward takes ``encoder_hidden_states``) and timm-style
+        attention. Other modules that call ``F.scaled_dot_product_attention`` need a glob.
     overrides: ``{layer index or name glob: "full" | config dict}``, e.g. ``{0: "full", -1: "full"}``.
     dense_warmup_steps: inference steps run dense after ``flexsparse.set_step(model, step)``.
     token_grid: ``(h, w)`` or ``(t, h, w)`` when the model's tokens are a raster grid: the sparse
-        method then sees them in Z-order / tile order (see ``SparseSDPA``).
+        method then sees them in Z-order / tile order (see ``SparseSDPA``). In joint text+visual calls it is the
+        grid of the visual tokens.
     seq_len: the sequence length SLA2 stores its per-block alpha at (calls at other lengths interpolate it).
     head_dim, num_heads: the query geometry, when it cannot be read from the modules.
     parallel: a ``flexsparse.ParallelConfig`` when the model runs sequence parallel (each rank holds a shard of the
@@ -88,9 +94,12 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
         ``enable_parallelism`` (Ulysses), whose mesh is used; if given, it must be over the same group.
     strict: make every unintended dense run of a patched module an error (``DenseFallbackError`` naming the module
         and the reason: ``attn_mask``, ``is_causal``, cross-attention with a self-attention-only method, a routed
-        forward that made no SDPA call, e.g. under a diffusers attention backend other than ``"native"``); a
-        ``"full"`` config and warm-up steps stay dense. Without it each reason is logged once per module
-        (``SparseSDPA``).
+        forward that made no SDPA call, e.g. under a diffusers attention backend other than ``"native"``, a joint
+        call whose text side is unknown); a ``"full"`` config and warm-up steps stay dense. Without it each reason
+        is logged once per module (``SparseSDPA``).
+    Joint text+visual calls of routed modules (diffusers' joint blocks: Flux, SD3, CogVideoX, HunyuanVideo; Flux's
+    single-stream blocks; a ViT's class token) get ``joint=flexsparse.Joint(...)``: the method selects among the
+    visual tokens and every query attends every text token (``flexsparse.integration.joint``).
     Returns a ``PatchReport``: ``{module name: config}`` of the patched modules, with the skipped ones in
     ``.skipped``; its summary is logged at INFO.
     """
@@ -116,13 +125,17 @@ def patch(model: nn.Module, config: "Mapping[str, Any] | Config", *, layers: "st
         except (TypeError, ValueError) as err:
             raise type(err)(f"patching module {name!r}: {err}") from err
     inherited = getattr(model, "_parallel_config", None)   # diffusers' enable_parallelism ran before patch
-    for (_, module, kind), new in zip(sites, built):
+    modules = dict(model.named_modules())
+    for (name, module, kind), new in zip(sites, built):
         if kind == "processor":
             if context_parallel_config(inherited) is not None:
                 new._parallel_config = inherited
             _install_processor(module, new)
         else:
-            _install_route(module, new)
+            _install_route(module, new, prefix_tokens(name, modules))
+            block = block_of(name, modules)
+            if is_single_stream(module) and block is not None and text_positions(block) is not None:
+                _install_block(block, name.rpartition(".")[2])
     report = PatchReport(dict(zip(names, configs)), skipped, spec.dense_warmup_steps)
     logger.info("flexsparse.patch: %s", report.summary())
     return report
@@ -141,6 +154,9 @@ def unpatch(model: nn.Module) -> list[str]:
             del module.forward
             if record["forward"] is not None:
                 module.forward = record["forward"]
+        if record["kind"] == "block":
+            continue
+        if record["kind"] == "route":
             delattr(module, SITE)
             if "fused_attn" in record:
                 module.fused_attn = record["fused_attn"]
@@ -160,8 +176,11 @@ def _install_processor(module: nn.Module, processor: FlexSparseAttnProcessor) ->
     module.__dict__[RECORD] = record
 
 
-def _install_route(module: nn.Module, site: SparseSDPA) -> None:
-    record = {"kind": "route", "forward": module.__dict__.get("forward")}   # e.g. an accelerate hook
+def _install_route(module: nn.Module, site: SparseSDPA, prefix: int) -> None:
+    """Route the SDPA calls of ``module`` to ``site``; ``prefix``: its calls' prefix tokens (``joint.prefix_tokens``).
+    """
+    record = {"kind": "route", "forward": module.__dict__.get("forward"),   # e.g. an accelerate hook
+              "text_positions": text_positions(module), "prefix_tokens": prefix}
     if isinstance(getattr(module, "fused_attn", None), bool):   # timm's switch between SDPA and its own math
         record["fused_attn"] = module.fused_attn
         module.fused_attn = True
@@ -170,13 +189,43 @@ def _install_route(module: nn.Module, site: SparseSDPA) -> None:
     module.__dict__[RECORD] = record
 
 
-def _routed_forward(self: nn.Module, *args, **kwargs):
-    """The module's forward (an instance-level one it had before patching, else its class's) with its
-    SDPA calls sent to its ``SparseSDPA``."""
-    previous = self.__dict__[RECORD]["forward"]
+def _install_block(block: nn.Module, child: str) -> None:
+    """Wrap the forward of the single-stream ``block`` so that its attention module ``child`` knows each call's
+    text (``_block_forward``)."""
+    record = block.__dict__.get(RECORD)
+    if record is None:
+        record = {"kind": "block", "forward": block.__dict__.get("forward"), "children": [],
+                  "text_positions": text_positions(block)}
+        block.forward = types.MethodType(_block_forward, block)
+        block.__dict__[RECORD] = record
+    record["children"].append(child)
 
-    def forward():
-        if previous is None:
-            return type(self).forward(self, *args, **kwargs)
-        return previous(*args, **kwargs)
-    return routed_call(self, getattr(self, SITE), forward, args, kwargs)
+
+def _previous_forward(module: nn.Module, args: tuple, kwargs: dict):
+    """The module's forward (an instance-level one it had before patching, else its class's) on the call."""
+    previous = module.__dict__[RECORD]["forward"]
+    if previous is None:
+        return type(module).forward(module, *args, **kwargs)
+    return previous(*args, **kwargs)
+
+
+def _routed_forward(self: nn.Module, *args, **kwargs):
+    """The module's forward with its SDPA calls sent to its ``SparseSDPA``, joint calls as such
+    (``joint.call_text``)."""
+    text = call_text(self, self.__dict__[RECORD], args, kwargs)
+    return routed_call(self, getattr(self, SITE), lambda: _previous_forward(self, args, kwargs), args, kwargs, text)
+
+
+def _block_forward(self: nn.Module, *args, **kwargs):
+    """The single-stream block's forward, its attention modules holding the call's text (``BLOCK_TEXT``: the lengths
+    of its ``encoder_hidden_states`` and ``hidden_states``, on the side of ``SINGLE_STREAM_BLOCKS``) meanwhile."""
+    record = self.__dict__[RECORD]
+    text = joined_text(record["text_positions"], SINGLE_STREAM_BLOCKS, type(self).__name__, args, kwargs)
+    children = [getattr(self, name) for name in record["children"]]
+    for child in children:
+        child.__dict__[BLOCK_TEXT] = text
+    try:
+        return _previous_forward(self, args, kwargs)
+    finally:
+        for child in children:
+            child.__dict__.pop(BLOCK_TEXT, None)

@@ -2,8 +2,9 @@
 
 It does what diffusers' ``AttnProcessor2_0`` does (``to_q``/``to_k``/``to_v``, per-head ``norm_q``/
 ``norm_k``, ``to_out``, optional ``spatial_norm``/``group_norm``/``norm_cross``, residual and output
-rescale) with the SDPA call replaced by a ``SparseSDPA``. It is an ``nn.Module``, so after
-``attn.set_processor(FlexSparseAttnProcessor(...))`` its learned parameters are in ``attn``'s
+rescale) with the SDPA call replaced by a ``SparseSDPA``. The stock processors attend ``encoder_hidden_states`` as
+cross-attention keys, never joined with the image tokens, so its calls pass no ``joint``. It is an ``nn.Module``,
+so after ``attn.set_processor(FlexSparseAttnProcessor(...))`` its learned parameters are in ``attn``'s
 ``state_dict`` (under ``processor.flexsparse.``). Under diffusers' context parallelism
 (``model.enable_parallelism``, which sets ``_parallel_config``) it exchanges the sequence shards itself
 (``flexsparse.integration.context_parallel``).

@@ -4,8 +4,8 @@
 A ``SparseSDPA`` says on the ``flexsparse.integration.sdpa`` logger (a child of ``"flexsparse"``) when it runs dense
 attention instead of its method, once per reason (its first such call): at DEBUG for the intended reasons (``INTENDED``:
 a ``"full"`` config, a warm-up step), at WARNING for the others (``attn_mask``, ``is_causal``, cross-attention with a
-self-attention-only method, and, for routed modules, a forward that made no SDPA call). ``strict=True`` turns the
-unintended ones into ``DenseFallbackError``.
+self-attention-only method, and, for routed modules, a forward that made no SDPA call or joined text tokens on a side
+flexsparse does not know). ``strict=True`` turns the unintended ones into ``DenseFallbackError``.
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..config import Config
+from ..config import Config, Joint
 from ..masks import TokenOrder, morton_order_2d, tile_order_3d
 from ..methods import METHODS
 from ..module import SparseAttention
 from ..parallel import ParallelConfig, ulysses_attention
+from .joint import CallText
 
 logger = logging.getLogger(__name__)
 INTENDED = ("full config", "warm-up")   # dense by design: logged at DEBUG and allowed under strict
@@ -44,11 +45,20 @@ class SparseSDPA(nn.Module):
     strict: raise ``DenseFallbackError`` instead of running dense for an unintended reason (any but a ``"full"``
     config and warm-up). name: the module's qualified name in its model (``patch`` passes it), for the log and errors.
 
+    ``forward(..., joint=)``: a ``flexsparse.Joint`` when the call's sequence (under sequence parallelism the whole,
+    exchanged one) holds text tokens at its start or end (``flexsparse.attention``: the method selects among the
+    visual tokens, every query attends every text token); patched modules pass it for their joint text+visual calls
+    (``flexsparse.integration.joint``). A ``"full"`` config, warm-up and the other dense runs attend the whole
+    sequence, which is the same attention.
+    ``forward(..., dense=(reason, detail))``: run this call dense for ``reason``, logged (or raised under
+    ``strict``) as the reasons above are.
+
     token_grid: ``(h, w)`` or ``(t, h, w)`` of a raster-ordered token sequence: the sparse method then
     sees the tokens in Z-order (``morton_order_2d``) or tile order (``tile_order_3d``, 4x4x4 tiles), so
     that its blocks are compact regions, and the output is put back in raster order. Attention is
     equivariant to a permutation of its tokens (RoPE is applied before), so this changes only which
-    tokens share a block. Keys and values are permuted when they have the grid's length.
+    tokens share a block. In a joint call the grid covers the visual tokens (``h * w`` or ``t * h * w`` of them),
+    and the text tokens keep their places. Keys and values are permuted when they have the queries' length.
 
     parallel: a ``flexsparse.ParallelConfig`` when the module gets this rank's shards of the sequence: every call,
     dense ones included, runs on the whole sequence for this rank's heads (``ulysses_attention``), the token grid
@@ -84,25 +94,32 @@ class SparseSDPA(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False, *, parallel: ParallelConfig | None = None) -> torch.Tensor:
+                enable_gqa: bool = False, *, parallel: ParallelConfig | None = None,
+                joint: "Joint | Mapping[str, Any] | None" = None,
+                dense: tuple[str, str] | None = None) -> torch.Tensor:
         if query.dim() == key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
             raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: as with "
                              "F.scaled_dot_product_attention, grouped-query attention needs enable_gqa=True")
+        joint = Joint.from_value(joint)
+        joint = joint if joint is not None and joint.length else None
         parallel = self.parallel if parallel is None else _ulysses_only(parallel)
         if parallel is None or not parallel.communicates:
-            return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None)
+            return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None, joint,
+                                dense)
         if attn_mask is not None or is_causal:
             raise ValueError("sequence-parallel attention (parallel=...) gets sequence shards and cannot apply "
                              "attn_mask or is_causal; patch only modules that attend without them")
 
         def attend_heads(q, k, v, heads: slice):
-            return self._attend(q, k, v, None, dropout_p, False, scale, q.shape[1] != k.shape[1], heads), None
+            return self._attend(q, k, v, None, dropout_p, False, scale, q.shape[1] != k.shape[1], heads, joint,
+                                dense), None
         return ulysses_attention(query, key, value, attend_heads, parallel)
 
-    def _attend(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, heads: slice | None):
+    def _attend(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, heads: slice | None,
+                joint: Joint | None, dense: tuple[str, str] | None):
         """The call in this process on the whole sequence; ``heads``: the slice of the query heads that q holds
         (sequence parallelism), ``None`` for all of them."""
-        reason = self._dense_reason(query, key, attn_mask, is_causal)
+        reason = self._dense_reason(query, key, attn_mask, is_causal, dense)
         if reason is not None:
             self.fallback(*reason)
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -113,20 +130,31 @@ class SparseSDPA(nn.Module):
 
         def sparse(q, k, v):
             if heads is None:
-                return self.attention(q, k, v, scale=scale)
-            return self.attention.forward_heads(q, k, v, heads, scale=scale)
+                return self.attention(q, k, v, scale=scale, joint=joint)
+            return self.attention.forward_heads(q, k, v, heads, scale=scale, joint=joint)
         if self.perm is None:
             return sparse(query, key, value)
-        n = self.perm.numel()
-        if query.shape[-2] != n:
-            raise ValueError(f"token_grid={self.token_grid} has {n} tokens but the attention got "
-                             f"{query.shape[-2]} queries")
-        query = query[..., self.perm, :]
-        if key.shape[-2] == n:
-            key, value = key[..., self.perm, :], value[..., self.perm, :]
-        return sparse(query, key, value)[..., self.inverse, :]
+        perm, inverse = self._order(query.shape[-2], joint)
+        if key.shape[-2] == query.shape[-2]:
+            key, value = key[..., perm, :], value[..., perm, :]
+        return sparse(query[..., perm, :], key, value)[..., inverse, :]
 
-    def _dense_reason(self, query, key, attn_mask, is_causal) -> tuple[str, str] | None:
+    def _order(self, n: int, joint: Joint | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token grid's permutation of a call's ``n`` tokens and its inverse: of the visual tokens of a joint
+        call (its text tokens stay in place), else of them all."""
+        n_grid, n_text = self.perm.numel(), 0 if joint is None else joint.length
+        if n - n_text != n_grid:
+            text = f", {n_text} of them text" if n_text else ""
+            raise ValueError(f"token_grid={self.token_grid} has {n_grid} tokens but the attention got {n} "
+                             f"queries{text}")
+        if not n_text:
+            return self.perm, self.inverse
+        text = torch.arange(n_text, device=self.perm.device)
+        if joint.text == "prefix":
+            return torch.cat([text, self.perm + n_text]), torch.cat([text, self.inverse + n_text])
+        return torch.cat([self.perm, text + n_grid]), torch.cat([self.inverse, text + n_grid])
+
+    def _dense_reason(self, query, key, attn_mask, is_causal, dense) -> tuple[str, str] | None:
         """``(reason, detail)`` when this call runs dense SDPA, None when the method runs it."""
         if self.attention is None:
             return "full config", "its config is 'full'"
@@ -136,6 +164,8 @@ class SparseSDPA(nn.Module):
             return "attn_mask", "the call passes attn_mask, which sparse methods do not apply"
         if is_causal:
             return "is_causal", "the call passes is_causal=True, which sparse methods do not apply"
+        if dense is not None:
+            return dense
         if self.self_attention_only and query.shape[-2] != key.shape[-2]:
             return "cross-attention", (f"{query.shape[-2]} queries attend {key.shape[-2]} keys and method "
                                        f"{self.config.method!r} is self-attention only")
@@ -190,22 +220,41 @@ def grid_order(token_grid: Sequence[int] | None) -> TokenOrder | None:
 class RouteSDPA(TorchFunctionMode):
     """Inside ``with RouteSDPA(site):`` every ``F.scaled_dot_product_attention`` call goes to ``site``
     (a ``SparseSDPA``); other torch functions run unchanged. Traceable by ``torch.compile``. With ``parallel``, the
-    calls run under that config. ``calls`` counts them."""
+    calls run under that config; with ``text`` (the ``CallText`` of the module's call), a call over its joint
+    sequence gets ``joint`` (or ``dense``: ``CallText.sdpa_arguments``), a ValueError for a sparse method under
+    sequence parallelism where each rank joins its own text and visual shards (``CallText.per_rank``). ``calls``
+    counts them."""
 
-    def __init__(self, site: SparseSDPA, parallel: ParallelConfig | None = None):
+    def __init__(self, site: SparseSDPA, parallel: ParallelConfig | None = None, text: CallText | None = None):
         super().__init__()
         self.site = site
         self.parallel = parallel
+        self.text = text
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            self.calls += 1
-            if self.parallel is None:
-                return self.site(*args, **kwargs)
-            return self.site(*args, parallel=self.parallel, **kwargs)
-        return func(*args, **kwargs)
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        extra = {} if self.parallel is None else {"parallel": self.parallel}
+        if self.text is not None:
+            extra.update(self._text_arguments(args, kwargs))
+        return self.site(*args, **kwargs, **extra)
+
+    def _text_arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """``CallText.sdpa_arguments`` of the SDPA call ``(*args, **kwargs)``; a ValueError for a joint call joined
+        per rank under sequence parallelism with a sparse method."""
+        query, key = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key")))
+        found = self.text.sdpa_arguments(query.shape[-2], key.shape[-2])
+        parallel = self.parallel if self.parallel is not None else self.site.parallel
+        if ("joint" in found and self.text.per_rank and self.site.attention is not None and parallel is not None
+                and parallel.communicates):
+            raise ValueError(f"{self.site.label} got a joint text+visual sequence ({self.text.owner} joins its text) "
+                             "under sequence parallelism: each rank joins its own text and visual shards, so the "
+                             "exchanged sequence interleaves them and a sparse method cannot tell them apart; give "
+                             "this module the 'full' config (overrides=)")
+        return found
 
 
 def set_step(model: nn.Module, step: int | None) -> None:

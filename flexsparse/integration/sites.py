@@ -1,11 +1,14 @@
 """Finding the attention modules of a model and their head geometry.
 
-Kinds: ``"processor"`` (a diffusers-style ``Attention`` with the stock processor, which patch replaces
-by ``FlexSparseAttnProcessor``), ``"timm"`` (a timm-style ``Attention``: ``qkv``, ``num_heads``,
+Kinds: ``"processor"`` (a diffusers-style ``Attention`` with the stock processor and ``to_out``, which patch
+replaces by ``FlexSparseAttnProcessor``), ``"timm"`` (a timm-style ``Attention``: ``qkv``, ``num_heads``,
 ``fused_attn``, ``proj``) and ``"sdpa"`` (any other module, including diffusers modules with a custom
 processor: its ``F.scaled_dot_product_attention`` calls are routed).
 
-``skipped_sites`` names the attention-like modules that a patch leaves alone, and why, for ``patch``'s summary.
+By default every diffusers-style self-attention is patched, single-stream ones (no ``to_out``, e.g. Flux's
+``pre_only`` ones) where their block's forward takes ``encoder_hidden_states`` (``flexsparse.integration.joint``
+finds their text there), and timm-style attention. ``skipped_sites`` names the attention-like modules that a patch
+leaves alone, and why, for ``patch``'s summary.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from ..module import SparseAttention
+from .joint import is_single_stream, text_positions
 from .sdpa import SparseSDPA
 
 STOCK_PROCESSORS = ("AttnProcessor", "AttnProcessor2_0")
@@ -26,8 +30,9 @@ _OURS = (SparseAttention, SparseSDPA)   # already flexsparse: never reported as 
 
 
 def is_diffusers_attention(module: nn.Module) -> bool:
-    """``to_q``, ``to_k``, ``to_v``, ``to_out``, ``heads`` and ``set_processor``."""
-    return (all(hasattr(module, name) for name in ("to_q", "to_k", "to_v", "to_out", "heads"))
+    """``to_q``, ``to_k``, ``to_v``, ``heads``, ``set_processor`` and ``to_out`` or ``pre_only``."""
+    return (all(hasattr(module, name) for name in ("to_q", "to_k", "to_v", "heads"))
+            and (hasattr(module, "to_out") or getattr(module, "pre_only", False) is True)
             and callable(getattr(module, "set_processor", None)))
 
 
@@ -38,7 +43,8 @@ def is_timm_attention(module: nn.Module) -> bool:
 
 
 def kind_of(module: nn.Module) -> str:
-    if is_diffusers_attention(module) and type(getattr(module, "processor", None)).__name__ in STOCK_PROCESSORS:
+    if (is_diffusers_attention(module) and not is_single_stream(module)
+            and type(getattr(module, "processor", None)).__name__ in STOCK_PROCESSORS):
         return "processor"
     if is_timm_attention(module):
         return "timm"
@@ -48,11 +54,14 @@ def kind_of(module: nn.Module) -> str:
 def find_sites(model: nn.Module, layers: tuple[str, ...] | None) -> list[tuple[str, nn.Module, str]]:
     """``(name, module, kind)`` of the modules to patch, in ``named_modules`` order: those whose
     names match a glob of ``layers``, or by default every diffusers-style self-attention (cross-
-    attention modules are skipped) and timm-style attention."""
+    attention modules are skipped, and single-stream ones whose text length is unknown: ``_text_unknown``) and
+    timm-style attention."""
     named = list(model.named_modules())
     if layers is None:
+        modules = dict(named)
         chosen = [(n, m) for n, m in named if is_timm_attention(m)
-                  or (is_diffusers_attention(m) and not getattr(m, "is_cross_attention", False))]
+                  or (is_diffusers_attention(m) and not getattr(m, "is_cross_attention", False)
+                      and not _text_unknown(n, m, modules))]
         if not chosen:
             raise ValueError("found no diffusers- or timm-style attention module in the model; name the modules "
                              "that call F.scaled_dot_product_attention with layers=['blocks.*.attn']")
@@ -76,13 +85,13 @@ def skipped_sites(model: nn.Module, chosen: list[str], layers: tuple[str, ...] |
     ``chosen`` (the names ``find_sites`` returned for ``layers``), leaving out flexsparse's own modules, those inside
     or around a chosen one (its parts, the block holding it) and those inside a skipped one (its parts, e.g. a
     processor that is a module): the outermost of each nest, as ``named_modules`` lists parents first."""
-    picked, skipped = set(chosen), {}
-    for name, module in model.named_modules():
+    picked, skipped, modules = set(chosen), {}, dict(model.named_modules())
+    for name, module in modules.items():
         if (name in picked or not is_attention_like(module) or isinstance(module, _OURS)
                 or any(_nested(name, other) or _nested(other, name) for other in picked)
                 or any(_nested(other, name) for other in skipped)):
             continue
-        skipped[name] = _skip_reason(module, layers)
+        skipped[name] = _skip_reason(name, module, layers, modules)
     return skipped
 
 
@@ -92,12 +101,27 @@ def is_attention_like(module: nn.Module) -> bool:
             or _ATTENTION_NAME.search(type(module).__name__) is not None)
 
 
-def _skip_reason(module: nn.Module, layers: tuple[str, ...] | None) -> str:
+def _skip_reason(name: str, module: nn.Module, layers: tuple[str, ...] | None, modules: dict[str, nn.Module]) -> str:
     if layers is not None:
         return "not matched by layers="
+    if is_diffusers_attention(module) and _text_unknown(name, module, modules):
+        return ("single-stream attention whose block gets its text and image tokens already joined, so their "
+                "lengths are unknown (named in layers=, it attends them all as visual tokens)")
     if is_diffusers_attention(module):   # by default only its cross-attention is left out
         return "cross-attention (patched only when named in layers=)"
     return "not diffusers- or timm-style (name it in layers= if it calls F.scaled_dot_product_attention)"
+
+
+def block_of(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
+    """The module that holds module ``name`` (its parent), None for the root."""
+    return modules[name.rpartition(".")[0]] if name else None
+
+
+def _text_unknown(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> bool:
+    """A single-stream attention module whose block's forward takes no ``hidden_states`` and
+    ``encoder_hidden_states`` (``joint.text_positions``): nothing says which of its tokens are text."""
+    block = block_of(name, modules)
+    return is_single_stream(module) and (block is None or text_positions(block) is None)
 
 
 def _nested(outer: str, inner: str) -> bool:
