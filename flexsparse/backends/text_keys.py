@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..masks import BlockSelection, num_blocks
 from .base import Backend, merge_by_lse
+
+TEXT_BLOCK = 64   # query and text-key block of the text branch: a tile every backend runs
 
 
 class WithTextKeys:
@@ -44,5 +47,16 @@ class WithTextKeys:
         if lse is None:
             raise ValueError(f"joint attention merges by the softmax branch's LSE, which backend "
                              f"{self._backend.name!r} does not give for this call")
-        o_text, lse_text = self._backend.dense_attention(q, self._k_text, self._v_text, scale, need_lse=True)
-        return merge_by_lse(o, lse, o_text, lse_text)
+        return merge_by_lse(o, lse, *self._text_attention(q, scale))
+
+    def _text_attention(self, q: torch.Tensor, scale: float):
+        """Dense attention of q over the text keys with its LSE, as the backend's block-sparse branch with every
+        text block selected: one fused kernel with its LSE and LSE gradient on triton and flex. ``dense_attention``
+        computes its LSE apart, in row chunks: joint calls through it took 42-49 ms forward+backward against 3.9 ms
+        for the visual tokens alone (H200, B1 H16 D64 bf16, 65536 visual and 512 text tokens, llsa and topk)."""
+        bsz, heads, n_q, _ = q.shape
+        n_text = self._k_text.shape[2]
+        every = torch.arange(num_blocks(n_text, TEXT_BLOCK), dtype=torch.int32, device=q.device)
+        indices = every.expand(bsz, heads, num_blocks(n_q, TEXT_BLOCK), -1).contiguous()
+        selection = BlockSelection(indices, TEXT_BLOCK, TEXT_BLOCK, n_q, n_text)
+        return self._backend.block_sparse_attention(q, self._k_text, self._v_text, selection, scale)
