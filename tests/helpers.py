@@ -10,6 +10,17 @@ from flexsparse.masks import num_blocks
 from flexsparse.masks.levels import fewest_candidates
 
 
+# every registered method, with blocks small enough for sequences of about a hundred tokens
+SMALL_CONFIGS = {
+    "full": {"method": "full"},
+    "topk": {"method": "topk", "block_size": 8, "topk": 3},
+    "vsa": {"method": "vsa", "block_size": 8, "topk": 3, "gate": True},
+    "llsa": {"method": "llsa", "block_size": 4, "topk": 2},
+    "sla": {"method": "sla", "block_size": 8, "topk_ratio": 0.25},
+    "sla2": {"method": "sla2", "block_size": 8, "topk_ratio": 0.25, "alpha_per_head": True},
+}
+
+
 def exhaustive_where(cases: list, heavy) -> list:
     """``cases`` for ``pytest.mark.parametrize`` with those for which ``heavy(case)`` holds in the exhaustive tier."""
     return [pytest.param(*case, marks=pytest.mark.exhaustive) if heavy(case) else case for case in cases]

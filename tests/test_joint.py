@@ -17,16 +17,8 @@ import triton_support as ts
 from flexsparse.backends import BACKENDS
 from flexsparse.backends.base import merge_by_lse
 from flexsparse.methods.dense import block_sparse_dense
-from helpers import qkv, rel_err
+from helpers import SMALL_CONFIGS as CONFIGS, qkv, rel_err
 
-CONFIGS = {
-    "full": {"method": "full"},
-    "topk": {"method": "topk", "block_size": 8, "topk": 3},
-    "vsa": {"method": "vsa", "block_size": 8, "topk": 3, "gate": True},
-    "llsa": {"method": "llsa", "block_size": 4, "topk": 2},
-    "sla": {"method": "sla", "block_size": 8, "topk_ratio": 0.25},
-    "sla2": {"method": "sla2", "block_size": 8, "topk_ratio": 0.25, "alpha_per_head": True},
-}
 HEADS, KV_HEADS, D = 4, 2, 16
 
 

@@ -23,16 +23,8 @@ import flexsparse as fs
 from _parallel_testing import collectives_in, shard, spawn
 from flexsparse.integration import RouteSDPA, SparseSDPA
 from flexsparse.integration.joint import CallText
+from helpers import SMALL_CONFIGS as CONFIGS
 
-# every registered method, with blocks small enough for N = 97
-CONFIGS = {
-    "full": {"method": "full"},
-    "topk": {"method": "topk", "block_size": 8, "topk": 3},
-    "vsa": {"method": "vsa", "block_size": 8, "topk": 3, "gate": True},
-    "llsa": {"method": "llsa", "block_size": 4, "topk": 2},
-    "sla": {"method": "sla", "block_size": 8, "topk_ratio": 0.25},
-    "sla2": {"method": "sla2", "block_size": 8, "topk_ratio": 0.25, "alpha_per_head": True},
-}
 BATCH, HEADS, KV_HEADS, N, D = 2, 4, 2, 97, 16
 TOL = dict(rtol=1e-9, atol=1e-11)
 
