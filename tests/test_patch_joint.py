@@ -290,3 +290,53 @@ def test_vit_class_token_is_a_prefix(joints):
         flexsparse.unpatch(model)
         flexsparse.patch(model, {**topk(4), "token_grid": [8, 8]}, backend="torch")
         torch.testing.assert_close(model(patches), dense, **TOL)
+
+
+def wan():
+    from diffusers import WanTransformer3DModel
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)
+    inputs = dict(hidden_states=randn(B, 4, 2, 8, 8), encoder_hidden_states=randn(B, TEXT, 16),
+                  timestep=torch.tensor([3, 5]), return_dict=False)
+    return model, inputs, None, 32
+
+
+def pixart():
+    from diffusers import PixArtTransformer2DModel
+    model = PixArtTransformer2DModel(sample_size=8, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+                                     in_channels=4, out_channels=8, cross_attention_dim=16, caption_channels=16,
+                                     patch_size=1)
+    inputs = dict(hidden_states=randn(B, 4, 8, 8), encoder_hidden_states=randn(B, TEXT, 16),
+                  timestep=torch.tensor([3, 5]), added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                  return_dict=False)
+    return model, inputs, None, 64
+
+
+@pytest.mark.parametrize("name", ["flux", pytest.param("sd3", marks=pytest.mark.exhaustive),
+                                  pytest.param("cogvideox", marks=pytest.mark.exhaustive),
+                                  pytest.param("hunyuan_video", marks=pytest.mark.exhaustive),
+                                  pytest.param("wan", marks=pytest.mark.exhaustive),
+                                  pytest.param("pixart", marks=pytest.mark.exhaustive)])
+def test_patched_models_compile_fullgraph_and_train(name):
+    """``torch.compile(patched, fullgraph=True)``: no graph break (``torch._dynamo.explain``), and a training step's
+    output and parameter gradients equal eager ones."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model, inputs, _, _ = {**MODELS, "wan": wan, "pixart": pixart}[name]()
+    model = model.double()
+    flexsparse.patch(model, topk(2), backend="torch")
+
+    def step(module):
+        out = module(**inputs)[0]
+        grads = torch.autograd.grad((out * out).sum(), [p for p in model.parameters() if p.requires_grad],
+                                    allow_unused=True)
+        return out, grads
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(lambda: model(**inputs))().graph_break_count == 0
+    (out, grads), (want, want_grads) = step(torch.compile(model, fullgraph=True, backend="aot_eager")), step(model)
+    torch.testing.assert_close(out, want, **TOL)
+    for got, expected in zip(grads, want_grads):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            torch.testing.assert_close(got, expected, **TOL)

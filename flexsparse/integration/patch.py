@@ -180,7 +180,7 @@ def _install_route(module: nn.Module, site: SparseSDPA, prefix: int) -> None:
     """Route the SDPA calls of ``module`` to ``site``; ``prefix``: its calls' prefix tokens (``joint.prefix_tokens``).
     """
     record = {"kind": "route", "forward": module.__dict__.get("forward"),   # e.g. an accelerate hook
-              "text_positions": text_positions(module), "prefix_tokens": prefix}
+              "class_forward": type(module).forward, "text_positions": text_positions(module), "prefix_tokens": prefix}
     if isinstance(getattr(module, "fused_attn", None), bool):   # timm's switch between SDPA and its own math
         record["fused_attn"] = module.fused_attn
         module.fused_attn = True
@@ -194,19 +194,21 @@ def _install_block(block: nn.Module, child: str) -> None:
     text (``_block_forward``)."""
     record = block.__dict__.get(RECORD)
     if record is None:
-        record = {"kind": "block", "forward": block.__dict__.get("forward"), "children": [],
-                  "text_positions": text_positions(block)}
+        record = {"kind": "block", "forward": block.__dict__.get("forward"), "class_forward": type(block).forward,
+                  "children": [], "text_positions": text_positions(block)}
         block.forward = types.MethodType(_block_forward, block)
         block.__dict__[RECORD] = record
     record["children"].append(child)
 
 
 def _previous_forward(module: nn.Module, args: tuple, kwargs: dict):
-    """The module's forward (an instance-level one it had before patching, else its class's) on the call."""
-    previous = module.__dict__[RECORD]["forward"]
-    if previous is None:
-        return type(module).forward(module, *args, **kwargs)
-    return previous(*args, **kwargs)
+    """The module's forward (an instance-level one it had before patching, else its class's, the function kept at
+    patch time: dynamo cannot trace ``type(module).forward`` of classes it runs in graph, such as diffusers'
+    ``Attention``) on the call."""
+    record = module.__dict__[RECORD]
+    if record["forward"] is None:
+        return record["class_forward"](module, *args, **kwargs)
+    return record["forward"](*args, **kwargs)
 
 
 def _routed_forward(self: nn.Module, *args, **kwargs):

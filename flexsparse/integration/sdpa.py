@@ -234,6 +234,9 @@ class RouteSDPA(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.unflatten and not kwargs and len(args) == 3 and isinstance(args[1], int):
+            # the aten op: dynamo (torch <= 2.13) cannot trace Tensor.unflatten's ``super().unflatten`` under a mode
+            return torch.ops.aten.unflatten.int(*args)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         self.calls += 1
