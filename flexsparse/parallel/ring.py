@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .._checks import clamp_topk
-from ..masks import BlockSelection, accumulation_dtype, llsa_block_ids, num_blocks, ring_llsa_layout
 from ..backends.base import merge_by_lse
+from ..masks import BlockSelection, accumulation_dtype, llsa_block_ids, num_blocks, ring_llsa_layout
 from .collectives import all_to_all, shard_lengths
 from .config import ParallelConfig
 
