@@ -313,17 +313,28 @@ def pixart():
     return model, inputs, None, 64
 
 
+def ltx():
+    from diffusers import LTXVideoTransformer3DModel
+    model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                       cross_attention_dim=16, num_layers=1, caption_channels=16)
+    inputs = dict(hidden_states=randn(B, 32, 4), encoder_hidden_states=randn(B, TEXT, 16),
+                  timestep=torch.tensor([3, 5]), encoder_attention_mask=torch.ones(B, TEXT), num_frames=2, height=4,
+                  width=4, return_dict=False)
+    return model, inputs, None, 32
+
+
 @pytest.mark.parametrize("name", ["flux", pytest.param("sd3", marks=pytest.mark.exhaustive),
                                   pytest.param("cogvideox", marks=pytest.mark.exhaustive),
                                   pytest.param("hunyuan_video", marks=pytest.mark.exhaustive),
                                   pytest.param("wan", marks=pytest.mark.exhaustive),
-                                  pytest.param("pixart", marks=pytest.mark.exhaustive)])
+                                  pytest.param("pixart", marks=pytest.mark.exhaustive),
+                                  pytest.param("ltx", marks=pytest.mark.exhaustive)])
 def test_patched_models_compile_fullgraph_and_train(name):
     """``torch.compile(patched, fullgraph=True)``: no graph break (``torch._dynamo.explain``), and a training step's
     output and parameter gradients equal eager ones."""
     pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model, inputs, _, _ = {**MODELS, "wan": wan, "pixart": pixart}[name]()
+    model, inputs, _, _ = {**MODELS, "wan": wan, "pixart": pixart, "ltx": ltx}[name]()
     model = model.double()
     flexsparse.patch(model, topk(2), backend="torch")
 
