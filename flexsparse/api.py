@@ -39,7 +39,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
     check_flag("return_lse", return_lse)
     parallel = ParallelConfig.check(parallel)
     joint = Joint.from_value(joint)
-    joint = joint if joint is not None and joint.length else None
     if parallel is not None and parallel.communicates:
         ring = parallel if parallel.ring_degree > 1 else None
         if ring is not None and joint is not None:
@@ -52,29 +51,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: "Mappin
 
         def attend_heads(q, k, v, heads: slice):
             local_params = head_params(method, cfg, params, heads)
-            if joint is not None:
-                return _attend_joint(q, k, v, cfg, method, backend, scale, return_lse, local_params, joint)
-            return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params, ring)
+            return _attend(q, k, v, cfg, method, backend, scale, return_lse, local_params, ring, joint)
         if parallel.ulysses_degree > 1:
             return ulysses_attention(q, k, v, attend_heads, parallel, return_lse=return_lse)
         out, lse = attend_heads(q, k, v, slice(None))
-    elif joint is not None:
-        out, lse = _attend_joint(q, k, v, cfg, method, backend, scale, return_lse, params, joint)
     else:
-        out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params)
+        out, lse = _attend(q, k, v, cfg, method, backend, scale, return_lse, params, joint=joint)
     return (out, lse) if return_lse else out
 
 
 def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params,
-            ring: ParallelConfig | None = None):
+            ring: ParallelConfig | None = None, joint: Joint | None = None):
     """The method's select and attend steps on the backend resolved for this call, with the config fitted to the
     lengths (``Method.fit``): ``(o, lse or None)``. ``ring``: q, k, v are this rank's chunk of the ring group's
-    sequence (``flexsparse.parallel.ring``), whose chunks hold whole blocks, so the config runs unfitted."""
+    sequence (``flexsparse.parallel.ring``), whose chunks hold whole blocks, so the config runs unfitted. ``joint``:
+    the steps run on the visual tokens, every softmax branch also over the text keys (``WithTextKeys``), and the
+    text queries attend every key densely; the outputs in the sequence's order."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    whole = q, k, v
+    if joint is not None:
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"joint attention is self-attention over one sequence: q and k must have the same "
+                             f"length, got {q.shape[2]} and {k.shape[2]}")
+        text, visual = joint.slices(q.shape[2])
+        q, k, v = (x[:, :, visual] for x in whole)
     fitted = method.fit(cfg, q.shape[2], k.shape[2]) if ring is None else cfg
     blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
-    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=return_lse or ring is not None,
-                              dtype=q.dtype, blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
+    needs_lse = return_lse or ring is not None or joint is not None
+    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=needs_lse, dtype=q.dtype,
+                              blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
     q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
     with _without_autocast(q.device.type):
         params = method.check_params(cfg, q, params)
@@ -83,41 +88,17 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
                                       parallel=ring)
         else:
             selection = method.select(q, k, v, fitted, chosen, params)
-            out, lse = chosen.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
-                                     need_lse=return_lse)
+            steps = chosen if joint is None else WithTextKeys(chosen, whole[1][:, :, text], whole[2][:, :, text])
+            out, lse = steps.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
+                                    need_lse=needs_lse)
+        if joint is not None:
+            o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
+                                                      need_lse=return_lse)
+            order = (0, 1) if joint.text == "prefix" else (1, 0)
+            out = torch.cat([(o_text, out)[i].to(out.dtype) for i in order], dim=2)
+            lse = torch.cat([(lse_text, lse)[i].to(lse.dtype) for i in order], dim=2) if return_lse else None
     if not return_lse:
         return out, None
-    return out, (lse if lse.dtype == torch.float64 else lse.float())
-
-
-def _attend_joint(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse: bool, params, joint: Joint):
-    """Joint text+visual attention (``Joint``): the method's select and attend steps on the visual tokens, every
-    softmax branch also over the text keys (``WithTextKeys``), the text queries densely over every key; the outputs
-    in the sequence's order: ``(o, lse or None)``."""
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"joint attention is self-attention over one sequence: q and k must have the same length, "
-                         f"got {q.shape[2]} and {k.shape[2]}")
-    text, visual = joint.slices(q.shape[2])
-    n_visual = visual.stop - visual.start
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    fitted = method.fit(cfg, n_visual, n_visual)
-    blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
-    chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=True, dtype=q.dtype, blocks=blocks,
-                              head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
-    q_v, k_v, v_v = chosen.prepare_inputs(q[:, :, visual], k[:, :, visual], v[:, :, visual],
-                                          keep_views=method.keeps_views, needs_grad=needs_grad)
-    with _without_autocast(q.device.type):
-        params = method.check_params(cfg, q_v, params)
-        selection = method.select(q_v, k_v, v_v, fitted, chosen, params)
-        with_text = WithTextKeys(chosen, k[:, :, text], v[:, :, text])
-        o_v, lse_v = with_text.attend(method, q_v, k_v, v_v, selection, fitted, scale=scale, params=params,
-                                      need_lse=True)
-        o_t, lse_t = chosen.dense_attention(q[:, :, text], k, v, scale, need_lse=return_lse)
-    order = (0, 1) if joint.text == "prefix" else (1, 0)
-    out = torch.cat([(o_t, o_v)[i].to(q.dtype) for i in order], dim=2)
-    if not return_lse:
-        return out, None
-    lse = torch.cat([(lse_t, lse_v)[i].to(lse_v.dtype) for i in order], dim=2)
     return out, (lse if lse.dtype == torch.float64 else lse.float())
 
 

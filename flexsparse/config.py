@@ -93,16 +93,18 @@ class Joint:
 
     @classmethod
     def from_value(cls, value: Any) -> "Joint | None":
-        """``None``, a ``Joint`` or a dict ``{"text": "prefix" | "suffix", "length": n}``."""
-        if value is None or isinstance(value, Joint):
-            return value
-        if not isinstance(value, Mapping):
+        """``None``, a ``Joint`` or a dict ``{"text": "prefix" | "suffix", "length": n}``, checked; ``None`` for no
+        text tokens (a plain call)."""
+        if value is None:
+            return None
+        if not isinstance(value, (Joint, Mapping)):
             raise TypeError(f"joint must be a flexsparse.Joint, a dict {{'text': 'prefix' | 'suffix', 'length': n}} "
                             f"or None, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"text", "length"})
-        if unknown or len(value) != 2:
-            raise ValueError(f"joint takes the keys 'text' and 'length', got {sorted(value)}")
-        return cls(**value)
+        if isinstance(value, Mapping):
+            if set(value) != {"text", "length"}:
+                raise ValueError(f"joint takes the keys 'text' and 'length', got {sorted(value)}")
+            value = cls(**value)
+        return value if value.length else None
 
     def slices(self, n: int) -> tuple[slice, slice]:
         """``(text, visual)`` token slices of a sequence of ``n`` tokens; raises where no visual token is left."""

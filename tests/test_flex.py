@@ -101,8 +101,8 @@ def test_eager_flex_honours_the_selection():
     k_levels, v_levels = pool_pyramid(k, 16, levels), pool_pyramid(v, 16, levels)
     sel = llsa_topk(q, k, topk, 16)
     mask, layout = llsa_block_mask(sel)
-    k_ext = flex.extended_kv([k, *k_levels], layout.segment_blocks, 16, q.dtype)
-    v_ext = flex.extended_kv([v, *v_levels], layout.segment_blocks, 16, q.dtype)
+    k_ext = llsa_naive.extended_kv([k, *k_levels], layout, q.dtype)
+    v_ext = llsa_naive.extended_kv([v, *v_levels], layout, q.dtype)
     out = flex_attention(q, k_ext, v_ext, score_mod=flex.llsa_score_mod(layout),
                          block_mask=mask, scale=0.2, enable_gqa=True)
     ref, _ = llsa_naive.llsa_attention(q, [k, *k_levels], [v, *v_levels], sel, 0.2)
@@ -115,8 +115,8 @@ def test_eager_flex_honours_the_selection():
     ids = llsa_block_ids(sel, chunk, rows, position)
     q_c = q[:, :, 5 * 16:12 * 16]
     mask = block_mask_from_ids(ids, chunk.num_blocks, 16, 16, (q_c.shape[2], chunk.length))
-    k_ext = flex.extended_kv([fine[0], *k_levels], chunk.segment_blocks, 16, q.dtype)
-    v_ext = flex.extended_kv([fine[1], *v_levels], chunk.segment_blocks, 16, q.dtype)
+    k_ext = llsa_naive.extended_kv([fine[0], *k_levels], chunk, q.dtype)
+    v_ext = llsa_naive.extended_kv([fine[1], *v_levels], chunk, q.dtype)
     out = flex_attention(q_c, k_ext, v_ext, score_mod=flex.llsa_score_mod(chunk), block_mask=mask, scale=0.2,
                          enable_gqa=True)
     torch.testing.assert_close(out, ref[:, :, 5 * 16:12 * 16], atol=1e-5, rtol=1e-5)

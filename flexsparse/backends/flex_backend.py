@@ -20,7 +20,6 @@ import logging
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.choices import InductorChoices
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -30,6 +29,7 @@ from ..masks import (BlockSelection, LLSALayout, LLSASelection, block_selection_
                      llsa_block_ids, llsa_layout)
 from ..masks.block_mask import block_mask_from_ids
 from ..triton.linear import naive as linear_naive
+from ..triton.llsa import naive as llsa_naive
 from .base import Backend
 from .compiled import StaticThenDynamic, grad_flags
 
@@ -189,14 +189,6 @@ def llsa_score_mod(layout: LLSALayout):
     return add_log_count
 
 
-def extended_kv(levels: list[torch.Tensor], segment_blocks: tuple[int, ...], block: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """``[level 0 | ... | level L]`` along the tokens, level l zero padded to ``segment_blocks[l] * block``:
-    levels[l] ``(B, Hk, T_l, D)`` -> ``(B, Hk, sum(segment_blocks) * block, D)`` in ``dtype``."""
-    return torch.cat([F.pad(x.to(dtype), (0, 0, 0, blocks * block - x.shape[2]))
-                      for x, blocks in zip(levels, segment_blocks)], dim=2)
-
-
 def llsa_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: list[torch.Tensor],
                    selection: LLSASelection, scale: float, *,
                    quantize_p: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,8 +216,7 @@ def llsa_extended_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_lev
     _check(q, (layout.block,), needs_grad)
     block_mask = block_mask_from_ids(ids, layout.num_blocks, layout.block, layout.block, (q.shape[2], layout.length),
                                      needs_grad)
-    k = extended_kv(k_levels, layout.segment_blocks, layout.block, q.dtype)
-    v = extended_kv(v_levels, layout.segment_blocks, layout.block, q.dtype)
+    k, v = (llsa_naive.extended_kv(x, layout, q.dtype) for x in (k_levels, v_levels))
     return attend(q, k, v, block_mask, llsa_score_mod(layout), scale)
 
 

@@ -101,7 +101,6 @@ class SparseSDPA(nn.Module):
             raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: as with "
                              "F.scaled_dot_product_attention, grouped-query attention needs enable_gqa=True")
         joint = Joint.from_value(joint)
-        joint = joint if joint is not None and joint.length else None
         parallel = self.parallel if parallel is None else _ulysses_only(parallel)
         if parallel is None or not parallel.communicates:
             return self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None, joint,

@@ -100,8 +100,8 @@ def _fetch_levels(q, k, v, method, cfg, backend, *, scale, params, need_lse, par
     heads, kv_heads = q.shape[1], k.shape[1]
     # every rank's level-1 sums of q (the selection's only), k and v (differentiable: a level's gradient returns
     # to the ranks whose tokens it pools), then the sequence's pyramids as one process pools them
-    sums = _all_gather_rows_differentiable(backend.block_sums(torch.cat([q.detach(), k, v], dim=1), b), blocks,
-                                           group)
+    local = torch.cat([backend.block_sums(x, b) for x in (q.detach(), k, v)], dim=1)
+    sums = _all_gather_rows(local, blocks, group)
     q_levels, k_levels, v_levels = (backend.pyramid_from_sums(part, n, b, levels)
                                     for part in sums.split([heads, kv_heads, kv_heads], dim=1))
     with torch.no_grad():
@@ -123,15 +123,6 @@ def _check_whole_blocks(lengths: list[int], block: int, key: str, method: str) -
                          f"{lengths}")
 
 
-def _all_gather_rows(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
-    """Every rank's ``x (B, Hx, rows[r], D)`` concatenated along dim 2 in rank order (no gradient)."""
-    widest = max(rows)
-    padded = torch.nn.functional.pad(x, (0, 0, 0, widest - x.shape[2])).contiguous()
-    every = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(every, padded, group=group)
-    return torch.cat([part[:, :, :n] for part, n in zip(every, rows)], dim=2)
-
-
 def _fetch_selected(k, v, selected: torch.Tensor, blocks: list[int], lengths: list[int], block: int, group):
     """The blocks ``selected`` (global block ids, any shape) of the ring's K and V fetched from their owners:
     ``(k_c, v_c, position)``, k_c, v_c ``(B, Hx, m, D)`` the distinct blocks in sequence order (only the sequence's
@@ -148,7 +139,7 @@ def _fetch_selected(k, v, selected: torch.Tensor, blocks: list[int], lengths: li
     return k_c, v_c, position
 
 
-def _all_gather_rows_differentiable(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
+def _all_gather_rows(x: torch.Tensor, rows: list[int], group) -> torch.Tensor:
     """Every rank's ``x (B, Hx, rows[r], D)`` concatenated along dim 2 in rank order, through one all-to-all that
     sends x to every rank: the backward returns each rank's gradient of x, summed over the ranks."""
     bsz, heads, _, d = x.shape

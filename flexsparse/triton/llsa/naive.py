@@ -66,14 +66,20 @@ def extended_attention(q: torch.Tensor, k_levels: list[torch.Tensor], v_levels: 
     rows of queries and any level 0 (a ring rank's fetched fine blocks). Autograd; memory ``B H Nq K b D``.
     Returns ``o (B, H, Nq, D)``, ``lse (B, H, Nq)`` (fp32, fp64 for fp64)."""
     acc, b, n_q = accumulation_dtype(q.dtype), layout.block, q.shape[2]
-    k = torch.cat([pad_tokens(x.to(acc), blocks * b) for x, blocks in zip(k_levels, layout.segment_blocks)], dim=2)
-    v = torch.cat([pad_tokens(x.to(acc), blocks * b) for x, blocks in zip(v_levels, layout.segment_blocks)], dim=2)
+    k, v = extended_kv(k_levels, layout, acc), extended_kv(v_levels, layout, acc)
     groups = ids.shape[2]
     bias = key_bias(ids, layout.log_weights(q.device, acc), b)
     scores = query_groups(q.to(acc), groups, b) @ gather_blocks(k, ids, b).transpose(-1, -2) * scale
     probs, lse = softmax_with_lse(scores + bias.unsqueeze(-2), False)
     out = (probs @ gather_blocks(v, ids, b)).flatten(2, 3)[:, :, :n_q]
     return out.to(q.dtype), lse.flatten(2, 3)[:, :, :n_q]
+
+
+def extended_kv(levels: list[torch.Tensor], layout: LLSALayout, dtype: torch.dtype) -> torch.Tensor:
+    """``[level 0 | ... | level L]`` along the tokens in ``dtype``, level l zero padded to its segment of
+    ``layout``: levels[l] ``(B, Hk, T_l, D)`` -> ``(B, Hk, layout.length, D)``."""
+    return torch.cat([pad_tokens(x.to(dtype), blocks * layout.block)
+                      for x, blocks in zip(levels, layout.segment_blocks)], dim=2)
 
 
 def llsa_attention_backward(do, dlse, q, k_levels, v_levels, selection: LLSASelection, scale: float, o, lse):
