@@ -22,7 +22,8 @@ UNCHECKED_KEYS = ("alpha_init", "deterministic", "quant")
 
 class SparseAttention(nn.Module):
     """Sparse attention with the method's learnable parameters (SLA projection, SLA2 router and
-    alpha, VSA gate) registered as module parameters, so they train and live in ``state_dict``.
+    alpha, VSA gate) registered as module parameters, so they train and live in ``state_dict``; those the config
+    passes no gradient to (SLA2's router under ``router="hard"``) with ``requires_grad=False``.
 
     ``forward(q, k, v)`` takes ``(B, H, N, D)`` tensors like ``F.scaled_dot_product_attention`` (``joint=``: a
     ``flexsparse.Joint`` for joint text+visual sequences, see ``flexsparse.attention``).
@@ -54,7 +55,9 @@ class SparseAttention(nn.Module):
         self.parallel = ParallelConfig.check(parallel)
         self.head_dim, self.num_heads, self.seq_len, self.backend = head_dim, num_heads, seq_len, backend
         initial = method.init_params(self.config, head_dim, num_heads, seq_len)
-        self.params = nn.ParameterDict({name: nn.Parameter(value) for name, value in initial.items()})
+        frozen = method.frozen_params(self.config)
+        self.params = nn.ParameterDict({name: nn.Parameter(value, requires_grad=name not in frozen)
+                                        for name, value in initial.items()})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                 return_lse: bool = False, joint=None):

@@ -1,5 +1,6 @@
-"""``flexsparse.triton._runtime.registry``: plain eager calls run the op body directly (no dispatcher, plain launches);
-calls that need autograd or are traced go through the registered op."""
+"""``flexsparse.triton._runtime.registry``: plain eager calls run the op body directly (no dispatcher, plain launches),
+through an ``autograd.Function`` of the registered formula when they record gradients; traced calls and tensor
+subclasses go through the registered op."""
 from __future__ import annotations
 
 import os
@@ -45,14 +46,24 @@ def test_plain_eager_call_runs_the_body_directly():
     assert calls == [True] and not registry.launching_directly()
 
 
-def test_inputs_needing_gradients_go_through_the_op():
-    x = torch.randn(5, requires_grad=True)
-    out, calls = _run(x)
-    assert calls == [False]
-    out.sum().backward()
-    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
-    with torch.no_grad():
-        assert _run(x)[1] == [True]
+def test_eager_calls_recording_gradients_run_the_body_under_the_registered_formula():
+    factor = float(torch.rand(()) + 0.5)
+    for x in (torch.randn(5, requires_grad=True), torch.nn.Parameter(torch.randn(5))):
+        out, calls = _run(x, factor)
+        assert calls == [True] and type(out.grad_fn).__name__ == "scaledBackward"
+        grad = torch.randn(5)
+        out.backward(grad)
+        torch.testing.assert_close(x.grad, grad * factor)
+        with torch.no_grad():
+            assert _run(x)[1] == [True]
+
+
+def test_subclassed_tensors_go_through_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.randn(5, requires_grad=True)
+        out, calls = _run(x)
+    assert calls == [False] and type(out.grad_fn).__name__ != "scaledBackward"
 
 
 def test_traced_calls_go_through_the_op():

@@ -51,6 +51,12 @@ class Method:
         """Initial learnable parameters (fp32), by name; ``{}`` for methods without any."""
         return {}
 
+    def frozen_params(self, cfg) -> tuple[str, ...]:
+        """Names of the learnable parameters that this config passes no gradient to: ``SparseAttention`` registers
+        them with ``requires_grad=False``, so that optimizers, DDP and ``torch.cuda.make_graphed_callables`` see
+        only parameters that train."""
+        return ()
+
     def head_params(self, cfg) -> tuple[str, ...]:
         """Names of the learnable parameters with one row per query head (leading dim H): sequence parallelism
         gives each rank the rows of its heads."""

@@ -60,6 +60,11 @@ class SLA2(Method):
         return {"proj_q": torch.eye(head_dim), "proj_k": torch.eye(head_dim),
                 "alpha_logit": torch.full((rows, num_blocks(seq_len, cfg.block_q)), logit)}
 
+    def frozen_params(self, cfg):
+        """The router's projections under the hard top-k router, which passes them no gradient (``prepare_stage2``
+        sets them trainable for ``router="soft"``)."""
+        return ("proj_q", "proj_k") if cfg.router == "hard" else ()
+
     def head_params(self, cfg):
         return ("alpha_logit",) if cfg.alpha_per_head else ()
 

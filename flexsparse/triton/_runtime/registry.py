@@ -2,15 +2,18 @@
 
 ``triton_op(name)`` registers a function like ``torch.library.triton_op`` (``wrap_triton`` launches, so
 ``torch.compile(fullgraph=True)`` traces the kernels; the body is its own fake implementation) and returns an
-``Op``. Calling an ``Op`` on plain eager tensors with no autograd graph to record runs the body directly, with
-plain kernel launches: through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) each
-call cost ~30-50 us of host time (2-core CPU VM), about half the host time of an eager LLSA forward, which at
-small N is slower than the GPU work. Everything else (``torch.compile``, fake or functional tensors, inputs that
-need gradients) goes through the op.
+``Op``. Calling an ``Op`` eagerly on plain tensors (``torch.Tensor`` or ``nn.Parameter``) runs the body directly,
+with plain kernel launches: with no autograd graph to record, the body itself; with one, a
+``torch.autograd.Function`` built from the op's registered backward and ``setup_context`` (the same autograd
+formula). Through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) each call cost ~30-50
+us of host time (2-core CPU VM), about half the host time of an eager LLSA forward, which at small N is slower
+than the GPU work. Everything else (``torch.compile``, fake, functional or other subclassed tensors, functorch
+transforms) goes through the op.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Callable
 
@@ -27,28 +30,42 @@ def launching_directly() -> bool:
     return getattr(_STATE, "direct", False)
 
 
-def _plain_eager(values) -> bool:
-    """No tracing, plain ``torch.Tensor`` inputs, and no input that needs a gradient recorded."""
-    if torch.compiler.is_compiling():
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_plain(tensors: list[torch.Tensor]) -> bool:
+    """No tracing, no functorch transform, and only plain tensors (no subclass such as fake or functional ones)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    tensors = [x for x in values if isinstance(x, torch.Tensor)]
-    if any(type(x) is not torch.Tensor for x in tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+    return all(type(x) in PLAIN_TENSORS for x in tensors)
 
 
 class Op:
     """A ``torch.library.triton_op`` (``.op``, e.g. for ``torch.library.opcheck``) whose plain eager calls run
-    its body directly (module docstring)."""
+    its body directly, through an ``autograd.Function`` of the registered formula when gradients are recorded
+    (module docstring)."""
 
     def __init__(self, name: str, body: Callable, mutates_args: tuple[str, ...]):
         self.op = torch.library.triton_op(name, body, mutates_args=mutates_args)
-        self.body = body
+        self.name, self.body = name, body
+        self._signature = inspect.signature(body)
+        self._function = None
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
-        if not _plain_eager([*args, *kwargs.values()]):
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        if not _eager_plain(tensors):
             return self.op(*args, **kwargs)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+            if self._function is None:
+                return self.op(*args, **kwargs)
+            bound = self._signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return self._function.apply(*bound.args)
+        return self.direct(*args, **kwargs)
+
+    def direct(self, *args, **kwargs):
+        """The body with plain kernel launches (``launching_directly``)."""
         previous = launching_directly()
         _STATE.direct = True
         try:
@@ -57,7 +74,27 @@ class Op:
             _STATE.direct = previous
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """The op's autograd formula (``torch.library``'s), also run by the direct path's ``autograd.Function``."""
         self.op.register_autograd(backward, setup_context=setup_context)
+        self._function = _autograd_function(self, backward, setup_context)
+
+
+def _autograd_function(op: Op, backward: Callable, setup_context: Callable) -> type:
+    """An ``autograd.Function`` whose forward is ``op.direct`` and whose ``setup_context`` and ``backward`` are the
+    op's registered ones (all arguments positional, defaults filled in, as the op's ``setup_context`` sees them)."""
+
+    def forward(*args):
+        return op.direct(*args)
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+
+    def differentiate(ctx, *grads):
+        return backward(ctx, *grads)
+
+    members = {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
+               "backward": staticmethod(differentiate)}
+    return type(op.name.split("::")[-1], (torch.autograd.Function,), members)   # its nodes: "<op name>Backward"
 
 
 def triton_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Op]:
