@@ -74,6 +74,7 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
             raise ValueError(f"joint attention is self-attention over one sequence: q and k must have the same "
                              f"length, got {q.shape[2]} and {k.shape[2]}")
         text, visual = joint.slices(q.shape[2])
+        check_text_mask(joint, q)
         q, k, v = (x[:, :, visual] for x in whole)
     fitted = method.fit(cfg, q.shape[2], k.shape[2]) if ring is None else cfg
     blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
@@ -88,18 +89,29 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
                                       parallel=ring)
         else:
             selection = method.select(q, k, v, fitted, chosen, params)
-            steps = chosen if joint is None else WithTextKeys(chosen, whole[1][:, :, text], whole[2][:, :, text])
+            steps = chosen if joint is None else WithTextKeys(chosen, whole[1][:, :, text], whole[2][:, :, text],
+                                                              joint.mask)
             out, lse = steps.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
                                     need_lse=needs_lse)
         if joint is not None:
-            o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
-                                                      need_lse=return_lse)
             order = (0, 1) if joint.text == "prefix" else (1, 0)
+            keys = None if joint.mask is None else torch.cat(
+                [(joint.mask, joint.mask.new_ones(q.shape[0], q.shape[2]))[i] for i in order], dim=1)
+            o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
+                                                      need_lse=return_lse, key_mask=keys)
             out = torch.cat([(o_text, out)[i].to(out.dtype) for i in order], dim=2)
             lse = torch.cat([(lse_text, lse)[i].to(lse.dtype) for i in order], dim=2) if return_lse else None
     if not return_lse:
         return out, None
     return out, (lse if lse.dtype == torch.float64 else lse.float())
+
+
+def check_text_mask(joint: Joint, q: torch.Tensor) -> None:
+    """``joint.mask`` (if any) on q's device with a row per batch element of q ``(B, H, N, D)``."""
+    mask = joint.mask
+    if mask is not None and (mask.shape[0] != q.shape[0] or mask.device != q.device):
+        raise ValueError(f"joint.mask must have one row per batch element of q on its device: ({q.shape[0]}, "
+                         f"{joint.length}) on {q.device}, got {tuple(mask.shape)} on {mask.device}")
 
 
 def head_params(method, cfg: Config, params: Mapping[str, torch.Tensor] | None, heads: slice):

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
+
+import torch
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
 MAX_BLOCK = 2**31 - 1   # block sizes: the index tables and the kernels' token rows are int32
@@ -82,27 +84,38 @@ class Joint:
     queries attend every token densely; visual queries attend every text token densely and the visual tokens by the
     method, in one softmax (the method's softmax branch and the text keys merge by LSE); selection and pooling see
     the visual tokens only. A call argument, not a config key: the text length belongs to the call (the prompt), and
-    a config (and the checkpoints that carry it) stays independent of it."""
+    a config (and the checkpoints that carry it) stays independent of it.
+
+    ``mask``: an optional ``(B, length)`` bool tensor, False for padding text tokens (a batch of prompts of
+    different lengths, HunyuanVideo's): no query attends them, as under SDPA with that key padding mask (their own
+    queries still attend every other key). Left out of equality and ``repr``."""
 
     text: str
     length: int
+    mask: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         check_choice("joint.text", self.text, ("prefix", "suffix"))
         check_int("joint.length", self.length, minimum=0)
+        if self.mask is not None and not (isinstance(self.mask, torch.Tensor) and self.mask.dtype == torch.bool
+                                          and self.mask.dim() == 2 and self.mask.shape[1] == self.length):
+            got = (f"a {self.mask.dtype} tensor of shape {tuple(self.mask.shape)}"
+                   if isinstance(self.mask, torch.Tensor) else type(self.mask).__name__)
+            raise ValueError(f"joint.mask must be a bool tensor of shape (batch, {self.length}) (True: a text token "
+                             f"to attend, False: padding), got {got}")
 
     @classmethod
     def from_value(cls, value: Any) -> "Joint | None":
-        """``None``, a ``Joint`` or a dict ``{"text": "prefix" | "suffix", "length": n}``, checked; ``None`` for no
-        text tokens (a plain call)."""
+        """``None``, a ``Joint`` or a dict ``{"text": "prefix" | "suffix", "length": n}`` (and optionally
+        ``"mask"``), checked; ``None`` for no text tokens (a plain call)."""
         if value is None:
             return None
         if not isinstance(value, (Joint, Mapping)):
             raise TypeError(f"joint must be a flexsparse.Joint, a dict {{'text': 'prefix' | 'suffix', 'length': n}} "
                             f"or None, got {type(value).__name__}")
         if isinstance(value, Mapping):
-            if set(value) != {"text", "length"}:
-                raise ValueError(f"joint takes the keys 'text' and 'length', got {sorted(value)}")
+            if not {"text", "length"} <= set(value) <= {"text", "length", "mask"}:
+                raise ValueError(f"joint takes the keys 'text', 'length' and optionally 'mask', got {sorted(value)}")
             value = cls(**value)
         return value if value.length else None
 

@@ -59,8 +59,9 @@ def sparse_branch(name, q, k, v, cfg, params, scale):
     return block_sparse_dense(q, k, v, selection, scale)[0], 1.0
 
 
-def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale):
-    """``(o, lse)`` of joint attention from dense references (module docstring)."""
+def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale, mask=None):
+    """``(o, lse)`` of joint attention from dense references (module docstring); ``mask`` ``(B, length)``: the text
+    keys attended (padding False), a batch row without any giving visual queries the method's output alone."""
     n = q.shape[2]
     t, vis = (slice(0, length), slice(length, n)) if text == "prefix" else (slice(n - length, n), slice(0, n - length))
     q_v, k_v, v_v = q[:, :, vis], k[:, :, vis], v[:, :, vis]
@@ -69,7 +70,11 @@ def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale):
     heads = q.shape[1] // k.shape[1]
     k_t, v_t = (x[:, :, t].repeat_interleave(heads, 1) for x in (k, v))
     logits_t = scale * q_v @ k_t.transpose(-1, -2)
-    lse_t = torch.logsumexp(logits_t, dim=-1)
+    empty = torch.zeros(q.shape[0], 1, 1, dtype=torch.bool)
+    if mask is not None:    # a row without text keys: its softmax over them is replaced (finite gradients)
+        empty = ~mask.any(-1)[:, None, None]
+        logits_t = logits_t.masked_fill(~(mask | empty[:, 0])[:, None, None, :], float("-inf"))
+    lse_t = torch.where(empty, float("-inf"), torch.logsumexp(logits_t, dim=-1))
     o_t = torch.softmax(logits_t, dim=-1) @ v_t
     weights = torch.softmax(torch.stack([lse_s, lse_t]), dim=0).unsqueeze(-1)      # the two key sets' shares
     o_s, coefficient = sparse_branch(name, q_v, k_v, v_v, cfg, params, scale)
@@ -80,6 +85,8 @@ def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale):
     lse_visual = torch.logaddexp(lse_s, lse_t)
     k_all, v_all = (x.repeat_interleave(heads, 1) for x in (k, v))
     logits = scale * q[:, :, t] @ k_all.transpose(-1, -2)
+    if mask is not None:
+        logits[..., t] = logits[..., t].masked_fill(~mask[:, None, None, :], float("-inf"))
     o_text, lse_text = torch.softmax(logits, dim=-1) @ v_all, torch.logsumexp(logits, dim=-1)
     order = (0, 1) if text == "prefix" else (1, 0)
     return (torch.cat([(o_text, o_visual)[i] for i in order], dim=2),
@@ -116,6 +123,33 @@ def test_joint_attention_equals_the_dense_references(name, text, length, n):
             assert a is None or rel_err(a, b) < 1e-11, f"{where}: gradient of {label}"
 
 
+@pytest.mark.parametrize("text, length, n", [("suffix", 13, 77), ("prefix", 9, 70)], ids=["suffix-13", "prefix-9"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_padding_text_keys_are_attended_by_no_query(name, text, length, n):
+    """``Joint(mask=)``: prompts of 13, 4 and 0 valid tokens (padding at the end, as HunyuanVideo's model pads them)
+    against the dense references with that key padding, outputs, LSE and gradients; a row without valid text gives
+    its visual queries the method's output alone."""
+    cfg, scale = CONFIGS[name], 0.3
+    q, k, v = qkv(batch=3, heads=HEADS, kv_heads=KV_HEADS, n=n, d=D, requires_grad=True)
+    mask = torch.arange(length) < torch.tensor([[length], [4], [0]])
+    params = learned(name, cfg, n - length)
+    leaves = [q, k, v, *params.values()]
+    want, want_lse = expected_joint(name, q, k, v, cfg, params or None, text, length, scale, mask)
+    assert want.isfinite().all()
+    grad, grad_lse = torch.randn_like(want), torch.randn_like(want_lse)
+    expected = torch.autograd.grad((want * grad).sum() + (want_lse * grad_lse).sum(), leaves, allow_unused=True)
+    for backend in [b for b in ("torch", "reference", "triton") if b in fs.METHODS[name].backends]:
+        with ts.triton_ops_on_cpu():
+            out, lse = fs.attention(q, k, v, cfg, backend=backend, scale=scale, return_lse=True,
+                                    params=params or None, joint=fs.Joint(text, length, mask))
+        got = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), leaves, allow_unused=True)
+        where = f"{name} on {backend}"
+        assert rel_err(out, want) < 1e-12 and (lse - want_lse).abs().max() < 1e-12, where
+        for label, a, b in zip(["q", "k", "v", *params], got, expected):
+            assert (a is None) == (b is None), f"{where}: gradient of {label}"
+            assert a is None or rel_err(a, b) < 1e-11, f"{where}: gradient of {label}"
+
+
 def test_joint_full_is_dense_attention_and_length_zero_is_no_joint():
     q, k, v = qkv(heads=HEADS, kv_heads=KV_HEADS, n=40, d=D)
     dense = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -142,7 +176,11 @@ def test_joint_text_keys_reach_every_visual_query():
     ({"text": "middle", "length": 3}, ValueError, r"'joint.text' must be one of \['prefix', 'suffix'\]"),
     ({"text": "prefix", "length": -1}, ValueError, r"'joint.length' must be >= 0"),
     ({"text": "prefix", "length": 2.0}, TypeError, r"'joint.length' must be an int"),
-    ({"text": "prefix"}, ValueError, r"joint takes the keys 'text' and 'length'"),
+    ({"text": "prefix"}, ValueError, r"joint takes the keys 'text', 'length' and optionally 'mask'"),
+    ({"text": "prefix", "length": 3, "mask": torch.ones(2, 3)}, ValueError, r"joint.mask must be a bool tensor of "
+     r"shape \(batch, 3\) \(True: a text token to attend, False: padding\), got a torch.float32 tensor"),
+    ({"text": "prefix", "length": 3, "mask": torch.ones(1, 3, dtype=torch.bool)}, ValueError,
+     r"joint.mask must have one row per batch element of q on its device: \(2, 3\)"),
     ({"text": "prefix", "length": 32}, ValueError, r"joint.length=32 text tokens leave no visual token in a sequence"),
     ("prefix", TypeError, r"joint must be a flexsparse.Joint"),
 ])

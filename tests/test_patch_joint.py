@@ -115,8 +115,8 @@ def cogvideox():
 
 
 class HunyuanBlocks(nn.Module):
-    """HunyuanVideo's double-stream block, then its single-stream one (the model always passes them a text padding
-    mask, which runs dense: the blocks run here without one)."""
+    """HunyuanVideo's double-stream block, then its single-stream one, without the text padding mask the model
+    passes them (``hunyuan_video_model``)."""
 
     def __init__(self):
         super().__init__()
@@ -323,18 +323,54 @@ def ltx():
     return model, inputs, None, 32
 
 
+def hunyuan_video_model():
+    """The whole HunyuanVideo transformer (text refiner, double- and single-stream blocks); its prompts padded to
+    7 tokens (7 and 3 real), which it passes to every block as a key padding mask."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                           num_layers=1, num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0,
+                                           patch_size=1, patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8,
+                                           rope_axes_dim=(2, 2, 4), guidance_embeds=False)
+    prompt = (torch.arange(TEXT) < torch.tensor([[TEXT], [3]])).long()
+    inputs = dict(hidden_states=randn(B, 4, 2, 8, 8), timestep=torch.tensor([3, 5]),
+                  encoder_hidden_states=randn(B, TEXT, 16), encoder_attention_mask=prompt,
+                  pooled_projections=randn(B, 8), return_dict=False)
+    return model, inputs, None, 128
+
+
+def test_hunyuan_video_attends_its_padded_prompts_sparsely():
+    """HunyuanVideo's text padding mask (bool key padding over the joint sequence, visual tokens all kept) runs the
+    method with the padding text keys left out (``Joint.mask``), not dense: strict passes, a top-K over every visual
+    block equals the unpatched model (it would not with the padding attended), fewer blocks differ; the prompt's
+    refiner attention is skipped by default."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model, inputs, _, _ = hunyuan_video_model()
+    model = model.double().eval()
+    dense = run(model, inputs)
+    report = flexsparse.patch(model, topk(8), backend="torch", strict=True)
+    assert list(report) == ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"]
+    assert list(report.skipped) == ["context_embedder.token_refiner.refiner_blocks.0.attn"]
+    torch.testing.assert_close(run(model, inputs), dense, **TOL)
+    flexsparse.unpatch(model)
+    flexsparse.patch(model, topk(2), backend="torch", strict=True)
+    assert (run(model, inputs) - dense).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("name", ["flux", pytest.param("sd3", marks=pytest.mark.exhaustive),
                                   pytest.param("cogvideox", marks=pytest.mark.exhaustive),
                                   pytest.param("hunyuan_video", marks=pytest.mark.exhaustive),
                                   pytest.param("wan", marks=pytest.mark.exhaustive),
                                   pytest.param("pixart", marks=pytest.mark.exhaustive),
-                                  pytest.param("ltx", marks=pytest.mark.exhaustive)])
+                                  pytest.param("ltx", marks=pytest.mark.exhaustive),
+                                  pytest.param("hunyuan_video_model", marks=pytest.mark.exhaustive)])
 def test_patched_models_compile_fullgraph_and_train(name):
     """``torch.compile(patched, fullgraph=True)``: no graph break (``torch._dynamo.explain``), and a training step's
     output and parameter gradients equal eager ones."""
     pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model, inputs, _, _ = {**MODELS, "wan": wan, "pixart": pixart, "ltx": ltx}[name]()
+    model, inputs, _, _ = {**MODELS, "wan": wan, "pixart": pixart, "ltx": ltx,
+                           "hunyuan_video_model": hunyuan_video_model}[name]()
     model = model.double()
     flexsparse.patch(model, topk(2), backend="torch")
 
@@ -351,3 +387,50 @@ def test_patched_models_compile_fullgraph_and_train(name):
         assert (got is None) == (expected is None)
         if got is not None:
             torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_ltx_cross_attention_is_skipped_and_runs_dense_when_named(caplog):
+    """LTX-Video's ``attn2`` (one attention class for self- and cross-attention, no ``is_cross_attention`` flag) is
+    left out by default; named in ``layers=``, a call whose text is as long as its visual tokens runs dense (the
+    lengths alone would let the method run on q and k of two sequences), under strict an error."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model, inputs, _, n_visual = ltx()
+    model = model.double()
+    inputs = {**inputs, "encoder_hidden_states": randn(B, n_visual, 16), "encoder_attention_mask": None}
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+    report = flexsparse.patch(model, topk(1), backend="torch")
+    assert list(report) == ["transformer_blocks.0.attn1"]
+    assert report.skipped == {"transformer_blocks.0.attn2": "cross-attention (patched only when named in layers=)"}
+    flexsparse.unpatch(model)
+    flexsparse.patch(model, topk(1), layers="*.attn2", backend="torch")
+    with caplog.at_level(logging.WARNING, logger="flexsparse"), torch.no_grad():
+        torch.testing.assert_close(model(**inputs)[0], dense, **TOL)
+    assert any("(cross-attention)" in r.getMessage() and f"{n_visual} encoder_hidden_states" in r.getMessage()
+               for r in caplog.records)
+    flexsparse.unpatch(model)
+    flexsparse.patch(model, topk(1), layers="*.attn2", backend="torch", strict=True)
+    with pytest.raises(DenseFallbackError, match="cross-attention"), torch.no_grad():
+        model(**inputs)
+
+
+def test_a_joint_calls_text_padding_runs_the_method_and_other_masks_run_dense(caplog):
+    """``SparseSDPA`` with ``joint``: a bool key padding mask ``(B, 1, 1, N)`` that keeps every visual token becomes
+    ``Joint.mask`` (the method runs); one that masks a visual token, or a float mask, runs dense SDPA with it."""
+    site = SparseSDPA(topk(1), head_dim=8, num_heads=2, backend="torch").double()
+    n, joint = 64 + TEXT, flexsparse.Joint("suffix", TEXT)
+    q, k, v = (randn(B, 2, n, 8) for _ in range(3))
+    keys = torch.ones(B, 1, 1, n, dtype=torch.bool)
+    keys[1, ..., n - 3:] = False
+    want = flexsparse.attention(q, k, v, topk(1), backend="torch",
+                                joint=flexsparse.Joint("suffix", TEXT, keys[:, 0, 0, n - TEXT:]))
+    with caplog.at_level(logging.WARNING, logger="flexsparse"):
+        torch.testing.assert_close(site(q, k, v, attn_mask=keys, joint=joint), want, **TOL)
+        assert not caplog.records
+        visual = keys.clone()
+        visual[0, ..., 5] = False
+        for mask in (visual, torch.zeros(B, 1, n, n, dtype=torch.float64)):
+            torch.testing.assert_close(site(q, k, v, attn_mask=mask, joint=joint),
+                                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask), **TOL)
+    assert [r.getMessage().split("(")[1].split(")")[0] for r in caplog.records] == ["attn_mask"]

@@ -113,12 +113,24 @@ class Backend:
 
     # ---- attention
 
-    def dense_attention(self, q, k, v, scale: float, need_lse: bool):
+    def dense_attention(self, q, k, v, scale: float, need_lse: bool, key_mask: torch.Tensor | None = None):
         """Dense softmax attention by SDPA, and only when ``need_lse`` a separate, differentiable, row-chunked
-        natural-log LSE ``(B, H, Nq)`` (else ``None``)."""
+        natural-log LSE ``(B, H, Nq)`` (else ``None``). ``key_mask``: ``(B, Nk)`` bool, False for keys no query
+        attends; a batch row without any key gives output 0 and LSE -inf (finite gradients)."""
         heads = q.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != k.shape[1])
-        return out, (_chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale) if need_lse else None)
+        if key_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != k.shape[1])
+            lse = _chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale) if need_lse else None
+            return out, lse
+        empty = ~key_mask.any(-1, keepdim=True)                                                   # (B, 1)
+        keys = key_mask | empty               # an empty row attends every key, then its results are replaced
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :], scale=scale,
+                                             enable_gqa=heads != k.shape[1])
+        out = torch.where(empty[:, :, None, None], 0, out)
+        if not need_lse:
+            return out, None
+        lse = _chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale, keys=keys)
+        return out, torch.where(empty[:, :, None], float("-inf"), lse)
 
     def block_sparse_attention(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool = False,
                                quant: QuantConfig | None = None):
@@ -220,9 +232,15 @@ def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: t
     return out.to(o1.dtype), lse
 
 
-def _chunked_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 1024) -> torch.Tensor:
-    """Natural-log LSE of dense attention, computed in row chunks (no N x N tensor)."""
+def _chunked_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 1024,
+                 keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Natural-log LSE of dense attention, computed in row chunks (no N x N tensor); ``keys``: ``(B, Nk)`` bool, the
+    keys each batch row attends (at least one per row)."""
     acc = accumulation_dtype(q.dtype)
-    parts = [torch.logsumexp((q[:, :, s:s + rows].to(acc) @ k.to(acc).transpose(-1, -2)) * scale, dim=-1)
-             for s in range(0, q.shape[2], rows)]
+    parts = []
+    for s in range(0, q.shape[2], rows):
+        logits = (q[:, :, s:s + rows].to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+        if keys is not None:
+            logits = logits.masked_fill(~keys[:, None, None, :], float("-inf"))
+        parts.append(torch.logsumexp(logits, dim=-1))
     return torch.cat(parts, dim=-1)

@@ -15,10 +15,13 @@ class WithTextKeys:
     ``k_text``, ``v_text`` ``(B, Hk, n_t, D)``: each branch's output merges by LSE with dense attention over them, one
     softmax over both key sets. Steps that fuse a softmax branch with another (``sparse_linear_output``) decline, so
     the method runs the branches apart and the linear branches (SLA, SLA2) and VSA's coarse branch see the visual
-    tokens only. The reference backend runs the method's steps as well (its dense specs have no text keys)."""
+    tokens only. The reference backend runs the method's steps as well (its dense specs have no text keys).
+    ``text_mask``: ``(B, n_t)`` bool, False for padding text keys, which no query attends; the text branch then runs
+    as the backend's masked dense attention (SDPA and a row-chunked LSE) instead of its block-sparse kernel."""
 
-    def __init__(self, backend: Backend, k_text: torch.Tensor, v_text: torch.Tensor):
-        self._backend, self._k_text, self._v_text = backend, k_text, v_text
+    def __init__(self, backend: Backend, k_text: torch.Tensor, v_text: torch.Tensor,
+                 text_mask: torch.Tensor | None = None):
+        self._backend, self._k_text, self._v_text, self._text_mask = backend, k_text, v_text, text_mask
 
     def __getattr__(self, name: str):
         return getattr(self._backend, name)
@@ -54,6 +57,9 @@ class WithTextKeys:
         text block selected: one fused kernel with its LSE and LSE gradient on triton and flex. ``dense_attention``
         computes its LSE apart, in row chunks: joint calls through it took 42-49 ms forward+backward against 3.9 ms
         for the visual tokens alone (H200, B1 H16 D64 bf16, 65536 visual and 512 text tokens, llsa and topk)."""
+        if self._text_mask is not None:
+            return self._backend.dense_attention(q, self._k_text, self._v_text, scale, need_lse=True,
+                                                 key_mask=self._text_mask)
         bsz, heads, n_q, _ = q.shape
         n_text = self._k_text.shape[2]
         every = torch.arange(num_blocks(n_text, TEXT_BLOCK), dtype=torch.int32, device=q.device)

@@ -82,9 +82,13 @@ class CallText:
 
     def sdpa_arguments(self, n_queries: int, n_keys: int) -> dict[str, Any]:
         """``SparseSDPA`` keywords for an SDPA call of ``n_queries`` queries and ``n_keys`` keys: ``joint`` where it
-        attends the joint sequence, ``dense`` (the reason) where it does so with the text on an unknown side, none
-        for other calls."""
+        attends the joint sequence, ``dense`` (the reason) where it does so with the text on an unknown side or where
+        it attends the call's text as many queries (cross-attention that the lengths alone would not tell), none for
+        other calls (cross-attention of other lengths is ``SparseSDPA``'s own check)."""
         total = n_queries if self.visual is None else self.length + self.visual
+        if self.visual is not None and n_queries == n_keys == self.length != total:
+            return {"dense": ("cross-attention", f"its {n_queries} queries attend the call's {n_keys} "
+                              "encoder_hidden_states tokens (as many as the queries), not a joint sequence")}
         if not self.length or n_queries != n_keys or n_queries != total or n_queries <= self.length:
             return {}
         if self.side is None:

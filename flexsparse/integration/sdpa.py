@@ -41,6 +41,7 @@ class SparseSDPA(nn.Module):
     parameters live in ``state_dict``), and dense SDPA instead when the config is ``"full"``, during
     the dense warm-up (see ``set_step``), when a mask or ``is_causal`` is given, or when the method is
     self-attention only and the call is cross-attention (``Nq != Nk``); it logs each reason once (module docstring).
+    A joint call's bool key padding mask of its text tokens runs the method (``text_padding``).
 
     strict: raise ``DenseFallbackError`` instead of running dense for an unintended reason (any but a ``"full"``
     config and warm-up). name: the module's qualified name in its model (``patch`` passes it), for the log and errors.
@@ -119,6 +120,11 @@ class SparseSDPA(nn.Module):
         """The call in this process on the whole sequence; ``heads``: the slice of the query heads that q holds
         (sequence parallelism), ``None`` for all of them."""
         reason = self._dense_reason(query, key, attn_mask, is_causal, dense)
+        if reason is not None and reason[0] == "attn_mask" and joint is not None:
+            padding = text_padding(attn_mask, joint, query)
+            if padding is not None:
+                joint, attn_mask = Joint(joint.text, joint.length, padding), None
+                reason = self._dense_reason(query, key, None, is_causal, dense)
         if reason is not None:
             self.fallback(*reason)
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -160,7 +166,8 @@ class SparseSDPA(nn.Module):
         if self.dense:
             return "warm-up", f"a step below dense_warmup_steps={self.dense_warmup_steps} (flexsparse.set_step)"
         if attn_mask is not None:
-            return "attn_mask", "the call passes attn_mask, which sparse methods do not apply"
+            return "attn_mask", ("the call passes attn_mask, which sparse methods do not apply (but a joint call's "
+                                 "bool key padding of its text tokens)")
         if is_causal:
             return "is_causal", "the call passes is_causal=True, which sparse methods do not apply"
         if dense is not None:
@@ -193,6 +200,26 @@ class SparseSDPA(nn.Module):
     def extra_repr(self) -> str:
         return (f"config={self.config.to_dict()}, dense_warmup_steps={self.dense_warmup_steps}, "
                 f"token_grid={self.token_grid}, strict={self.strict}")
+
+
+def text_padding(attn_mask: torch.Tensor, joint: Joint, query: torch.Tensor) -> torch.Tensor | None:
+    """The ``(B, n_text)`` text key mask (``Joint.mask``) of a joint call whose ``attn_mask`` is a bool key padding
+    mask ``(B or 1, 1, 1, N)`` that keeps every visual token (HunyuanVideo's, padding its prompts), else None.
+    Eagerly the visual part is checked on the host (one sync; a mask on visual tokens runs dense); in a compiled
+    graph by ``torch._assert_async`` (no graph break; a mask on visual tokens fails the assert)."""
+    n = query.shape[-2]
+    if (attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or tuple(attn_mask.shape[1:3]) != (1, 1)
+            or attn_mask.shape[3] != n or attn_mask.shape[0] not in (1, query.shape[0])):
+        return None
+    keys = attn_mask[:, 0, 0].expand(query.shape[0], n)
+    text, visual = joint.slices(n)
+    keeps_visual = keys[:, visual].all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(keeps_visual, "flexsparse: a joint call's attn_mask masks visual tokens, which sparse "
+                                          "methods cannot apply (it runs dense eagerly)")
+    elif not bool(keeps_visual):
+        return None
+    return keys[:, text]
 
 
 def _ulysses_only(parallel) -> ParallelConfig | None:

@@ -7,7 +7,11 @@ processor: its ``F.scaled_dot_product_attention`` calls are routed).
 
 By default every diffusers-style self-attention is patched, single-stream ones (no ``to_out``, e.g. Flux's
 ``pre_only`` ones) where their block's forward takes ``encoder_hidden_states`` (``flexsparse.integration.joint``
-finds their text there), and timm-style attention. ``skipped_sites`` names the attention-like modules that a patch
+finds their text there), and timm-style attention. Cross-attention is left out (``is_cross_attention``): the module's
+``is_cross_attention`` flag (diffusers' ``Attention``, Wan's), a class named ``...CrossAttention``, or a child that
+``CROSS_ATTENTION_CHILDREN`` names for modules whose class serves both (LTX-Video's ``LTXAttention``); so is the
+attention of the prompt's refiner blocks (``TEXT_REFINER_BLOCKS``, HunyuanVideo's), which sees no visual token.
+``skipped_sites`` names the attention-like modules that a patch
 leaves alone, and why, for ``patch``'s summary.
 """
 from __future__ import annotations
@@ -27,6 +31,15 @@ _HEAD_DIMS = ("head_dim", "dim_head", "attention_head_dim")
 _WIDTHS = ("inner_dim", "embed_dim", "hidden_size", "dim")
 _ATTENTION_NAME = re.compile("attention|attn", re.IGNORECASE)
 _OURS = (SparseAttention, SparseSDPA)   # already flexsparse: never reported as skipped
+# block class -> its children that attend another sequence (text, audio), for attention classes without an
+# ``is_cross_attention`` flag that serve as self- and cross-attention alike
+CROSS_ATTENTION_CHILDREN = {
+    "LTXVideoTransformerBlock": ("attn2",),
+    "LTX2VideoTransformerBlock": ("attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn"),
+}
+# blocks that refine the prompt's tokens before the transformer: their attention sees no visual token
+TEXT_REFINER_BLOCKS = ("HunyuanVideoIndividualTokenRefinerBlock", "HunyuanVideo15IndividualTokenRefinerBlock",
+                       "HunyuanImageIndividualTokenRefinerBlock", "MiniMaxH3TokenRefinerBlock")
 
 
 def is_diffusers_attention(module: nn.Module) -> bool:
@@ -60,8 +73,8 @@ def find_sites(model: nn.Module, layers: tuple[str, ...] | None) -> list[tuple[s
     if layers is None:
         modules = dict(named)
         chosen = [(n, m) for n, m in named if is_timm_attention(m)
-                  or (is_diffusers_attention(m) and not getattr(m, "is_cross_attention", False)
-                      and not _text_unknown(n, m, modules))]
+                  or (is_diffusers_attention(m) and not is_cross_attention(n, m, modules)
+                      and not _text_unknown(n, m, modules) and not _refines_text(n, modules))]
         if not chosen:
             raise ValueError("found no diffusers- or timm-style attention module in the model; name the modules "
                              "that call F.scaled_dot_product_attention with layers=['blocks.*.attn']")
@@ -107,9 +120,22 @@ def _skip_reason(name: str, module: nn.Module, layers: tuple[str, ...] | None, m
     if is_diffusers_attention(module) and _text_unknown(name, module, modules):
         return ("single-stream attention whose block gets its text and image tokens already joined, so their "
                 "lengths are unknown (named in layers=, it attends them all as visual tokens)")
+    if is_diffusers_attention(module) and _refines_text(name, modules):
+        return "attention over the prompt's tokens only, in a text refiner block (patched only when named in layers=)"
     if is_diffusers_attention(module):   # by default only its cross-attention is left out
         return "cross-attention (patched only when named in layers=)"
     return "not diffusers- or timm-style (name it in layers= if it calls F.scaled_dot_product_attention)"
+
+
+def is_cross_attention(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> bool:
+    """Whether the attention module ``name`` attends another sequence than its queries' (module docstring)."""
+    flag = getattr(module, "is_cross_attention", None)
+    if flag is not None:
+        return bool(flag)
+    if "CrossAttention" in type(module).__name__:
+        return True
+    block = block_of(name, modules)
+    return block is not None and name.rpartition(".")[2] in CROSS_ATTENTION_CHILDREN.get(type(block).__name__, ())
 
 
 def block_of(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
@@ -122,6 +148,12 @@ def _text_unknown(name: str, module: nn.Module, modules: dict[str, nn.Module]) -
     ``encoder_hidden_states`` (``joint.text_positions``): nothing says which of its tokens are text."""
     block = block_of(name, modules)
     return is_single_stream(module) and (block is None or text_positions(block) is None)
+
+
+def _refines_text(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether module ``name`` sits in a ``TEXT_REFINER_BLOCKS`` block."""
+    block = block_of(name, modules)
+    return block is not None and type(block).__name__ in TEXT_REFINER_BLOCKS
 
 
 def _nested(outer: str, inner: str) -> bool:

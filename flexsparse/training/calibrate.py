@@ -147,7 +147,7 @@ def calibrate_sla2(recorder: QKVRecorder, topk_ratios: Sequence[float] = (0.05, 
             for ratio, soft in zip(group, configs):
                 hard = dataclasses.replace(module.config, topk_ratio=ratio, router="hard")
                 params[ratio][name] = {n: t.cpu() for n, t in fitted.items()}
-                n_keys = data.records[0].k.shape[2]
+                n_keys = data.records[0].visual_keys
                 rows.append(CalibrationRow(
                     name, ratio, ratio_count(ratio, num_blocks(n_keys, soft.block_k), minimum=1),
                     num_blocks(n_keys, soft.block_k),
@@ -177,9 +177,11 @@ class _LayerData:
         return q, k, v, r.scale, self._targets[i].to(self.device)
 
     def loss(self, i: int, config, params: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
-        """MSE (fp32) of SLA2 with ``config`` and ``params`` against full attention on record ``i``."""
+        """MSE (fp32) of SLA2 with ``config`` and ``params`` against full attention on record ``i`` (a joint call as
+        such: the method on its visual tokens, the text attended densely)."""
         q, k, v, scale, target = self.get(i)
-        return F.mse_loss(attention(q, k, v, config, backend=backend, scale=scale, params=params), target)
+        out = attention(q, k, v, config, backend=backend, scale=scale, params=params, joint=self.records[i].joint)
+        return F.mse_loss(out, target)
 
     @torch.no_grad()
     def mse(self, config, params: dict[str, torch.Tensor], backend: str) -> float:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..api import attention
+from ..config import Joint
 from .layers import LayerSpec, select_layers
 
 FULL = {"method": "full"}
@@ -14,13 +15,20 @@ FULL = {"method": "full"}
 
 @dataclass(frozen=True)
 class QKV:
-    """One recorded call: ``q (B, H, N, D)``, ``k, v (B, Hk, N, D)`` (detached, as received) and the
-    softmax scale it was called with (None: ``1/sqrt(D)``)."""
+    """One recorded call: ``q (B, H, N, D)``, ``k, v (B, Hk, N, D)`` (detached, as received), the
+    softmax scale it was called with (None: ``1/sqrt(D)``) and its ``flexsparse.Joint`` (None: no text tokens),
+    so that calibration runs the call as the layer does, the method on its visual tokens."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     scale: float | None
+    joint: Joint | None = None
+
+    @property
+    def visual_keys(self) -> int:
+        """The keys the method selects among: all but the text tokens."""
+        return self.k.shape[2] - (0 if self.joint is None else self.joint.length)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +95,7 @@ class QKVRecorder:
             self.calls[name] += 1
             if len(self.records[name]) < self.max_batches:
                 store = [x.detach().to(self.device or x.device, copy=True) for x in (q, k, v)]
-                self.records[name].append(QKV(*store, scale))
+                self.records[name].append(QKV(*store, scale, Joint.from_value(kwargs.get("joint"))))
             if self.dense:
                 return attention(q, k, v, FULL, scale=scale, return_lse=bool(kwargs.get("return_lse")))
             return output
