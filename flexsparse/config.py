@@ -119,6 +119,10 @@ class Joint:
             value = cls(**value)
         return value if value.length else None
 
+    def to(self, device) -> "Joint":
+        """This joint with its ``mask`` (if any) on ``device``."""
+        return self if self.mask is None else dataclasses.replace(self, mask=self.mask.to(device))
+
     def slices(self, n: int) -> tuple[slice, slice]:
         """``(text, visual)`` token slices of a sequence of ``n`` tokens; raises where no visual token is left."""
         if self.length >= n:

@@ -124,23 +124,26 @@ def test_calibration_reduces_the_hard_mse_and_the_router_learns():
 
 
 def test_joint_calls_are_recorded_and_calibrated_as_joint_calls():
-    """A layer called with text tokens before its visual ones (``joint=``): the records keep the call's ``Joint`` and
-    calibration runs each as the layer does, the method on the visual tokens only (its rows count their blocks),
-    the text attended densely; the hard MSE it reports is that of the joint call."""
+    """A layer called with padded text tokens before its visual ones (``joint=``): the records keep the call's
+    ``Joint`` with its mask, and calibration runs each as the layer does, the method on the visual tokens only (its
+    rows count their blocks), the text attended densely without its padding, against full attention without it; the
+    hard MSE it reports is that of the joint call."""
     text = 24
     model = nn.ModuleDict({"attn": sla2_layer()})
-    joint = flexsparse.Joint("prefix", text)
+    joint = flexsparse.Joint("prefix", text, torch.arange(text).expand(B, text) < 16)     # 8 padding text tokens
     with QKVRecorder(model, max_batches=2) as recorder, torch.no_grad():
         for _ in range(2):
             words = [torch.randn(B, H, text, D) for _ in range(3)]
             model["attn"](*(torch.cat([w, x], 2) for w, x in zip(words, spiky_qkv())), joint=joint)
     assert [(r.joint, r.visual_keys) for r in recorder.records["attn"]] == [(joint, N)] * 2
+    assert all(torch.equal(r.joint.mask, joint.mask) for r in recorder.records["attn"])
     (row,) = calibrate_sla2(recorder, [RATIO], steps=40, lr=5e-2, progress=False).rows
     assert (row.kept, row.key_blocks) == (4, 32)
     cfg = dataclasses.replace(model["attn"].config, router="hard")
     params = dict(model["attn"].params.items())
+    keys = torch.cat([joint.mask, torch.ones(B, N, dtype=torch.bool)], dim=1)[:, None, None, :]
     by_hand = sum(F.mse_loss(flexsparse.attention(r.q, r.k, r.v, cfg, backend="torch", params=params, joint=joint),
-                             F.scaled_dot_product_attention(r.q, r.k, r.v)).item()
+                             F.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=keys)).item()
                   for r in recorder.records["attn"]) / 2
     assert row.hard_before == pytest.approx(by_hand, rel=1e-5)
     assert row.hard_after < row.hard_before

@@ -11,8 +11,7 @@ finds their text there), and timm-style attention. Cross-attention is left out (
 ``is_cross_attention`` flag (diffusers' ``Attention``, Wan's), a class named ``...CrossAttention``, or a child that
 ``CROSS_ATTENTION_CHILDREN`` names for modules whose class serves both (LTX-Video's ``LTXAttention``); so is the
 attention of the prompt's refiner blocks (``TEXT_REFINER_BLOCKS``, HunyuanVideo's), which sees no visual token.
-``skipped_sites`` names the attention-like modules that a patch
-leaves alone, and why, for ``patch``'s summary.
+``skipped_sites`` names the attention-like modules that a patch leaves alone, and why, for ``patch``'s summary.
 """
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def calibrate_sla2(recorder: QKVRecorder, topk_ratios: Sequence[float] = (0.05, 
 
 class _LayerData:
     """One layer's records on the fitting device (one call at a time, fp32) and their full-attention
-    outputs (computed once, kept where the records are)."""
+    outputs (computed once, kept where the records are; a joint call's padding text tokens left out)."""
 
     def __init__(self, records: list[QKV], device: torch.device):
         self.records, self.device = records, device
@@ -173,14 +173,19 @@ class _LayerData:
         q, k, v = (x.to(self.device, torch.float32) for x in (r.q, r.k, r.v))
         if self._targets[i] is None:
             with torch.no_grad():
-                self._targets[i] = attention(q, k, v, FULL, scale=r.scale).to(r.q.device)
+                self._targets[i] = attention(q, k, v, FULL, scale=r.scale, joint=self.joint(i)).to(r.q.device)
         return q, k, v, r.scale, self._targets[i].to(self.device)
+
+    def joint(self, i: int):
+        """Record ``i``'s ``Joint`` (None without text tokens) on the fitting device."""
+        joint = self.records[i].joint
+        return None if joint is None else joint.to(self.device)
 
     def loss(self, i: int, config, params: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
         """MSE (fp32) of SLA2 with ``config`` and ``params`` against full attention on record ``i`` (a joint call as
         such: the method on its visual tokens, the text attended densely)."""
         q, k, v, scale, target = self.get(i)
-        out = attention(q, k, v, config, backend=backend, scale=scale, params=params, joint=self.records[i].joint)
+        out = attention(q, k, v, config, backend=backend, scale=scale, params=params, joint=self.joint(i))
         return F.mse_loss(out, target)
 
     @torch.no_grad()

@@ -91,13 +91,13 @@ class QKVRecorder:
     def _hook(self, name: str):
         def hook(module, args, kwargs, output):
             q, k, v = _qkv(args, kwargs)
-            scale = kwargs.get("scale")
+            scale, joint = kwargs.get("scale"), Joint.from_value(kwargs.get("joint"))
             self.calls[name] += 1
             if len(self.records[name]) < self.max_batches:
                 store = [x.detach().to(self.device or x.device, copy=True) for x in (q, k, v)]
-                self.records[name].append(QKV(*store, scale, Joint.from_value(kwargs.get("joint"))))
+                self.records[name].append(QKV(*store, scale, None if joint is None else joint.to(store[0].device)))
             if self.dense:
-                return attention(q, k, v, FULL, scale=scale, return_lse=bool(kwargs.get("return_lse")))
+                return attention(q, k, v, FULL, scale=scale, return_lse=bool(kwargs.get("return_lse")), joint=joint)
             return output
         return hook
 
