@@ -5,9 +5,9 @@
 ``Op``. Calling an ``Op`` eagerly on plain tensors (``torch.Tensor`` or ``nn.Parameter``) runs the body directly,
 with plain kernel launches: with no autograd graph to record, the body itself; with one, a
 ``torch.autograd.Function`` built from the op's registered backward and ``setup_context`` (the same autograd
-formula). Through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) each call cost ~30-50
-us of host time (2-core CPU VM), about half the host time of an eager LLSA forward, which at small N is slower
-than the GPU work. Everything else (``torch.compile``, fake, functional or other subclassed tensors, functorch
+formula). Through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) a call cost ~30 us
+more host time without gradients and ~60-100 us more with its backward (2-core CPU VM, a trivial op); an eager
+LLSA forward is a few such calls, and at small N the host time exceeds the GPU work. Everything else (``torch.compile``, fake, functional or other subclassed tensors, functorch
 transforms) goes through the op.
 """
 from __future__ import annotations
@@ -59,9 +59,11 @@ class Op:
         if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
             if self._function is None:
                 return self.op(*args, **kwargs)
-            bound = self._signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return self._function.apply(*bound.args)
+            if kwargs or len(args) != len(self._signature.parameters):
+                bound = self._signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = bound.args
+            return self._function.apply(*args)
         return self.direct(*args, **kwargs)
 
     def direct(self, *args, **kwargs):
@@ -80,20 +82,20 @@ class Op:
 
 
 def _autograd_function(op: Op, backward: Callable, setup_context: Callable) -> type:
-    """An ``autograd.Function`` whose forward is ``op.direct`` and whose ``setup_context`` and ``backward`` are the
-    op's registered ones (all arguments positional, defaults filled in, as the op's ``setup_context`` sees them)."""
+    """An ``autograd.Function`` whose forward is ``op.direct`` followed by the op's registered ``setup_context``
+    (all arguments positional, defaults filled in, as the op's ``setup_context`` sees them) and whose backward is
+    the op's. The forward takes ``ctx`` itself: a separate ``setup_context`` staticmethod makes every ``apply`` bind
+    its arguments through ``inspect.signature`` (~80 us of host time per call on a 2-core VM)."""
 
-    def forward(*args):
-        return op.direct(*args)
-
-    def setup(ctx, inputs, output):
-        setup_context(ctx, inputs, output)
+    def forward(ctx, *args):
+        output = op.direct(*args)
+        setup_context(ctx, args, output)
+        return output
 
     def differentiate(ctx, *grads):
         return backward(ctx, *grads)
 
-    members = {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
-               "backward": staticmethod(differentiate)}
+    members = {"forward": staticmethod(forward), "backward": staticmethod(differentiate)}
     return type(op.name.split("::")[-1], (torch.autograd.Function,), members)   # its nodes: "<op name>Backward"
 
 
