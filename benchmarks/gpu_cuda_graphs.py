@@ -2,9 +2,9 @@
 under ``torch.cuda.make_graphed_callables``. Not a ``python -m flexsparse`` case: the runner times one call, this
 times the calls a training loop makes, with their graph bookkeeping.
 
-Per method (its example config) and N: the ``no_grad`` forward and a training step (gradients of q, k, v and the
-trainable parameters reset, forward, backward with a fixed upstream gradient), each step after
-``torch.compiler.cudagraph_mark_step_begin()``; do_bench medians in ms after three warm-up steps; B2 H8 D64 bf16.
+Per method (its example config, parameters moved off their initial values as the runner does) and N: the
+``no_grad`` forward and a training step (gradients of q, k, v and the trainable parameters reset, forward, backward
+with a fixed upstream gradient), each step after ``torch.compiler.cudagraph_mark_step_begin()``; do_bench medians in ms after three warm-up steps; B2 H8 D64 bf16.
 Dense cuDNN SDPA in the same run. Writes ``bench_out/cuda_graphs.json`` and prints a table.
 
     python benchmarks/gpu_cuda_graphs.py [--sizes 4096 16384] [--methods llsa sla ...]
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from triton.testing import do_bench
 
-import flexsparse
+from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
 
 B, H, D = 2, 8, 64
@@ -32,8 +32,7 @@ def attention_fn(kind: str, method: str | None, n: int, sample):
     """The callable a loop of ``kind`` runs and the parameters it trains (dense SDPA for ``method=None``)."""
     if method is None:
         return F.scaled_dot_product_attention, []
-    module = flexsparse.SparseAttention(METHODS[method].example, head_dim=D, num_heads=H, seq_len=n,
-                                        backend="triton").cuda()
+    module = build_module(METHODS[method].example, "triton", D, H, n, "cuda")
     params = [p for p in module.parameters() if p.requires_grad]
     if kind == "reduce-overhead":
         return torch.compile(module, mode="reduce-overhead"), params

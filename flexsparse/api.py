@@ -94,13 +94,13 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
             out, lse = steps.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
                                     need_lse=needs_lse)
         if joint is not None:
-            order = (0, 1) if joint.text == "prefix" else (1, 0)
-            keys = None if joint.mask is None else torch.cat(
-                [(joint.mask, joint.mask.new_ones(q.shape[0], q.shape[2]))[i] for i in order], dim=1)
+            keys = joint.mask
+            if keys is not None:   # the text mask over the whole sequence: every visual key attended
+                keys = joint.join(keys, keys.new_ones(q.shape[0], q.shape[2]), dim=1)
             o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
                                                       need_lse=return_lse, key_mask=keys)
-            out = torch.cat([(o_text, out)[i].to(out.dtype) for i in order], dim=2)
-            lse = torch.cat([(lse_text, lse)[i].to(lse.dtype) for i in order], dim=2) if return_lse else None
+            out = joint.join(o_text.to(out.dtype), out, dim=2)
+            lse = joint.join(lse_text.to(lse.dtype), lse, dim=2) if return_lse else None
     if not return_lse:
         return out, None
     return out, (lse if lse.dtype == torch.float64 else lse.float())

@@ -119,6 +119,10 @@ class Joint:
             value = cls(**value)
         return value if value.length else None
 
+    def join(self, text: torch.Tensor, visual: torch.Tensor, dim: int) -> torch.Tensor:
+        """The text and the visual parts of something along the sequence concatenated on ``dim`` in its order."""
+        return torch.cat([text, visual] if self.text == "prefix" else [visual, text], dim=dim)
+
     def to(self, device) -> "Joint":
         """This joint with its ``mask`` (if any) on ``device``."""
         return self if self.mask is None else dataclasses.replace(self, mask=self.mask.to(device))

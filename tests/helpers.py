@@ -21,6 +21,24 @@ SMALL_CONFIGS = {
 }
 
 
+def assert_fullgraph_step_equals_eager(model, run, tol: dict) -> None:
+    """``torch.compile(model, fullgraph=True, backend="aot_eager")`` has no graph break (``torch._dynamo.explain`` of
+    ``run(model)``), and a training step, ``run(module)`` and the gradients of ``model``'s trainable parameters of
+    its squared sum, equals the eager one to ``tol``."""
+    def step(module):
+        out = run(module)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return out, torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(lambda: run(model))().graph_break_count == 0
+    (out, grads), (want, want_grads) = step(torch.compile(model, fullgraph=True, backend="aot_eager")), step(model)
+    torch.testing.assert_close(out, want, **tol)
+    for got, expected in zip(grads, want_grads):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            torch.testing.assert_close(got, expected, **tol)
+
+
 def exhaustive_where(cases: list, heavy) -> list:
     """``cases`` for ``pytest.mark.parametrize`` with those for which ``heavy(case)`` holds in the exhaustive tier."""
     return [pytest.param(*case, marks=pytest.mark.exhaustive) if heavy(case) else case for case in cases]

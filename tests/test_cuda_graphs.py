@@ -10,21 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flexsparse
+from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
 from triton_support import gpu, triton_methods
 
 HEADS, DIM, N = 4, 64, 4096
-
-
-def _module(method: str) -> flexsparse.SparseAttention:
-    """The method's example config with its parameters moved off their initial values (zero branches do work)."""
-    module = flexsparse.SparseAttention(METHODS[method].example, head_dim=DIM, num_heads=HEADS, seq_len=N,
-                                        backend="triton").cuda()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return module
 
 
 def _eager(module, q, k, v, grad):
@@ -58,7 +48,7 @@ def _loop(step_fn, module, q, k, v, grad, steps=3):
 @pytest.mark.parametrize("method", triton_methods())
 def test_gpu_cuda_graphs_train_and_evaluate_like_eager(method, graphs):
     torch._dynamo.reset()
-    module = _module(method)
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, N, "cuda")   # parameters off init
     q, k, v, grad = (torch.randn(2, HEADS, N, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     want_out, want_grads = _eager(module, q, k, v, grad)
     if graphs == "reduce-overhead":

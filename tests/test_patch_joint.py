@@ -22,6 +22,7 @@ import flexsparse
 from flexsparse.integration import DenseFallbackError, SparseSDPA
 from flexsparse.integration.joint import JOINT_PROCESSORS, SINGLE_STREAM_BLOCKS
 from flexsparse.masks import morton_order_2d
+from helpers import assert_fullgraph_step_equals_eager
 from stand_ins import TinyViT
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -373,20 +374,7 @@ def test_patched_models_compile_fullgraph_and_train(name):
                            "hunyuan_video_model": hunyuan_video_model}[name]()
     model = model.double()
     flexsparse.patch(model, topk(2), backend="torch")
-
-    def step(module):
-        out = module(**inputs)[0]
-        grads = torch.autograd.grad((out * out).sum(), [p for p in model.parameters() if p.requires_grad],
-                                    allow_unused=True)
-        return out, grads
-    torch._dynamo.reset()
-    assert torch._dynamo.explain(lambda: model(**inputs))().graph_break_count == 0
-    (out, grads), (want, want_grads) = step(torch.compile(model, fullgraph=True, backend="aot_eager")), step(model)
-    torch.testing.assert_close(out, want, **TOL)
-    for got, expected in zip(grads, want_grads):
-        assert (got is None) == (expected is None)
-        if got is not None:
-            torch.testing.assert_close(got, expected, **TOL)
+    assert_fullgraph_step_equals_eager(model, lambda module: module(**inputs)[0], TOL)
 
 
 def test_ltx_cross_attention_is_skipped_and_runs_dense_when_named(caplog):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flexsparse
+from helpers import assert_fullgraph_step_equals_eager
 
 timm = pytest.importorskip("timm")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -67,13 +68,4 @@ def test_timm_models_patch_whole_and_exact(name):
 def test_timm_models_compile_fullgraph_and_train(name):
     model, x, _ = build(name)
     flexsparse.patch(model, topk(1), backend="torch")
-    model.train()
-    torch._dynamo.reset()
-    assert torch._dynamo.explain(model)(x).graph_break_count == 0
-    (out, grads), (want, want_grads) = (training_step(torch.compile(model, fullgraph=True, backend="aot_eager"), x),
-                                        training_step(model, x))
-    torch.testing.assert_close(out, want, **TOL)
-    for got, expected in zip(grads, want_grads):
-        assert (got is None) == (expected is None)
-        if got is not None:
-            torch.testing.assert_close(got, expected, **TOL)
+    assert_fullgraph_step_equals_eager(model.train(), lambda module: module(x), TOL)

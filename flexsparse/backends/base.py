@@ -118,19 +118,18 @@ class Backend:
         natural-log LSE ``(B, H, Nq)`` (else ``None``). ``key_mask``: ``(B, Nk)`` bool, False for keys no query
         attends; a batch row without any key gives output 0 and LSE -inf (finite gradients)."""
         heads = q.shape[1]
-        if key_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != k.shape[1])
-            lse = _chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale) if need_lse else None
-            return out, lse
-        empty = ~key_mask.any(-1, keepdim=True)                                                   # (B, 1)
-        keys = key_mask | empty               # an empty row attends every key, then its results are replaced
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :], scale=scale,
-                                             enable_gqa=heads != k.shape[1])
-        out = torch.where(empty[:, :, None, None], 0, out)
-        if not need_lse:
-            return out, None
-        lse = _chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale, keys=keys)
-        return out, torch.where(empty[:, :, None], float("-inf"), lse)
+        empty = None
+        if key_mask is not None:
+            empty = ~key_mask.any(-1, keepdim=True)                                               # (B, 1)
+            key_mask = key_mask | empty       # an empty row attends every key, then its results are replaced
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if key_mask is None else key_mask[:, None, None],
+                                             scale=scale, enable_gqa=heads != k.shape[1])
+        lse = (_chunked_lse(q, k[:, kv_head_index(heads, k.shape[1], q.device)], scale, keys=key_mask)
+               if need_lse else None)
+        if empty is not None:
+            out = torch.where(empty[:, :, None, None], 0, out)
+            lse = None if lse is None else torch.where(empty[:, :, None], float("-inf"), lse)
+        return out, lse
 
     def block_sparse_attention(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool = False,
                                quant: QuantConfig | None = None):

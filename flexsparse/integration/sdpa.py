@@ -10,6 +10,7 @@ flexsparse does not know). ``strict=True`` turns the unintended ones into ``Dens
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -154,10 +155,8 @@ class SparseSDPA(nn.Module):
                              f"queries{text}")
         if not n_text:
             return self.perm, self.inverse
-        text = torch.arange(n_text, device=self.perm.device)
-        if joint.text == "prefix":
-            return torch.cat([text, self.perm + n_text]), torch.cat([text, self.inverse + n_text])
-        return torch.cat([self.perm, text + n_grid]), torch.cat([self.inverse, text + n_grid])
+        text, visual = (torch.arange(n, device=self.perm.device)[part] for part in joint.slices(n))
+        return joint.join(text, visual[self.perm], dim=0), joint.join(text, visual[self.inverse], dim=0)
 
     def _dense_reason(self, query, key, attn_mask, is_causal, dense) -> tuple[str, str] | None:
         """``(reason, detail)`` when this call runs dense SDPA, None when the method runs it."""
@@ -205,21 +204,37 @@ class SparseSDPA(nn.Module):
 def text_padding(attn_mask: torch.Tensor, joint: Joint, query: torch.Tensor) -> torch.Tensor | None:
     """The ``(B, n_text)`` text key mask (``Joint.mask``) of a joint call whose ``attn_mask`` is a bool key padding
     mask ``(B or 1, 1, 1, N)`` that keeps every visual token (HunyuanVideo's, padding its prompts), else None.
-    Eagerly the visual part is checked on the host (one sync; a mask on visual tokens runs dense); in a compiled
-    graph by ``torch._assert_async`` (no graph break; a mask on visual tokens fails the assert)."""
+    Eagerly the visual part is checked on the host (``_keeps_visual``; a mask on visual tokens runs dense); in a
+    compiled graph by ``torch._assert_async`` (no graph break; a mask on visual tokens fails the assert)."""
     n = query.shape[-2]
     if (attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or tuple(attn_mask.shape[1:3]) != (1, 1)
             or attn_mask.shape[3] != n or attn_mask.shape[0] not in (1, query.shape[0])):
         return None
     keys = attn_mask[:, 0, 0].expand(query.shape[0], n)
     text, visual = joint.slices(n)
-    keeps_visual = keys[:, visual].all()
     if torch.compiler.is_compiling():
-        torch._assert_async(keeps_visual, "flexsparse: a joint call's attn_mask masks visual tokens, which sparse "
-                                          "methods cannot apply (it runs dense eagerly)")
-    elif not bool(keeps_visual):
+        torch._assert_async(keys[:, visual].all(), "flexsparse: a joint call's attn_mask masks visual tokens, which "
+                                                   "sparse methods cannot apply (it runs dense eagerly)")
+    elif not _keeps_visual(attn_mask, keys, joint, visual):
         return None
     return keys[:, text]
+
+
+_LAST_CHECKED: list = [None]   # (weak reference to an attn_mask, its tag, whether it keeps the visual tokens)
+
+
+def _keeps_visual(attn_mask: torch.Tensor, keys: torch.Tensor, joint: Joint, visual: slice) -> bool:
+    """Whether ``keys`` (``attn_mask``'s rows) keep every visual token: one host sync, remembered for the last mask
+    checked, since a model passes one mask tensor to every block of a forward (HunyuanVideo's): a sync per forward,
+    not per layer. Another mask, or the same changed in place (its version counter), is checked anew; inference
+    tensors, which count no versions, every time."""
+    tag = None if attn_mask.is_inference() else (attn_mask._version, tuple(attn_mask.shape), joint.text, joint.length)
+    last = _LAST_CHECKED[0]
+    if tag is not None and last is not None and last[0]() is attn_mask and last[1] == tag:
+        return last[2]
+    kept = bool(keys[:, visual].all())
+    _LAST_CHECKED[0] = None if tag is None else (weakref.ref(attn_mask), tag, kept)
+    return kept
 
 
 def _ulysses_only(parallel) -> ParallelConfig | None:
