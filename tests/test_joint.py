@@ -70,7 +70,7 @@ def expected_joint(name, q, k, v, cfg, params, text: str, length: int, scale, ma
     heads = q.shape[1] // k.shape[1]
     k_t, v_t = (x[:, :, t].repeat_interleave(heads, 1) for x in (k, v))
     logits_t = scale * q_v @ k_t.transpose(-1, -2)
-    empty = torch.zeros(q.shape[0], 1, 1, dtype=torch.bool)
+    empty = torch.zeros(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
     if mask is not None:    # a row without text keys: its softmax over them is replaced (finite gradients)
         empty = ~mask.any(-1)[:, None, None]
         logits_t = logits_t.masked_fill(~(mask | empty[:, 0])[:, None, None, :], float("-inf"))

@@ -318,9 +318,14 @@ def test_gpu_compiled_llsa_training_on_views_equals_eager():
 @ts.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["method"])
 def test_gpu_strided_upstream_gradient_as_contiguous(config):
+    """Same bits in deterministic mode; ``vsa`` to bf16 rounding: its coarse branch runs SDPA, whose flash backward
+    adds dQ with atomics (a misread gradient layout would be O(1))."""
     cfg = {**config, "deterministic": True, **({"topk_ratio": 0.05} if "topk_ratio" in config else {})}
     got, want = _upstream_gradient_as_view_and_contiguous(cfg, 16384, torch.bfloat16, "cuda", heads=4, dim=64)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if config["method"] == "vsa":
+        assert all(ts.rel_err(a, b) < 1e-2 for a, b in zip(got, want))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @ts.gpu
