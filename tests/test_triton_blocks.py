@@ -213,6 +213,18 @@ def test_dkv_program_order_is_head_major_longest_first():
     assert (work[order].view(4, 19).diff(dim=1) <= 0).all()
 
 
+@gpu
+def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms():
+    """Where every dK/dV program runs at once the order cannot matter and is the identity; else longest first."""
+    from flexsparse.triton.block_sparse.bwd import longest_first, program_order, sm_count
+    selection = random_selection(2, 4, 300, 300, 16, 16, 5)
+    offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets.cuda()
+    items = 2 * 2 * 19
+    assert torch.equal(program_order(offsets, 2, sm_count(offsets.device) // items), torch.arange(items).int().cuda())
+    sorted_order = program_order(offsets, 2, sm_count(offsets.device) // items + 1)
+    assert torch.equal(sorted_order, longest_first(offsets, 2))
+
+
 @cpu_parent
 def test_dkv_blocks_repeat_each_row_per_query_tile():
     """The dK/dV kernel's index table: each block of several tiles becomes one row per tile, ragged tail cut."""

@@ -5,7 +5,8 @@
   ``Delta = rowsum(O * dO) - dLSE`` (so a gradient that reaches the LSE output is right), which the
   dK/dV kernel reads; the two kernels run in this order.
 * ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head), launched
-  head by head, longest CSC lists first (``longest_first``: a popular key block does not trail the grid).
+  head by head, longest CSC lists first (``longest_first``: a popular key block does not trail the grid;
+  ``program_order``).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
   query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
   query blocks side by side per step.
@@ -16,6 +17,8 @@ Every matrix product's first operand is a plain loaded tile or a computed one (t
 miscompiles a transposed shared-memory A operand; ``docs/triton_llsa.md``).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -164,6 +167,21 @@ def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return (order + first).flatten().to(torch.int32)
 
 
+def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Tensor:
+    """The dK/dV programs' order (``split`` programs per key block): ``longest_first``, or the identity where the
+    whole grid fits the device's SMs at once, so that the order cannot matter (one op where the sort is seven)."""
+    items = offsets.shape[0] * kv_heads * (offsets.shape[2] - 1)
+    if offsets.is_cuda and items * split <= sm_count(offsets.device):
+        return torch.arange(items, dtype=torch.int32, device=offsets.device)
+    return longest_first(offsets, kv_heads)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def dkv_blocks(indices: torch.Tensor, block_q: int, nq: int, tile: int) -> tuple[torch.Tensor, int]:
     """The index table ``(B, H, Tq, K)`` on query blocks of at most ``tile`` rows (the dK/dV kernel's query tile,
     ``backward_tiles``' ``DKV_BM``) and their size: a block of several whole tiles becomes one block per tile with
@@ -208,14 +226,14 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
             q, k, v, indices, o, do, lse, dlse if dlse is not None else lse, delta, dq, *strides,
             heads, heads // kv_heads, nq, nk, tq, topk, HAS_DLSE=dlse is not None, STAGES=tiles["dq_stages"],
             num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
-    order = longest_first(offsets, kv_heads)
     if gluon_dkv:
         run = block_bwd_ws.ws_dkv if launching_directly() else block_bwd_ws.block_dkv_ws
-        dk, dv = run(q, k, v, do, lse, delta, offsets, rows, order, dkv_block_q, scale)
+        dk, dv = run(q, k, v, do, lse, delta, offsets, rows, program_order(offsets, kv_heads, 1), dkv_block_q, scale)
         return dq, dk, dv
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     geo = geometry(dkv_block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"], topk, q_group=tiles["DKV_QB"])
+    order = program_order(offsets, kv_heads, geo["K_SPLIT"])
     launcher(_block_dkv_kernel)[(bsz * kv_heads * tk * geo["K_SPLIT"],)](
         q, k, v, do, lse, delta, offsets, rows, order, dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, nq, nk, cdiv(nq, dkv_block_q), tk, topk, STAGES=tiles["dkv_stages"],

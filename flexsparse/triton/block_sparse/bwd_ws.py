@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout, program_tile
+from .fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout, program_tile, shared_layout
 from .._runtime.sizes import cdiv
 
 
@@ -228,7 +228,7 @@ def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([64, d], gl_dtype)
+    layout = shared_layout(64, d, gl_dtype)
     q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
                                        for x in (q, do, k, v))
     dq, delta = torch.empty_like(q), torch.empty_like(lse)
@@ -267,7 +267,7 @@ def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: f
     tiles = default_tiles(d)
     stages, maxnreg = stages or tiles["stages"], maxnreg or tiles["maxnreg"]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([64, d], gl_dtype)
+    layout = shared_layout(64, d, gl_dtype)
     q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
                                        for x in (q, do, k, v))
     dk, dv = torch.empty_like(k), torch.empty_like(v)

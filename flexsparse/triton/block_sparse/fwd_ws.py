@@ -19,6 +19,8 @@ graphs call it as the opaque custom op ``flexsparse::block_attn_ws``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -233,14 +235,20 @@ def default_tiles(d: int) -> dict:
     return dict(stages=4, maxnreg=80, bm=64) if d <= 64 else dict(stages=3, maxnreg=128, bm=64)
 
 
+@functools.lru_cache(maxsize=None)
+def shared_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
+    """The default shared-memory layout of a ``(rows, cols)`` TMA tile of the Gluon ``dtype``, built once per
+    shape and dtype (building one costs ~10 us of host time)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
 def descriptors(q, k, v, block_k: int, bm: int):
     """TMA descriptors of q (``(bm, D)`` tiles), k and v (``(block_k, D)`` tiles) over the flattened
     ``(B * H * N, D)`` tensors, and the Gluon dtype of q."""
     d = q.shape[-1]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d],
-                                                                                                      gl_dtype))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_k, d], gl_dtype)
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], shared_layout(bm, d, gl_dtype))
+    kv_layout = shared_layout(block_k, d, gl_dtype)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_k, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_k, d], kv_layout)
     return q_desc, k_desc, v_desc, gl_dtype

@@ -31,7 +31,7 @@ MIX_PROJECTION, MIX_ALPHA = 1, 2
 @gluon.constexpr_function
 def square_layout(d, dtype):
     """The shared-memory layout of a ``(d, d)`` tile of ``dtype`` (``H_i``, ``W^T``), as their TMA descriptors'."""
-    return gl.NVMMASharedLayout.get_default_for([d, d], dtype)
+    return block_fwd_ws.shared_layout(d, d, dtype)
 
 
 @gluon.jit

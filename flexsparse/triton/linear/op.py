@@ -211,8 +211,9 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     states = dense_query_states(q, k, v, skipped, block_k, feature_map)
     if states is None:
         return None
-    weight_t = None if weight is None else weight.to(q.dtype).t().contiguous()
-    bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else bias.to(q.dtype).contiguous())
+    weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
+    bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else
+                                        bias.to(q.dtype, memory_format=torch.contiguous_format))
     alpha = None if alpha is None else alpha.to(q.dtype).contiguous()
     run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
     out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha, block_q, block_k, scale, feature_map,
