@@ -11,6 +11,7 @@ reference, the methods, ``torch.compile(fullgraph=True)`` without recompiles, de
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -223,6 +224,17 @@ def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms(
     assert torch.equal(program_order(offsets, 2, sm_count(offsets.device) // items), torch.arange(items).int().cuda())
     sorted_order = program_order(offsets, 2, sm_count(offsets.device) // items + 1)
     assert torch.equal(sorted_order, longest_first(offsets, 2))
+
+
+@cpu_parent
+def test_gluon_forward_kernels_compile_for_sm90():
+    """The Gluon forward kernels, plain and with the linear branch mixed in, compile for sm_90 without a GPU
+    (``benchmarks/gluon_sm90_report.py``): what their jitted code calls (a cached host helper cannot be) fails
+    only when they compile."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(ts.ROOT, "benchmarks", "gluon_sm90_report.py"), "--d", "64"],
+                          capture_output=True, text=True, cwd=ts.ROOT, env=dict(env, PYTHONPATH=ts.ROOT), timeout=600)
+    assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @cpu_parent

@@ -31,7 +31,7 @@ MIX_PROJECTION, MIX_ALPHA = 1, 2
 @gluon.constexpr_function
 def square_layout(d, dtype):
     """The shared-memory layout of a ``(d, d)`` tile of ``dtype`` (``H_i``, ``W^T``), as their TMA descriptors'."""
-    return block_fwd_ws.shared_layout(d, d, dtype)
+    return gl.NVMMASharedLayout.get_default_for([d, d], dtype)
 
 
 @gluon.jit
@@ -150,7 +150,7 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
     q_desc, k_desc, v_desc, gl_dtype = block_fwd_ws.descriptors(q, k, v, block_k, tiles["bm"])
-    square = square_layout(d, gl_dtype)
+    square = block_fwd_ws.shared_layout(d, d, gl_dtype)      # square_layout's, built once
     h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
     mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
     w_desc = h_desc if weight_t is None else TensorDescriptor.from_tensor(weight_t, [d, d], square)
