@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("TRITON_INTERPRET") == "1":
         _tier_interpreter_cases(items)
+    items.sort(key=lambda item: "long" not in item.keywords)   # stable: the long tests first, else as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")

@@ -355,6 +355,7 @@ def test_two_stage_example_runs_tiny(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_two_stage_example_on_gpu_bf16_flex(tmp_path):
     """4096 pixel tokens, 128x64 blocks, bf16 autocast: records in bf16 kept on the host, calibration in
     fp32 on the GPU, hard-router evaluation and stage 2 on the flex backend."""

@@ -191,6 +191,7 @@ def test_compare_runs_reads_studies_and_histories(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_full_size_dit_on_gpu_with_compile_and_progressive_resume(tmp_path):
     """DiT-S (hidden 384, 12 blocks): 64x64 full attention, then 128x128 LLSA from that checkpoint."""
     common = ["--batch-size", "4", "--val-crops", "8", "--samples", "4", "--sample-steps", "4", "--checkpointing",

@@ -167,6 +167,7 @@ def test_gpu_fuzz_block_sparse_kernels(case):
 
 
 @gpu
+@pytest.mark.long
 @FUZZ
 @given(case=llsa_cases())
 def test_gpu_fuzz_llsa_kernels(case):
@@ -183,6 +184,7 @@ def test_gpu_fuzz_llsa_kernels(case):
 
 
 @gpu
+@pytest.mark.long
 @FUZZ
 @given(case=llsa_cases(), grid=st.booleans())
 # found on an H100: rows of 736 candidates (b=32, K_2=23) at D=128 needed 270 KB of shared memory
@@ -201,6 +203,7 @@ def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
 
 
 @gpu
+@pytest.mark.long
 @FUZZ
 @given(case=method_cases())
 def test_gpu_fuzz_methods_fp32(case):

@@ -397,6 +397,7 @@ def _fixes_length(cfg: dict) -> bool:
 
 
 @gpu
+@pytest.mark.long
 @pytest.mark.parametrize("cfg", [c for c in ts.GPU_METHODS + [ts.example_config(m) for m in ts.triton_methods("llsa")]
                                  if not _fixes_length(c)], ids=lambda c: c["method"])
 def test_gpu_compiled_over_sequence_lengths(cfg):

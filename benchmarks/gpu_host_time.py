@@ -1,0 +1,89 @@
+"""Host time and CUDA kernels per eager call of every method on ``backend="triton"``, dense SDPA beside it. Not a
+``python -m flexsparse`` case: the runner times calls on the device, this times what the host spends issuing them.
+
+Per method (its example config, parameters moved off their initial values as the runner does): the ``no_grad``
+forward and forward+backward (gradients of q, k, v for a fixed upstream gradient) at B1 H1 D64 bf16, where the GPU
+work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
+(the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
+median. Kernels: CUDA kernels of one call in the profiler. Writes ``bench_out/host_time.json`` and prints a table.
+
+    python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from flexsparse.bench.measure import build_module
+from flexsparse.methods import METHODS
+
+CALLS = 100
+
+
+def host_ms(call, rounds: int) -> tuple[float, float]:
+    """``(least, median)`` over ``rounds`` of the host milliseconds per call of ``CALLS`` calls in a row."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        per_call.append(1e3 * (time.perf_counter() - start) / CALLS)
+        torch.cuda.synchronize()
+    return min(per_call), statistics.median(per_call)
+
+
+def kernels_per_call(call) -> int:
+    """CUDA kernels one ``call()`` launches (the profiler's device events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def calls(fn, n: int):
+    """``{"fwd": ..., "fwd+bwd": ...}`` calls of ``fn(q, k, v)`` on fresh ``(1, 1, n, 64)`` bf16 leaves."""
+    q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
+
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    return {"fwd": forward, "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--methods", nargs="+", default=["topk", "llsa", "sla", "sla2", "vsa"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args()
+    rows, results = [], {}
+    for name in ["sdpa"] + args.methods:
+        fn = (F.scaled_dot_product_attention if name == "sdpa"
+              else build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda"))
+        for phase, call in calls(fn, args.n).items():
+            least, median = host_ms(call, args.rounds)
+            count = kernels_per_call(call)
+            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median, "kernels": count}
+            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", count])
+    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)", "kernels"]))
+    os.makedirs(args.out, exist_ok=True)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n}
+    with open(os.path.join(args.out, "host_time.json"), "w") as f:
+        json.dump({"env": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

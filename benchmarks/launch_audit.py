@@ -1,0 +1,81 @@
+"""How many launches one eager call issues on the ``triton`` backend, and from where (CPU, no GPU needed). Not a
+``python -m flexsparse`` case: the runner times calls, this counts what a call asks of the host.
+
+At small N an eager call is bound by host time, and every Triton launch and every ATen op that runs a kernel costs
+some (``gpu_host_time.py`` measures it on a GPU). This runs each method's forward (no grad) and forward+backward on
+CPU tensors with ``TRITON_INTERPRET=1`` and every Triton launch stubbed out (``allocation_audit.stub_launches``),
+and counts the Triton launches by kernel and the ATen ops that are not views or bare allocations, with the
+flexsparse lines they come from (``--where``). The CPU paths can differ from CUDA's where a backend picks a strategy
+by device (the Gluon kernels, the linear branch's dense sums): the counts are a guide, the GPU's profiler the truth.
+
+    python benchmarks/launch_audit.py [--n 256] [--methods topk vsa llsa sla sla2] [--where]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import flexsparse  # noqa: E402
+from allocation_audit import CONFIGS, LAUNCHES, stub_launches  # noqa: E402
+
+NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
+             "lift_fresh", "_local_scalar_dense", "is_same_size"}
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the ATen ops that run a kernel (not views or bare allocations), by op, or by op and the innermost
+    three flexsparse frames with ``where``."""
+
+    def __init__(self, where: bool):
+        super().__init__()
+        self.where, self.seen = where, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.removeprefix("aten::")
+        if not func.is_view and name not in NO_KERNEL:
+            key = name
+            if self.where:
+                frames = [f for f in traceback.extract_stack() if f"{os.sep}flexsparse{os.sep}" in f.filename]
+                key += "  " + " <- ".join(f"{f.filename.split('flexsparse' + os.sep)[-1]}:{f.lineno}"
+                                          for f in frames[-3:][::-1])
+            self.seen[key] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--methods", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--where", action="store_true", help="list each op with the lines it comes from")
+    args = parser.parse_args()
+    stub_launches()
+    for name in args.methods:
+        module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=1, seq_len=args.n, backend="triton")
+        q, k, v = (torch.randn(1, 1, args.n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, 1, args.n, 64, dtype=torch.bfloat16)
+        for phase in ("fwd", "fwd+bwd"):
+            LAUNCHES.clear()
+            ops = AtenOps(args.where)
+            with ops:
+                if phase == "fwd":
+                    with torch.no_grad():
+                        module(q, k, v)
+                else:
+                    torch.autograd.grad(module(q, k, v), (q, k, v), grad)
+            triton = ", ".join(f"{kernel} x{count}" for kernel, count in sorted(LAUNCHES.items()))
+            print(f"{name:5s} {phase:8s} Triton {sum(LAUNCHES.values()):3d}, ATen {sum(ops.seen.values()):3d}  "
+                  f"[{triton}]", flush=True)
+            if args.where:
+                for key, count in sorted(ops.seen.items()):
+                    print(f"      {count} x {key}")
+
+
+if __name__ == "__main__":
+    main()
