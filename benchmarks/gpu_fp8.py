@@ -12,8 +12,8 @@ For each variant (``bf16``: no quant; then the ``quant`` configs of ``VARIANTS``
 ``branch_fwd``  the sparse softmax branch alone, selection precomputed, under no_grad (the FP8 target:
                 >= 1.3x faster than ``bf16``);
 ``method_fwd``  the whole method (selection, both branches) under no_grad;
-``method_fwd_bwd`` forward + backward of the whole method (QAT training: the quantized forward plus the
-                unquantized branch whose gradients the straight-through estimator returns);
+``method_fwd_bwd`` forward + backward of the whole method (QAT training: the quantized forward and the
+                softmax backward at its output; triton runs no second, unquantized forward);
 ``rel_l2_branch`` / ``rel_l2_method``  ||o - o_bf16|| / ||o_bf16|| of the same backend's outputs;
 ``speedup_*``   bf16 time / variant time.
 A variant the backend cannot run is recorded with the reason (the backend's ``quant_unsupported``);

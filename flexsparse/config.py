@@ -138,8 +138,8 @@ class Joint:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """FP8 e4m3 quantization of the sparse softmax branch's forward, straight-through backward
-    (docs/methods.md "FP8 QAT"). ``dtype``: format of P and V; ``qk_dtype``: format of Q and K
+    """FP8 e4m3 quantization of the sparse softmax branch's forward, whose backward is the softmax backward at the
+    quantized output (docs/methods.md "FP8 QAT"). ``dtype``: format of P and V; ``qk_dtype``: format of Q and K
     (``"fp8_e4m3"``, or ``"int8"`` as SageAttention2); ``qk``: Q and K scales per block of the method's
     query / key blocks or per (batch, head); ``v``: per channel or per (batch, head); ``p``: ``"static"``
     quantizes the softmax numerator with the static scale 448, ``"none"`` keeps P in the compute

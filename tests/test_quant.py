@@ -1,5 +1,5 @@
 """FP8 QAT of the sparse branch (``flexsparse.quant``): the quantizers against hand-written references,
-saturation, granularity, the straight-through gradients of every method and backend, error bounds of
+saturation, granularity, the QAT gradients of every method and backend, error bounds of
 the quantized attention, backend and config errors, compile, and running without torchao."""
 from __future__ import annotations
 
@@ -212,12 +212,42 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_qat_gradients_are_the_backward_at_the_quantized_forward(backend):
+    """The quantized block branch (GQA, ragged N, fp64): the values of its no-grad forward bit for bit, and the
+    gradients of the written-out softmax backward (``block_sparse.naive``) on the unquantized q, k, v at that
+    forward's O and LSE, an LSE gradient included (SLA2's "backward(dO_s, O_s, Q, K, V)"); a few % away from the
+    unquantized branch's gradients."""
+    from flexsparse.masks import BlockSelection, num_blocks
+    from flexsparse.triton.block_sparse import naive
+    n, block, scale = 203, 32, 0.25
+    q = torch.randn(2, 4, n, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    blocks = num_blocks(n, block)
+    ids = torch.rand(2, 4, blocks, blocks).argsort(-1)[..., :3].sort(-1).values.to(torch.int32)
+    selection = BlockSelection(ids, block, block, n, n)
+    branch = backends.BACKENDS[backend]
+    o, lse = branch.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
+    with torch.no_grad():
+        frozen, frozen_lse = branch.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
+    assert torch.equal(o, frozen) and torch.equal(lse, frozen_lse)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    got = torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), (q, k, v))
+    want = naive.block_sparse_attention_backward(do, dlse, q.detach(), k.detach(), v.detach(), selection, scale,
+                                                 o.detach(), lse.detach())
+    o_plain, lse_plain = branch.block_sparse_attention(q, k, v, selection, scale)
+    plain = torch.autograd.grad((o_plain * do).sum() + (lse_plain * dlse).sum(), (q, k, v))
+    for name, a, b, c in zip("qkv", got, want, plain):
+        assert rel_err(a, b) < 1e-12 and 1e-3 < rel_err(a, c) < 0.1, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backend):
-    """Values of the quantized forward (bit for bit), gradients of the unquantized branch; also in bf16. The
-    gradients are equal bit for bit on this CI machine, but a 16-core host (torch 2.11) gave the
-    same float32 computation different last bits in two runs; so "equal" is a relative L2 error below 1e-5
-    (fp32) / 1e-3 (bf16), where the gradient that sees the quantized values (SLA2's alpha) differs by > 1e-2."""
+def test_quantized_methods_forward_and_gradients(name, backend):
+    """Values of the quantized forward (bit for bit); gradients of q, k and v at the quantized branch's O and LSE
+    (a few % from the unquantized ones), as is SLA2's alpha's (it multiplies O_s); every other parameter's (SLA's
+    projection reads the linear branch only) the unquantized one; also in bf16. "Equal" is a relative L2 error
+    below 1e-5 (fp32) / 1e-3 (bf16): a 16-core host (torch 2.11) gave the same float32 computation different last
+    bits in two runs."""
     dtypes = (torch.float64,) if backend == "reference" else (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         qkv, params, cfg = _method_inputs(name, dtype)
@@ -232,9 +262,8 @@ def test_straight_through_gradients_are_exactly_the_unquantized_ones(name, backe
             assert (g is None) == (want is None)
             if g is not None and rel_err(g.double(), want.double()) > (1e-5 if dtype == torch.float32 else 1e-3):
                 differing.append(([*"qkv"] + list(params))[i])
-        # SLA2's alpha multiplies the sparse output, so its gradient sees the quantized values; every
-        # other gradient is the unquantized branch's
-        assert differing == (["alpha_logit"] if name == "sla2" else []), f"{dtype}: {differing}"
+                assert rel_err(g.double(), want.double()) < 0.2, differing[-1]
+        assert differing == [*"qkv"] + (["alpha_logit"] if name == "sla2" else []), f"{dtype}: {differing}"
         assert all(g is None or (g != 0).any() for g in grads[:3])
 
 
@@ -399,7 +428,7 @@ def test_gpu_fp8_cast_saturates_on_this_torch():
 
 @gpu
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_gpu_torch_backend_bf16_matches_oracle_and_gradients_are_exact(name):
+def test_gpu_torch_backend_bf16_matches_oracle_and_gradients_at_the_quantized_forward(name):
     qkv, params, cfg = _method_inputs(name, torch.bfloat16, seed=0)
     qkv = [x.detach().cuda().requires_grad_() for x in qkv]
     params = {k: p.detach().cuda().requires_grad_() for k, p in params.items()}
@@ -410,13 +439,15 @@ def test_gpu_torch_backend_bf16_matches_oracle_and_gradients_are_exact(name):
     # sla2 smooths K in fp32 and rounds it to bf16 before the e4m3 grid (the oracle keeps fp64): that double
     # rounding moves ~7% of K's elements one e4m3 step (2.3% rel. here on CPU and GPU; quantization alone is 4.7%)
     assert rel_err(out.cpu(), ref) < (3e-2 if name == "sla2" else 1e-2)
-    for i, (g, want) in enumerate(zip(grads[:3], plain[:3])):
-        assert torch.equal(g, want), f"grad {i}"
+    for i, (g, want) in enumerate(zip(grads[:3], plain[:3])):     # the quantized O and LSE move them a few %
+        assert 1e-3 < rel_err(g, want) < 0.2, f"grad {i}"
 
 
 @gpu
 @pytest.mark.parametrize("name", [name for name in QUANTIZED if "flex" in flexsparse.METHODS[name].backends])
-def test_gpu_flex_qkv_quant_forward_and_exact_gradients(name):
+def test_gpu_flex_qkv_quant_forward_and_gradients(name):
+    """Forward within bf16 of the torch backend's fake quantization; q, k, v's gradients those of the torch
+    backend's branch backward at its quantized forward, up to that forward's difference."""
     cfg = dict(flexsparse.METHODS[name].example)   # the example with 4 key blocks, or 10% of them
     cfg.update({key: value for key, value in (("topk", 4), ("topk_ratio", 0.1)) if key in cfg})
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -427,12 +458,7 @@ def test_gpu_flex_qkv_quant_forward_and_exact_gradients(name):
     quant = {"p": "none"}
     out, lse, grads = _run(qkv, params, cfg, "flex", quant=quant)
     _, _, plain = _run(qkv, params, cfg, "flex")
-    _, _, again = _run(qkv, params, cfg, "flex")
-    want = flexsparse.attention(*qkv, {**cfg, "quant": quant}, backend="torch", params=params)
+    want, _, want_grads = _run(qkv, params, cfg, "torch", quant=quant)
     assert rel_err(out, want) < 2e-2                           # flex rounds the fake-quantized values to bf16
-    deterministic = all(torch.equal(a, b) for a, b in zip(plain[:3], again[:3]))
-    for i, (g, p) in enumerate(zip(grads[:3], plain[:3])):
-        if deterministic:
-            assert torch.equal(g, p), f"grad {i}"
-        else:                                                  # flex's backward is not bitwise reproducible here
-            assert rel_err(g, p) < 1e-3, f"grad {i}"
+    for i, (g, p, w) in enumerate(zip(grads[:3], plain[:3], want_grads[:3])):
+        assert rel_err(g, w) < 5e-2 and 1e-3 < rel_err(g, p) < 0.2, f"grad {i}"

@@ -135,7 +135,7 @@ class Backend:
                                quant: QuantConfig | None = None):
         """Softmax attention of each query block over its selected key blocks: ``o (B, H, Nq, D)`` in q's dtype and
         the natural-log LSE ``(B, H, Nq)`` (fp32, fp64 for fp64; ``None`` where the backend gives none). ``quant``:
-        FP8 fake-quantized forward, straight-through backward (``flexsparse.quant.qat_attention``).
+        FP8 fake-quantized forward, QAT backward (``flexsparse.quant.qat_attention``).
         ``deterministic``: bitwise-reproducible gradients where the backend's are not already."""
         dtype = q.dtype
 
@@ -161,7 +161,7 @@ class Backend:
                        quant: QuantConfig | None = None):
         """LLSA attention over the selected fine blocks, the enriched coarse levels and the whole top level:
         ``o (B, H, N, D)``, ``lse (B, H, N)``. ``quant``: Q per block of b tokens, every level's K per block of b
-        tokens of that level, V per channel per level, P static; straight-through backward."""
+        tokens of that level, V per channel per level, P static; QAT backward."""
         selection, b, dtype = pooled.selection, pooled.selection.block, q.dtype
         levels = selection.levels
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from ..config import QuantConfig
 from ..masks import BlockSelection, Levels, LLSASelection, accumulation_dtype, level_table, pack
-from ..quant import qat_attention
 from ..triton.block_sparse import op as block_op
 from ..triton.common.inputs import contiguous_rows, use_kernels
 from ..triton.linear import naive as linear_naive
@@ -119,19 +117,14 @@ class TritonBackend(Backend):
 
     def block_sparse_attention(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool = False,
                                quant: QuantConfig | None = None):
-        """With ``quant`` the quantized forward is one FP8 kernel (``flexsparse::block_attn_fp8``), the gradients
-        those of the bf16 kernels."""
+        """With ``quant`` the quantized forward is one FP8 kernel (``flexsparse::block_attn_fp8``), its gradients
+        the bf16 backward kernels' at its O and LSE."""
         if quant is None:
             return self.sparse_softmax(q, k, v, selection, scale, deterministic=deterministic)
         reason = self.quant_unsupported(quant, "block")
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run config key 'quant': {reason}")
-
-        def attend(q, k, v, _quant):
-            return self.sparse_softmax(q, k, v, selection, scale, deterministic=deterministic)
-
-        fused = partial(fp8_block_sparse_attention, selection=selection, scale=scale)
-        return qat_attention(attend, q, k, v, quant, block_q=selection.block_q, scale=scale, fused=fused)
+        return fp8_block_sparse_attention(q, k, v, selection, scale, deterministic)
 
     def sparse_softmax(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool = False,
                        quantize_p: bool = False):
@@ -191,13 +184,14 @@ class TritonBackend(Backend):
         return out, lse
 
 
-def fp8_block_sparse_attention(q, k, v, selection: BlockSelection, scale: float):
+def fp8_block_sparse_attention(q, k, v, selection: BlockSelection, scale: float, deterministic: bool = False):
     """The FP8 forward of the block-sparse branch (``flexsparse::block_attn_fp8``: K smoothed, e4m3 Q and K per
     block, V per channel, P static; docs/methods.md "FP8 QAT"): ``o`` in q's dtype and the LSE of the unsmoothed
-    logits, without gradients (``flexsparse.quant.qat_attention`` adds them)."""
+    logits, with the QAT gradients (the bf16 backward kernels at this o and LSE; ``deterministic`` as
+    ``block_attn``'s)."""
     indices = checked_indices(q, k, selection)
     return block_op.block_attn_fp8(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k,
-                                   scale)
+                                   scale, deterministic)
 
 
 def checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:

@@ -75,7 +75,7 @@ def block_select_bruteforce(q: torch.Tensor, k: torch.Tensor, topk: int, block_q
 def block_sparse_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, scale: float,
                quant: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse softmax attention through an explicit token mask: ``o (B,H,N,D)``, ``lse (B,H,N)``.
-    ``quant``: FP8 fake-quantized forward, straight-through backward (``flexsparse.quant.qat_attention``)."""
+    ``quant``: FP8 fake-quantized forward, QAT backward (``flexsparse.quant.qat_attention``)."""
     heads = q.shape[1]
     mask = block_mask_dense(selection.indices, selection.n_q, selection.n_k, selection.block_q, selection.block_k)
 
@@ -107,7 +107,7 @@ def sparse_linear_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_w
 
     q: ``(B, H, N, D)``; k, v: ``(B, Hk, N, D)``; log_weights: ``(B, H, N, N)`` added to the logits
     (``-inf`` removes a key); linear_weights: ``(B, H, N, N)`` or None (every key, weight 1).
-    quant: FP8 fake-quantized softmax branch (straight-through backward) with Q, K scale blocks of
+    quant: FP8 fake-quantized softmax branch (QAT backward) with Q, K scale blocks of
     ``blocks = (block_q, block_k)`` tokens; the linear branch is never quantized.
     Returns ``o_s``, ``lse`` (natural log, ``(B, H, N)``) and ``o_l``, all ``(B, H, N, ...)``.
     """

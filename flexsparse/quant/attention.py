@@ -6,8 +6,11 @@ fake-quantized (e4m3, or int8 with ``qk_dtype="int8"``) per block of the method'
 softmax numerator ``P~ = exp(S - m)`` (m the row max over the attended keys) fake-quantized with the
 static scale 448:
 ``O = q(P~) V^ / rowsum(P~)``, ``lse = m + log rowsum(P~) + scale * q^ . mean_N(k)``.
-Backward: straight through. The returned tensors carry the values of the quantized forward and the
-gradients of the same branch evaluated on the unquantized q, k, v, exactly.
+Backward (SLA2 Sec. 5, "backward(dO_s, O_s, Q, K, V)" in 16 bits): the branch's softmax backward on the
+unquantized q, k, v evaluated at the quantized forward's ``O`` and LSE: ``P = exp(S - lse_q)`` over the attended
+keys, ``dV = P^T dO``, ``dS = P (dO V^T - Delta)`` with ``Delta = rowsum(dO O_q) - dLSE``. No gradient is rounded
+to FP8. A kernel runs it directly (the triton backend's ``flexsparse::block_attn_fp8``); ``qat_attention`` gets it
+from the unquantized branch by autograd (``at_quantized_statistics``).
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from .formats import P_SCALE, channel_scales, fake_quant, fake_quant_blocks, hea
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "QuantConfig | None"],
                   "tuple[torch.Tensor, torch.Tensor | None]"]
-Fused = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 def quantize_qk(x: torch.Tensor, quant: QuantConfig, block: int) -> torch.Tensor:
@@ -61,37 +63,47 @@ def quantized_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return fake_quant(p, P_SCALE) / total, (m + total.log()).squeeze(-1)
 
 
-def straight_through(exact: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    """The value of ``quantized`` (in ``exact``'s dtype) with the gradient of ``exact`` (identity):
-    ``quantized + (exact - exact.detach())``, whose second term is exactly 0 for finite ``exact``."""
-    return quantized.detach().to(exact.dtype) + (exact - exact.detach())
+def at_quantized_statistics(o: torch.Tensor, lse: torch.Tensor, o_q: torch.Tensor,
+                            lse_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values ``o_q (B, H, N, D)``, ``lse_q (B, H, N)`` of the quantized forward with the gradients of the
+    softmax backward at them (module docstring), from the unquantized branch's differentiable ``o``, ``lse``.
+
+    ``r = exp(lse - lse_q)`` is the row sum of ``P = exp(S - lse_q)`` and ``o r = P V``, so the gradients of
+    ``<dO, o r> - <dO, O_q> r + dLSE r`` are ``dV = P^T dO`` and ``dS = P (dO V^T - rowsum(dO O_q) + dLSE)``.
+    Every added term is 0 in value (``x - x.detach()``); a row without keys (``lse_q = -inf``) has ``r = 0``."""
+    keys = torch.isfinite(lse_q)
+    r = torch.where(keys, torch.exp(lse - torch.where(keys, lse_q, 0).detach()), 0)
+    moved = (r - r.detach())[..., None]
+    direct = o.to(r.dtype) * r[..., None]
+    out = o_q.detach().to(r.dtype) * (1 - moved) + (direct - direct.detach())
+    return out.to(o_q.dtype), lse_q.detach().to(lse.dtype) + (r - r.detach())
 
 
 def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig | None, *,
-                  block_q: int, scale: float, fused: Fused | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A softmax branch with an FP8 fake-quantized forward and the unquantized gradient
-    (``quant=None``: just ``attend(q, k, v, None)``).
+                  block_q: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A softmax branch with an FP8 fake-quantized forward and the QAT gradient (module docstring;
+    ``quant=None``: just ``attend(q, k, v, None)``).
 
     attend(q, k, v, quant) -> (o, lse): the branch on any backend; with a ``QuantConfig`` it
     fake-quantizes its own K and V (``quantize_qk``/``quantize_v`` with its key-block layout) and,
     with ``quant.p == "static"``, its P (``quantized_softmax``); with None it is the plain branch.
     q: ``(B, H, N, D)`` (quantized here per block of ``block_q`` tokens); k, v: ``(B, Hk, N, D)``.
-    fused(q, k, v) -> (o, lse): a kernel of the whole quantized forward (smoothing, quantization of Q, K,
-    V and P, the LSE of the unsmoothed logits; the ``triton`` backend's FP8 kernel), run instead of
-    ``attend(q^, k_s, v, quant)``.
-    Returns o in q's dtype and the LSE (or None when ``attend`` gives none) of the quantized forward,
-    whose gradients (when q, k or v need them) are those of ``attend(q, k, v, None)``.
+    Returns o in q's dtype and the LSE (or None when ``attend`` gives none) of the quantized forward. When q, k
+    or v need gradients the unquantized branch runs too (``at_quantized_statistics``); a branch without an LSE
+    passes the unquantized branch's gradients straight through.
     """
     if quant is None:
         return attend(q, k, v, None)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     with torch.no_grad():
-        o_q, lse_q = fused(q, k, v) if fused is not None else _quantized_forward(attend, q, k, v, quant, block_q, scale)
+        o_q, lse_q = _quantized_forward(attend, q, k, v, quant, block_q, scale)
         o_q = o_q.to(q.dtype)
     if not needs_grad:
         return o_q, lse_q
     o, lse = attend(q, k, v, None)
-    return straight_through(o, o_q), (None if lse is None or lse_q is None else straight_through(lse, lse_q))
+    if lse is None or lse_q is None:
+        return o_q + (o - o.detach()), None
+    return at_quantized_statistics(o, lse, o_q, lse_q)
 
 
 def _quantized_forward(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig,

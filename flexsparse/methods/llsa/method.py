@@ -5,7 +5,7 @@ finer level top-K among the children of the parent's selection.
 attend: one softmax over the fine children of the level-1 selection, the whole candidate set at every
 level 1..L-1, and all level-L tokens; a level-l token adds ``ln(count)`` (``ln b^l`` for full spans)
 to its logit; with ``quant`` an FP8 fake-quantized forward (Q per block of b tokens, every level's K per
-block of b tokens of that level, V per channel per level, P static) and straight-through backward.
+block of b tokens of that level, V per channel per level, P static) and QAT backward.
 combine: nothing, the output is that softmax's.
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ def llsa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: LLS
     Levels 1..L are direct means of the real fine tokens, or the given ``k_levels``/``v_levels``
     (``(B, Hk, T_l, D)``, l = 1..L) so that tests can make them independent leaves. ``quant``: FP8 fake-quantized
     forward (Q per block of b fine tokens, every level's K per block of b tokens of that level, V per channel per
-    level), straight-through backward.
+    level), QAT backward.
     """
     if quant is not None and k_levels is not None:
         raise ValueError("llsa_dense: quant needs levels pooled from k, v (smoothing K shifts every level), "

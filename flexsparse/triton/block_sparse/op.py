@@ -1,7 +1,7 @@
 """``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
 differentiable), ``flexsparse::block_attn_bwd`` and ``flexsparse::block_attn_fp8`` (the FP8 forward of the
-quantized branch, not differentiable: ``flexsparse.quant.qat_attention`` pairs it with ``block_attn``'s
-gradients).
+quantized branch, differentiable by ``block_attn``'s backward evaluated at its own O and LSE: the QAT gradient of
+``flexsparse.quant.qat_attention``, with no second, unquantized forward).
 
 Registered with ``triton_op`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
 kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
@@ -64,11 +64,12 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
 
 @triton_op("flexsparse::block_attn_fp8")
 def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
-                   scale: float) -> tuple[Tensor, Tensor]:
+                   scale: float, deterministic: bool) -> tuple[Tensor, Tensor]:
     """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and
     smoothed K per block, V per channel, P with the static scale 448): ``o (B, H, Nq, D)`` (q's dtype) and
-    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``. No gradient.
-    """
+    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``. Gradients:
+    ``block_attn_bwd`` on the unquantized q, k, v with this forward's o and LSE (SLA2's "backward(dO_s, O_s, Q, K,
+    V)")."""
     if not use_kernels(q):
         return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
     from .fwd_fp8 import block_forward_fp8
@@ -98,3 +99,4 @@ def _backward(ctx, do, dlse):
 
 
 block_attn.register_autograd(_backward, setup_context=_setup)
+block_attn_fp8.register_autograd(_backward, setup_context=_setup)   # the same formula at the quantized O and LSE
