@@ -97,6 +97,21 @@ class LargeAllocations(TorchDispatchMode):
         return out
 
 
+def eager_calls(name: str, n: int, heads: int):
+    """``(inputs, {"fwd": call, "fwd+bwd": call})``: the ``no_grad`` forward and the forward+backward of method
+    ``name`` (``CONFIGS``) on the triton backend, on fresh bf16 CPU leaves ``(1, heads, n, 64)``; ``inputs``: q, k,
+    v and the upstream gradient."""
+    module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=heads, seq_len=n, backend="triton")
+    q, k, v = (torch.randn(1, heads, n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, n, 64, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            module(q, k, v)
+
+    return [q, k, v, grad], {"fwd": forward, "fwd+bwd": lambda: torch.autograd.grad(module(q, k, v), (q, k, v), grad)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=2048)
@@ -104,17 +119,11 @@ def main() -> None:
     args = parser.parse_args()
     stub_launches()
     for name in args.methods:
-        module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=2, seq_len=args.n, backend="triton")
-        q, k, v = (torch.randn(1, 2, args.n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, 2, args.n, 64, dtype=torch.bfloat16)
-        for phase in ("fwd", "fwd+bwd"):
-            audit = LargeAllocations(q, [q, k, v, grad])
+        inputs, calls = eager_calls(name, args.n, heads=2)
+        for phase, call in calls.items():
+            audit = LargeAllocations(inputs[0], inputs)
             with audit:
-                if phase == "fwd":
-                    with torch.no_grad():
-                        module(q, k, v)
-                else:
-                    torch.autograd.grad(module(q, k, v), (q, k, v), grad)
+                call()
             found = ", ".join(f"{op} x{count} ({ratio}x q)" for (op, ratio), count in sorted(audit.seen.items()))
             print(f"{name:5s} {phase:8s} {found}", flush=True)
 

@@ -4,8 +4,8 @@
 At small N an eager call is bound by host time, and every Triton launch and every ATen op that runs a kernel costs
 some (``gpu_host_time.py`` measures it on a GPU). This runs each method's forward (no grad) and forward+backward on
 CPU tensors with ``TRITON_INTERPRET=1`` and every Triton launch stubbed out (``allocation_audit.stub_launches``),
-and counts the Triton launches by kernel and the ATen ops that are not views or bare allocations, with the
-flexsparse lines they come from (``--where``). The CPU paths can differ from CUDA's where a backend picks a strategy
+and counts, after a warm-up call, the Triton launches by kernel and the ATen ops that are not views or bare
+allocations, with the flexsparse lines they come from (``--where``). The CPU paths can differ from CUDA's where a backend picks a strategy
 by device (the Gluon kernels, the linear branch's dense sums): the counts are a guide, the GPU's profiler the truth.
 
     python benchmarks/launch_audit.py [--n 256] [--methods topk vsa llsa sla sla2] [--where]
@@ -19,11 +19,9 @@ import traceback
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
-import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import flexsparse  # noqa: E402
-from allocation_audit import CONFIGS, LAUNCHES, stub_launches  # noqa: E402
+from allocation_audit import CONFIGS, LAUNCHES, eager_calls, stub_launches  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
              "lift_fresh", "_local_scalar_dense", "is_same_size"}
@@ -57,18 +55,13 @@ def main() -> None:
     args = parser.parse_args()
     stub_launches()
     for name in args.methods:
-        module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=1, seq_len=args.n, backend="triton")
-        q, k, v = (torch.randn(1, 1, args.n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, 1, args.n, 64, dtype=torch.bfloat16)
-        for phase in ("fwd", "fwd+bwd"):
+        _, calls = eager_calls(name, args.n, heads=1)
+        for phase, call in calls.items():
+            call()                                    # a warm-up call builds what later calls reuse
             LAUNCHES.clear()
             ops = AtenOps(args.where)
             with ops:
-                if phase == "fwd":
-                    with torch.no_grad():
-                        module(q, k, v)
-                else:
-                    torch.autograd.grad(module(q, k, v), (q, k, v), grad)
+                call()
             triton = ", ".join(f"{kernel} x{count}" for kernel, count in sorted(LAUNCHES.items()))
             print(f"{name:5s} {phase:8s} Triton {sum(LAUNCHES.values()):3d}, ATen {sum(ops.seen.values()):3d}  "
                   f"[{triton}]", flush=True)
