@@ -5,8 +5,9 @@ At small N an eager call is bound by host time, and every Triton launch and ever
 some (``gpu_host_time.py`` measures it on a GPU). This runs each method's forward (no grad) and forward+backward on
 CPU tensors with ``TRITON_INTERPRET=1`` and every Triton launch stubbed out (``allocation_audit.stub_launches``),
 and counts, after a warm-up call, the Triton launches by kernel and the ATen ops that are not views or bare
-allocations, with the flexsparse lines they come from (``--where``). The CPU paths can differ from CUDA's where a backend picks a strategy
-by device (the Gluon kernels, the linear branch's dense sums): the counts are a guide, the GPU's profiler the truth.
+allocations, with the flexsparse lines they come from (``--where``). The CPU paths can differ from CUDA's where a
+backend picks a strategy by device (the Gluon kernels, the linear branch's dense sums): the counts are a guide, the
+GPU's profiler the truth.
 
     python benchmarks/launch_audit.py [--n 256] [--methods topk vsa llsa sla sla2] [--where]
 """
