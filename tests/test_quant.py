@@ -237,7 +237,7 @@ def test_qat_gradients_are_the_backward_at_the_quantized_forward(backend):
     o_plain, lse_plain = branch.block_sparse_attention(q, k, v, selection, scale)
     plain = torch.autograd.grad((o_plain * do).sum() + (lse_plain * dlse).sum(), (q, k, v))
     for name, a, b, c in zip("qkv", got, want, plain):
-        assert rel_err(a, b) < 1e-12 and 1e-3 < rel_err(a, c) < 0.1, name
+        assert rel_err(a, b) < 1e-12 and 1e-3 < rel_err(a, c) < 0.2, name
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

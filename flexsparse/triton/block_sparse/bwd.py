@@ -5,8 +5,8 @@
   ``Delta = rowsum(O * dO) - dLSE`` (so a gradient that reaches the LSE output is right), which the
   dK/dV kernel reads; the two kernels run in this order.
 * ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head), launched
-  head by head, longest CSC lists first (``longest_first``: a popular key block does not trail the grid;
-  ``program_order``).
+  head by head, longest CSC lists first where the grid takes more than one wave (``program_order``: a popular
+  key block does not trail the grid).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
   query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
   query blocks side by side per step.
