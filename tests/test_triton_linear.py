@@ -21,6 +21,7 @@ sm_90 the Gluon forward that mixes the branch in its epilogue (``linear.mix_ws``
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -383,15 +384,15 @@ def _both_run(fn, q, k, v, selection, params, fmap):
             **{n: t.grad for n, t in extra.items()}}
 
 
-def _one_op(q, k, v, selection, fmap, **params):
-    return TRITON.sparse_linear_output(q, k, v, selection, 0.3, deterministic=True, quant=None, feature_map=fmap,
+def _one_op(q, k, v, selection, fmap, quant=None, **params):
+    return TRITON.sparse_linear_output(q, k, v, selection, 0.3, deterministic=True, quant=quant, feature_map=fmap,
                                        eps=1e-5, **params)
 
 
-def _two_ops(q, k, v, selection, fmap, **params):
-    """The sparse branch (op ``block_attn``) and ``mixed_linear_output`` as separate ops, autograd summing dq, dk,
-    dv."""
-    o_s, lse = TRITON.sparse_softmax(q, k, v, selection, 0.3, deterministic=True)
+def _two_ops(q, k, v, selection, fmap, quant=None, **params):
+    """The sparse branch (op ``block_attn``, or ``block_attn_fp8`` with ``quant``) and ``mixed_linear_output`` as
+    separate ops, autograd summing dq, dk, dv."""
+    o_s, lse = TRITON.block_sparse_attention(q, k, v, selection, 0.3, deterministic=True, quant=quant)
     return _fused(q, k, v, selection, o_s, fmap, **params), lse
 
 
@@ -414,6 +415,26 @@ def test_sparse_linear_output_matches_two_ops(kind, b, h, hk, nq, nk, d, bq, bk,
 
 
 @cpu_only
+@pytest.mark.parametrize("kind", ["proj", "alpha_per_head"])
+def test_sparse_linear_output_with_quant_matches_two_ops(kind):
+    """With ``quant`` the one op's sparse branch is the FP8 forward: output and LSE equal the FP8 op's followed by
+    ``mixed_linear_output``, and so do the gradients (the QAT ones of the sparse branch, the linear kernels adding
+    theirs), an LSE gradient included (fp32, interpreter; torchao for the config)."""
+    pytest.importorskip("torchao")
+    from flexsparse.config import QuantConfig
+    q, k, v = _inputs(1, 4, 2, 90, 90, 16)
+    selection = _selection(q, k, 16, 16, 0.25, 0.0)
+    params = _mix_params(kind, 4, selection.num_q_blocks, 16)
+    got = _both_run(partial(_one_op, quant=QuantConfig()), q, k, v, selection, params, "softmax")
+    want = _both_run(partial(_two_ops, quant=QuantConfig()), q, k, v, selection, params, "softmax")
+    plain = _both_run(_one_op, q, k, v, selection, params, "softmax")
+    assert torch.equal(got["out"], want["out"]) and torch.equal(got["lse"], want["lse"])
+    assert ts.rel_err(got["out"], plain["out"]) > 1e-3
+    for name in want:
+        assert ts.rel_err(got[name], want[name]) < 1e-5, name
+
+
+@cpu_only
 def test_sparse_linear_mix_opcheck_and_inference():
     """opcheck of ``sparse_linear_mix``; without gradients O_l is not stored and the output is the same; every block
     skipped gives None (the methods run the sparse branch alone then)."""
@@ -430,8 +451,9 @@ def test_sparse_linear_mix_opcheck_and_inference():
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices.contiguous(),
             skipped_blocks(selection), None, None, params["alpha"].requires_grad_(), 16, 16, 0.25, False, "relu",
             1e-5, True)
-    torch.library.opcheck(linear_op.sparse_linear_mix.op, args,
-                          test_utils=("test_schema", "test_autograd_registration"))
+    for fp8 in (False, True):
+        torch.library.opcheck(linear_op.sparse_linear_mix.op, (*args, fp8),
+                              test_utils=("test_schema", "test_autograd_registration"))
 
 
 def _assert_rounded_once(d_ol, dout, alpha, block_q):

@@ -171,16 +171,20 @@ class TritonBackend(Backend):
                              quant: QuantConfig | None, feature_map: str, eps: float, weight=None, bias=None,
                              alpha=None):
         """The sparse branch and ``mixed_linear_output`` in one op (``flexsparse::sparse_linear_mix``: same values,
-        gradients with one rounding of the summed dq, dk, dv); ``None`` with ``quant`` and where
-        ``mixed_linear_output`` is."""
-        skipped = None if quant is not None else _kernel_skips(q, selection)
+        gradients with one rounding of the summed dq, dk, dv); with ``quant`` the sparse branch is the FP8 forward
+        (``block_sparse_attention``'s, and its QAT gradients). ``None`` where ``mixed_linear_output`` is, or for a
+        ``quant`` config the FP8 kernel does not run (``block_sparse_attention`` says why)."""
+        if quant is not None and self.quant_unsupported(quant, "block") is not None:
+            return None
+        skipped = _kernel_skips(q, selection)
         if skipped is None:
             return None
         out, lse, _, _, _, _ = linear_op.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype),
                                                            checked_indices(q, k, selection), skipped, weight, bias,
                                                            alpha, selection.block_q, selection.block_k, scale,
                                                            deterministic, feature_map, eps,
-                                                           _grad_needed(q, k, v, weight, bias, alpha))
+                                                           _grad_needed(q, k, v, weight, bias, alpha),
+                                                           quant is not None)
         return out, lse
 
 

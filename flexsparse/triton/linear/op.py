@@ -175,22 +175,26 @@ masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
 @triton_op("flexsparse::sparse_linear_mix")
 def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped: Tensor, weight: Optional[Tensor],
                       bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, scale: float,
-                      deterministic: bool, feature_map: str, eps: float,
-                      store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      deterministic: bool, feature_map: str, eps: float, store_linear: bool,
+                      fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE
-    over the selected blocks ``indices``) and ``masked_linear_mix`` of it. One op so that its backward runs the sparse
-    branch's gradients first and the linear kernels add theirs to them (one pass fewer over dq, dk and dv than
-    two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse forward and
-    the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``).
-    Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
+    over the selected blocks ``indices``; with ``fp8`` the FP8 forward ``block_attn_fp8`` of the QAT branch) and
+    ``masked_linear_mix`` of it. One op so that its backward runs the sparse branch's gradients first (at the o_s and
+    LSE it stored: for ``fp8`` the QAT gradients) and the linear kernels add theirs to them (one pass fewer over dq,
+    dk and dv than two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the bf16 sparse
+    forward and the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without
+    ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
     ``linear_kernels(q)``)."""
-    from ..block_sparse.op import block_attn
+    from ..block_sparse.op import block_attn, block_attn_fp8
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
-    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
-                                      feature_map, eps, store_linear)
-    if mixed is not None:
-        return mixed
-    o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
+    if fp8:
+        o_s, lse = block_attn_fp8.body(q, k, v, indices, block_q, block_k, scale, deterministic)
+    else:
+        mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
+                                          feature_map, eps, store_linear)
+        if mixed is not None:
+            return mixed
+        o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
                                                       feature_map, eps, store_linear)
     return out, lse, o_s, o_l, rows_h, rows_z
@@ -222,7 +226,7 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
 
 
 def _sparse_mix_setup(ctx, inputs, output):
-    q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, deterministic, feature_map, eps, _ = inputs
+    q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, deterministic, feature_map, eps = inputs[:14]
     _, lse, o_s, o_l, rows_h, rows_z = output
     ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha)
     ctx.mark_non_differentiable(o_s, o_l, rows_h, rows_z)
@@ -241,7 +245,7 @@ def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
     dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
                                    dv, o_l)
-    return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 7
+    return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 8
 
 
 sparse_linear_mix.register_autograd(_sparse_mix_backward, setup_context=_sparse_mix_setup)
