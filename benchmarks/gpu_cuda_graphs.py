@@ -4,7 +4,8 @@ times the calls a training loop makes, with their graph bookkeeping.
 
 Per method (its example config, parameters moved off their initial values as the runner does) and N: the
 ``no_grad`` forward and a training step (gradients of q, k, v and the trainable parameters reset, forward, backward
-with a fixed upstream gradient), each step after ``torch.compiler.cudagraph_mark_step_begin()``; do_bench medians in ms after three warm-up steps; B2 H8 D64 bf16.
+with a fixed upstream gradient), each step after ``torch.compiler.cudagraph_mark_step_begin()``; do_bench medians in
+ms after three warm-up steps; B2 H8 D64 bf16.
 Dense cuDNN SDPA in the same run. Writes ``bench_out/cuda_graphs.json`` and prints a table.
 
     python benchmarks/gpu_cuda_graphs.py [--sizes 4096 16384] [--methods llsa sla ...]

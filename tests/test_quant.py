@@ -20,6 +20,7 @@ from flexsparse.quant import (E4M3, block_scales, channel_scales, fake_quant, fa
                               quantized_softmax, to_e4m3)
 
 from helpers import rel_err
+from triton_support import random_selection
 
 pytest.importorskip("torchao")
 gpu = pytest.mark.gpu
@@ -217,14 +218,11 @@ def test_qat_gradients_are_the_backward_at_the_quantized_forward(backend):
     gradients of the written-out softmax backward (``block_sparse.naive``) on the unquantized q, k, v at that
     forward's O and LSE, an LSE gradient included (SLA2's "backward(dO_s, O_s, Q, K, V)"); a few % away from the
     unquantized branch's gradients."""
-    from flexsparse.masks import BlockSelection, num_blocks
     from flexsparse.triton.block_sparse import naive
-    n, block, scale = 203, 32, 0.25
+    n, scale = 203, 0.25
     q = torch.randn(2, 4, n, 16, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, n, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    blocks = num_blocks(n, block)
-    ids = torch.rand(2, 4, blocks, blocks).argsort(-1)[..., :3].sort(-1).values.to(torch.int32)
-    selection = BlockSelection(ids, block, block, n, n)
+    selection = random_selection(2, 4, n, n, 32, 32, 3)
     branch = backends.BACKENDS[backend]
     o, lse = branch.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
     with torch.no_grad():

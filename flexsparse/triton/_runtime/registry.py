@@ -7,8 +7,8 @@ with plain kernel launches: with no autograd graph to record, the body itself; w
 ``torch.autograd.Function`` built from the op's registered backward and ``setup_context`` (the same autograd
 formula). Through the dispatcher (custom-op and autograd wrappers, dynamo's disable guard) a call cost ~30 us
 more host time without gradients and ~60-100 us more with its backward (2-core CPU VM, a trivial op); an eager
-LLSA forward is a few such calls, and at small N the host time exceeds the GPU work. Everything else (``torch.compile``, fake, functional or other subclassed tensors, functorch
-transforms) goes through the op.
+LLSA forward is a few such calls, and at small N the host time exceeds the GPU work. Everything else
+(``torch.compile``, fake, functional or other subclassed tensors, functorch transforms) goes through the op.
 """
 from __future__ import annotations
 

@@ -226,7 +226,8 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
 
 
 def _sparse_mix_setup(ctx, inputs, output):
-    q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, deterministic, feature_map, eps = inputs[:14]
+    q, k, v, indices, skipped, weight, bias, alpha = inputs[:8]
+    block_q, block_k, scale, deterministic, feature_map, eps = inputs[8:14]
     _, lse, o_s, o_l, rows_h, rows_z = output
     ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha)
     ctx.mark_non_differentiable(o_s, o_l, rows_h, rows_z)
