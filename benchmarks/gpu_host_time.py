@@ -5,13 +5,16 @@ Per method (its example config, parameters moved off their initial values as the
 forward and forward+backward (gradients of q, k, v for a fixed upstream gradient) at B1 H1 D64 bf16, where the GPU
 work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
 (the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
-median. Kernels: CUDA kernels of one call in the profiler. Writes ``bench_out/host_time.json`` and prints a table.
+median. Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside Triton's launch
+path (``JITFunction.run``: argument binding and specialization, cache lookup, the launch itself), in total and per
+kernel. Writes ``bench_out/host_time.json`` and prints a table.
 
     python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -20,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
+from triton.runtime.jit import JITFunction
 
 from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
@@ -50,6 +54,28 @@ def kernels_per_call(call) -> int:
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def launch_us(call) -> dict[str, float]:
+    """Microseconds per ``call()`` spent inside ``JITFunction.run``, by kernel name (mean over ``CALLS`` calls)."""
+    spent = collections.Counter()
+    run = JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            spent[self.fn.__name__] += time.perf_counter() - start
+
+    JITFunction.run = timed
+    try:
+        for _ in range(CALLS):
+            call()
+    finally:
+        JITFunction.run = run
+    torch.cuda.synchronize()
+    return {name: 1e6 * seconds / CALLS for name, seconds in spent.items()}
+
+
 def calls(fn, n: int):
     """``{"fwd": ..., "fwd+bwd": ...}`` calls of ``fn(q, k, v)`` on fresh ``(1, 1, n, 64)`` bf16 leaves."""
     q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
@@ -76,9 +102,13 @@ def main() -> None:
         for phase, call in calls(fn, args.n).items():
             least, median = host_ms(call, args.rounds)
             count = kernels_per_call(call)
-            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median, "kernels": count}
-            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", count])
-    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)", "kernels"]))
+            launches = launch_us(call)
+            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median, "kernels": count,
+                                          "triton_launch_us": launches}
+            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", count, f"{sum(launches.values()):.0f}",
+                         ", ".join(f"{kernel.strip('_')} {us:.0f}" for kernel, us in launches.items())])
+    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)", "kernels",
+                                  "Triton launch us", "by kernel"]))
     os.makedirs(args.out, exist_ok=True)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n}
     with open(os.path.join(args.out, "host_time.json"), "w") as f:

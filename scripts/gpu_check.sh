@@ -21,7 +21,8 @@ tests=$1
 shift
 if [ -n "$tests" ]; then
   # shellcheck disable=SC2086
-  python3 -m pytest $tests -m gpu -q -p no:cacheprovider -p no:logging 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log"
+  python3 -m pytest $tests -m gpu -q -n "${GPU_TEST_WORKERS:-16}" --maxschedchunk=1 -p no:cacheprovider \
+    -p no:logging 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
   sed -n '/largest recorded errors/,/ in [0-9.]*s/p' "$OUT/gpu_tests.log" | head -40
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20

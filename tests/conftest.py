@@ -13,13 +13,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("TRITON_INTERPRET") == "1":
         _tier_interpreter_cases(items)
-    items.sort(key=lambda item: "long" not in item.keywords)   # stable: the long tests first, else as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongTestsFirst(), "flexsparse-long-tests-first")
+
+
+class _LongTestsFirst:
+    """Orders the selected tests so that those marked ``long`` start at once on different xdist workers: each long
+    test first, followed by one other test (xdist with ``--maxschedchunk=1``, as ``scripts/test.sh`` runs it, hands
+    each worker two consecutive tests to begin with), then the rest as collected."""
+
+    @pytest.hookimpl(trylast=True)   # after ``-m`` has deselected
+    def pytest_collection_modifyitems(self, items):
+        long = [item for item in items if "long" in item.keywords]
+        others = [item for item in items if "long" not in item.keywords]
+        paired = [test for pair in zip(long, others) for test in pair]
+        items[:] = paired + long[len(others):] + others[len(long):]
 
 
 def _tier_interpreter_cases(items):
