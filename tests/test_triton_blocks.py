@@ -216,14 +216,21 @@ def test_dkv_program_order_is_head_major_longest_first():
 
 @gpu
 def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms():
-    """Where every dK/dV program runs at once the order cannot matter and is the identity; else longest first."""
+    """Where every dK/dV program runs at once the order cannot matter and is the identity; else longest first,
+    and always longest first in a graph traced for any length (no guard on the length)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
     from flexsparse.triton.block_sparse.bwd import longest_first, program_order, sm_count
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
+    selection.indices[:, :, :, 0] = 3                                   # key block 3 first: not the identity
     offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets.cuda()
     items = 2 * 2 * 19
-    assert torch.equal(program_order(offsets, 2, sm_count(offsets.device) // items), torch.arange(items).int().cuda())
-    sorted_order = program_order(offsets, 2, sm_count(offsets.device) // items + 1)
-    assert torch.equal(sorted_order, longest_first(offsets, 2))
+    fits = sm_count(offsets.device) // items
+    assert torch.equal(program_order(offsets, 2, fits), torch.arange(items).int().cuda())
+    sorted_order = longest_first(offsets, 2)
+    assert not torch.equal(sorted_order, torch.arange(items).int().cuda())
+    assert torch.equal(program_order(offsets, 2, fits + 1), sorted_order)
+    traced = make_fx(lambda offsets: program_order(offsets, 2, fits), tracing_mode="symbolic")(offsets)
+    assert torch.equal(traced(offsets), sorted_order)
 
 
 @cpu_parent
