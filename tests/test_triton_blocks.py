@@ -133,8 +133,13 @@ def test_tile_overrides(name, monkeypatch):
 
 @cpu_only
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_block_csc_is_transpose(deterministic):
+@pytest.mark.parametrize("one_kernel", [True, False])
+def test_block_csc_is_transpose(deterministic, one_kernel, monkeypatch):
+    """Both paths: the one small-table kernel (lists ascending either way) and the count-scan-scatter or sort."""
+    from flexsparse.triton.common import csc
     from flexsparse.triton.common.csc import block_csc
+    if not one_kernel:
+        monkeypatch.setattr(csc, "_SMALL_WORK", 0)
     tk = 7
     selection = random_selection(2, 3, 100, 7 * 16, 8, 16, 3)
     offsets, rows = block_csc(selection.indices.contiguous(), tk, deterministic)
@@ -146,7 +151,7 @@ def test_block_csc_is_transpose(deterministic):
             for key in range(tk):
                 members = rows[b, h, offsets[b, h, key]:offsets[b, h, key + 1]].long()
                 assert torch.equal(members.sort().values, dense[b, h, :, key].nonzero().flatten())
-    if deterministic:
+    if deterministic or one_kernel:
         want = csr_to_csc(selection.indices, tk)
         assert torch.equal(offsets, want.offsets) and torch.equal(rows, want.rows)
 
@@ -443,13 +448,17 @@ def test_gpu_deterministic():
 
 @gpu
 @pytest.mark.parametrize("det", [False, True])
-def test_gpu_block_csc_is_transpose(det):
-    from flexsparse.triton.common.csc import block_csc
-    selection = random_selection(2, 4, 8192, 8192, 64, 64, 9, "cuda")
-    offsets, rows = block_csc(selection.indices.contiguous(), selection.num_k_blocks, det)
+@pytest.mark.parametrize("n", [8192, 32768])
+def test_gpu_block_csc_is_transpose(det, n):
+    """At N = 8192 the one small-table kernel runs (lists ascending either way), at 32768 the larger tables' path."""
+    from flexsparse.triton.common import csc
+    selection = random_selection(2, 4, n, n, 64, 64, 9, "cuda")
+    indices = selection.indices.contiguous()
+    assert csc.small([csc.Segment(indices.shape[2], 9, selection.num_k_blocks, 0, 0)], 8) == (n == 8192)
+    offsets, rows = csc.block_csc(indices, selection.num_k_blocks, det)
     want = csr_to_csc(selection.indices, selection.num_k_blocks)
     assert torch.equal(offsets, want.offsets)
-    if det:
+    if det or n == 8192:
         assert torch.equal(rows, want.rows)
     else:  # same members per key, any order
         keys = torch.repeat_interleave(torch.arange(selection.num_k_blocks, device="cuda"),

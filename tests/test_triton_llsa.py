@@ -245,25 +245,30 @@ def test_select_wide_children_rows_take_fewer_parents_or_torch(score_bytes, monk
 
 @cpu_only
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_csc_is_transpose(deterministic):
-    from flexsparse.triton.common.csc import selection_csc
+def test_csc_is_transpose(deterministic, monkeypatch):
+    """Both paths: the one small-table kernel per level (lists ascending either way) and the count-scan-scatter or
+    sort."""
+    from flexsparse.triton.common import csc
     n, block, topk = 300, 4, (3, 2, 2)
     q, k, _ = _qkv(n, 2, 1, 16)
     selection = hierarchical_topk(pool_pyramid(q, block, 3), pool_pyramid(k, block, 3), topk, block, n)
     levels = level_table(n, block, topk)
-    offsets, rows = selection_csc(pack(selection), levels, deterministic)
-    for level, s in enumerate(selection.indices):
-        keys = s.shape[2]
-        start, first = levels.rows[level][CSC_OFF], levels.rows[level][SEL_OFF]
-        off = offsets[..., start:start + keys + 1].long()
-        got = rows[..., first:first + s.shape[2] * s.shape[3]]
-        dense = torch.zeros(*s.shape[:3], keys, dtype=torch.bool).scatter_(-1, s.long(), True)
-        for h in range(s.shape[1]):
-            for key in range(keys):
-                members = got[0, h, off[0, h, key]:off[0, h, key + 1]].long()
-                assert torch.equal(members.sort().values, dense[0, h, :, key].nonzero().flatten())
-        if deterministic:
-            assert torch.equal(got, csr_to_csc(s, keys).rows)
+    for one_kernel in (True, False):
+        monkeypatch.setattr(csc, "_SMALL_WORK", 1 << 24 if one_kernel else 0)
+        offsets, rows = csc.selection_csc(pack(selection), levels, deterministic)
+        for level, s in enumerate(selection.indices):
+            keys = s.shape[2]
+            start, first = levels.rows[level][CSC_OFF], levels.rows[level][SEL_OFF]
+            off = offsets[..., start:start + keys + 1].long()
+            got = rows[..., first:first + s.shape[2] * s.shape[3]]
+            dense = torch.zeros(*s.shape[:3], keys, dtype=torch.bool).scatter_(-1, s.long(), True)
+            for h in range(s.shape[1]):
+                for key in range(keys):
+                    members = got[0, h, off[0, h, key]:off[0, h, key + 1]].long()
+                    assert torch.equal(members.sort().values, dense[0, h, :, key].nonzero().flatten())
+            if deterministic or one_kernel:
+                assert torch.equal(got, csr_to_csc(s, keys).rows)
+                assert torch.equal(off, csr_to_csc(s, keys).offsets.long())
 
 
 HOISTED = (4096, 16, (2, 2), 2, 1, 16)  # even, L = 2, batched: the fused forward hoists its key rows (llsa_fwd)
