@@ -5,9 +5,11 @@ Per method (its example config, parameters moved off their initial values as the
 forward and forward+backward (gradients of q, k, v for a fixed upstream gradient) at B1 H1 D64 bf16, where the GPU
 work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
 (the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
-median. Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside Triton's launch
-path (``JITFunction.run``: argument binding and specialization, cache lookup, the launch itself), in total and per
-kernel. Writes ``bench_out/host_time.json`` and prints a table.
+median. Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside the launch path
+(flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it:
+argument binding and specialization, cache lookup, the launch itself), in total and per kernel; run with
+``FLEXSPARSE_TRITON_LAUNCH=triton`` for Triton's path throughout. Writes ``bench_out/host_time.json`` and prints a
+table.
 
     python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5]
 """
@@ -26,6 +28,7 @@ from tabulate import tabulate
 from triton.runtime.jit import JITFunction
 
 from flexsparse.bench.measure import build_module
+from flexsparse.triton._runtime.fast_launch import FastLaunch
 from flexsparse.methods import METHODS
 
 CALLS = 100
@@ -55,23 +58,31 @@ def kernels_per_call(call) -> int:
 
 
 def launch_us(call) -> dict[str, float]:
-    """Microseconds per ``call()`` spent inside ``JITFunction.run``, by kernel name (mean over ``CALLS`` calls)."""
-    spent = collections.Counter()
-    run = JITFunction.run
+    """Microseconds per ``call()`` spent in the launch path, by kernel name (mean over ``CALLS`` calls): inside
+    ``FastLaunch.launch`` (flexsparse's eager path) or, for a launch that does not go through it, inside
+    ``JITFunction.run``."""
+    spent, depth = collections.Counter(), [0]
 
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            spent[self.fn.__name__] += time.perf_counter() - start
+    def timed(method, name_of):
+        def run(self, *args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[name_of(self)] += time.perf_counter() - start
+        return run
 
-    JITFunction.run = timed
+    originals = JITFunction.run, FastLaunch.launch
+    JITFunction.run = timed(JITFunction.run, lambda kernel: kernel.fn.__name__)
+    FastLaunch.launch = timed(FastLaunch.launch, lambda fast: fast.kernel.fn.__name__)
     try:
         for _ in range(CALLS):
             call()
     finally:
-        JITFunction.run = run
+        JITFunction.run, FastLaunch.launch = originals
     torch.cuda.synchronize()
     return {name: 1e6 * seconds / CALLS for name, seconds in spent.items()}
 
@@ -110,7 +121,8 @@ def main() -> None:
     print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)", "kernels",
                                   "Triton launch us", "by kernel"]))
     os.makedirs(args.out, exist_ok=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n}
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n,
+           "launch": os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast")}
     with open(os.path.join(args.out, "host_time.json"), "w") as f:
         json.dump({"env": env, "results": results}, f, indent=1)
 

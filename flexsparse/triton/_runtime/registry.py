@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .compile_cache import tag_compile_caches
+from .fast_launch import FastLaunch
 
 _STATE = threading.local()
 tag_compile_caches()  # the ops' traced bodies are not in torch.compile's cache keys (compile_cache)
@@ -105,11 +106,19 @@ def triton_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callab
 
 
 def launcher(kernel):
-    """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); as it is when interpreted or launched
-    directly from an op body run eagerly (``registry``). A pointer a launch leaves unused is one of its inputs,
-    never an alias of a tensor it writes: were torch's write analysis to fail, it would take every pointer as
-    written, and the copies of two aliased "outputs" would overwrite each other."""
+    """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); launched through ``fast_launch`` from an
+    op body run eagerly (``registry``); as it is when interpreted, or a Gluon kernel run eagerly. A pointer a
+    launch leaves unused is one of its inputs, never an alias of a tensor it writes: were torch's write analysis to
+    fail, it would take every pointer as written, and the copies of two aliased "outputs" would overwrite each
+    other."""
     from triton.runtime.jit import JITFunction
-    if isinstance(kernel, JITFunction) and not launching_directly():
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    if not launching_directly():
         return torch.library.wrap_triton(kernel)
-    return kernel
+    if type(kernel) is not JITFunction:
+        return kernel
+    fast = kernel.__dict__.get("_flexsparse_fast")
+    if fast is None:
+        fast = kernel._flexsparse_fast = FastLaunch(kernel)
+    return fast

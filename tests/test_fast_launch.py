@@ -1,0 +1,78 @@
+"""The eager launch path (``flexsparse.triton._runtime.fast_launch``): its argument fingerprint refines Triton's
+specialization (CPU, Triton's own binder for an sm_90 target), and on a GPU it launches the kernel Triton's own path
+picks for every specialization (alignment, ``== 1``, divisibility by 16, integer width), with the same results."""
+from __future__ import annotations
+
+import collections
+import inspect
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import triton_support as ts
+from flexsparse.triton._runtime.fast_launch import FastLaunch, fingerprint
+
+
+def _one_argument(x):
+    pass
+
+
+@ts.cpu_parent
+def test_fingerprint_refines_triton_specialization():
+    """Arguments with one fingerprint get one specialization from Triton's binder (the other way round need not
+    hold: a fingerprint may split what Triton keeps together)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import KernelParam, create_function_from_signature
+    signature = inspect.signature(_one_argument)
+    params = [KernelParam(0, signature.parameters["x"], False, False)]
+    binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    base = torch.empty(64, dtype=torch.float32)
+    draws = torch.randint(-2**40, 2**40, (40,)).tolist()
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**32, 2**63 - 1,
+              2**63, 2**63 + 16, 2**64 - 1, *draws, *(16 * x for x in draws), True, False, None, 0.5, 3.0, -2.0,
+              base, base[1:], base[2:], base[4:], base[5:], torch.empty(8, dtype=torch.bfloat16),
+              torch.empty(9, dtype=torch.bfloat16)[1:], torch.empty(8, dtype=torch.float16),
+              torch.empty(3, dtype=torch.int32), torch.empty(3, dtype=torch.int64)[1:]]
+    groups = collections.defaultdict(set)
+    for value in values:
+        groups[fingerprint(value)].add(repr(binder(value)[1]))
+    split = {key: specs for key, specs in groups.items() if len(specs) > 1}
+    assert not split
+    assert len(groups) >= 12
+
+
+@triton.jit
+def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs * stride, mask=ok)
+    y = x * factor
+    if ADD_ONE:
+        y += 1
+    tl.store(OUT + offs, y, mask=ok)
+
+
+@ts.gpu
+@pytest.mark.parametrize("n", [1, 16, 17, 4099])
+@pytest.mark.parametrize("offset", [0, 1, 4])
+@pytest.mark.parametrize("stride", [1, 2, 16])
+def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, stride):
+    """Each call launches what ``JITFunction.run`` would (the same compiled kernel) and gets the same result, for
+    misaligned pointers, lengths and strides that are 1, multiples of 16 or neither, and keyword arguments."""
+    fast = FastLaunch(_scaled_copy_kernel)
+    base = torch.randn(offset + n * stride + 8, device="cuda")
+    x = base[offset:]
+    out = torch.full((n,), float("nan"), device="cuda")
+    grid = (triton.cdiv(n, 128),)
+    for add_one in (False, True):
+        for _ in range(2):                                    # a miss, then a hit
+            compiled = fast[grid](x, out, n, stride, 0.5, BLOCK=128, ADD_ONE=add_one, num_warps=4)
+            want = x[: n * stride: stride] * 0.5 + (1 if add_one else 0)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+            out.fill_(float("nan"))
+        assert compiled is _scaled_copy_kernel.run(x, out, n, stride, 0.5, BLOCK=128, ADD_ONE=add_one, num_warps=4,
+                                                   grid=grid, warmup=True)
+    assert len(fast.compiled) == 2
