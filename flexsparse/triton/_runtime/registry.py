@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from .compile_cache import tag_compile_caches
-from .fast_launch import FastLaunch
 
 _STATE = threading.local()
 tag_compile_caches()  # the ops' traced bodies are not in torch.compile's cache keys (compile_cache)
@@ -120,5 +119,6 @@ def launcher(kernel):
         return kernel
     fast = kernel.__dict__.get("_flexsparse_fast")
     if fast is None:
+        from .fast_launch import FastLaunch
         fast = kernel._flexsparse_fast = FastLaunch(kernel)
     return fast
