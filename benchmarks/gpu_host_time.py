@@ -5,11 +5,11 @@ Per method (its example config, parameters moved off their initial values as the
 forward and forward+backward (gradients of q, k, v for a fixed upstream gradient) at B1 H1 D64 bf16, where the GPU
 work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
 (the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
-median. Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside the launch path
-(flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it:
-argument binding and specialization, cache lookup, the launch itself), in total and per kernel; run with
-``FLEXSPARSE_TRITON_LAUNCH=triton`` for Triton's path throughout. Writes ``bench_out/host_time.json`` and prints a
-table.
+median, and the least with every launch through Triton's own path, in rounds alternating with the others.
+Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside the launch path
+(flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it: argument
+binding and specialization, cache lookup, the launch itself), in total and per kernel. Writes
+``bench_out/host_time.json`` and prints a table.
 
     python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5]
 """
@@ -28,25 +28,34 @@ from tabulate import tabulate
 from triton.runtime.jit import JITFunction
 
 from flexsparse.bench.measure import build_module
+from flexsparse.triton._runtime import fast_launch
 from flexsparse.triton._runtime.fast_launch import FastLaunch
 from flexsparse.methods import METHODS
 
 CALLS = 100
 
 
-def host_ms(call, rounds: int) -> tuple[float, float]:
-    """``(least, median)`` over ``rounds`` of the host milliseconds per call of ``CALLS`` calls in a row."""
+def host_ms(call, rounds: int) -> dict[str, tuple[float, float]]:
+    """``{"fast": (least, median), "triton": (least, median)}`` over ``rounds`` of the host milliseconds per call of
+    ``CALLS`` calls in a row, with eager launches through ``FastLaunch`` and through Triton's ``JITFunction.run``
+    (``fast_launch.ENABLED``), rounds alternating so that both see the same host."""
     for _ in range(20):
         call()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            call()
-        per_call.append(1e3 * (time.perf_counter() - start) / CALLS)
-        torch.cuda.synchronize()
-    return min(per_call), statistics.median(per_call)
+    per_call = {"fast": [], "triton": []}
+    enabled = fast_launch.ENABLED
+    try:
+        for _ in range(rounds):
+            for mode in per_call:
+                fast_launch.ENABLED = enabled and mode == "fast"
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    call()
+                per_call[mode].append(1e3 * (time.perf_counter() - start) / CALLS)
+                torch.cuda.synchronize()
+    finally:
+        fast_launch.ENABLED = enabled
+    return {mode: (min(times), statistics.median(times)) for mode, times in per_call.items()}
 
 
 def kernels_per_call(call) -> int:
@@ -111,18 +120,20 @@ def main() -> None:
         fn = (F.scaled_dot_product_attention if name == "sdpa"
               else build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda"))
         for phase, call in calls(fn, args.n).items():
-            least, median = host_ms(call, args.rounds)
+            times = host_ms(call, args.rounds)
             count = kernels_per_call(call)
             launches = launch_us(call)
-            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median, "kernels": count,
-                                          "triton_launch_us": launches}
-            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", count, f"{sum(launches.values()):.0f}",
+            (least, median), (triton_least, _) = times["fast"], times["triton"]
+            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median,
+                                          "host_ms_triton_launch": triton_least, "kernels": count,
+                                          "launch_us": launches}
+            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", f"{triton_least:.3f}", count,
+                         f"{sum(launches.values()):.0f}",
                          ", ".join(f"{kernel.strip('_')} {us:.0f}" for kernel, us in launches.items())])
-    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)", "kernels",
-                                  "Triton launch us", "by kernel"]))
+    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)",
+                                  "least, Triton's launch path", "kernels", "launch us", "by kernel"]))
     os.makedirs(args.out, exist_ok=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n,
-           "launch": os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast")}
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n}
     with open(os.path.join(args.out, "host_time.json"), "w") as f:
         json.dump({"env": env, "results": results}, f, indent=1)
 
