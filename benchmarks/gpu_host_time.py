@@ -29,7 +29,6 @@ from triton.runtime.jit import JITFunction
 
 from flexsparse.bench.measure import build_module
 from flexsparse.triton._runtime import fast_launch
-from flexsparse.triton._runtime.fast_launch import FastLaunch
 from flexsparse.methods import METHODS
 
 CALLS = 100
@@ -84,14 +83,15 @@ def launch_us(call) -> dict[str, float]:
                     spent[name_of(self)] += time.perf_counter() - start
         return run
 
-    originals = JITFunction.run, FastLaunch.launch
+    fast = fast_launch.FastLaunch
+    originals = JITFunction.run, fast.launch
     JITFunction.run = timed(JITFunction.run, lambda kernel: kernel.fn.__name__)
-    FastLaunch.launch = timed(FastLaunch.launch, lambda fast: fast.kernel.fn.__name__)
+    fast.launch = timed(fast.launch, lambda launcher: launcher.kernel.fn.__name__)
     try:
         for _ in range(CALLS):
             call()
     finally:
-        JITFunction.run, FastLaunch.launch = originals
+        JITFunction.run, fast.launch = originals
     torch.cuda.synchronize()
     return {name: 1e6 * seconds / CALLS for name, seconds in spent.items()}
 

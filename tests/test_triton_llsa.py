@@ -253,8 +253,8 @@ def test_csc_is_transpose(deterministic, monkeypatch):
     q, k, _ = _qkv(n, 2, 1, 16)
     selection = hierarchical_topk(pool_pyramid(q, block, 3), pool_pyramid(k, block, 3), topk, block, n)
     levels = level_table(n, block, topk)
-    for one_kernel in (True, False):
-        monkeypatch.setattr(csc, "_SMALL_WORK", 1 << 24 if one_kernel else 0)
+    for one_kernel, work in ((True, csc._SMALL_WORK), (False, 0)):
+        monkeypatch.setattr(csc, "_SMALL_WORK", work)
         offsets, rows = csc.selection_csc(pack(selection), levels, deterministic)
         for level, s in enumerate(selection.indices):
             keys = s.shape[2]

@@ -23,6 +23,7 @@ from triton.runtime.driver import driver
 
 ENABLED = os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast") != "triton"
 _UNKEYED = object()
+_NO_KEY = None, None, None
 _I32_MIN, _I32_MAX, _U64_MIN = -2**31, 2**31 - 1, 2**63
 
 
@@ -60,14 +61,16 @@ class FastLaunch:
     def launch(self, grid, args: tuple, kwargs: dict):
         """Launch on ``grid`` (a tuple of up to three ints): the compiled kernel of the arguments' fingerprint, or
         Triton's path on a miss."""
-        key = self._key(grid, args, kwargs)
-        compiled = None if key is None else self.compiled.get(key[0])
+        key, values, device = self._key(grid, args, kwargs)
+        try:
+            compiled = None if key is None else self.compiled.get(key)
+        except TypeError:    # an unhashable constexpr or option value
+            key = compiled = None
         if compiled is None:
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if key is not None and compiled is not None:
-                self.compiled[key[0]] = compiled.result() if hasattr(compiled, "result") else compiled
+                self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
             return compiled
-        values, device = key[1], key[2]
         stream = driver.active.get_current_stream(device)
         size = len(grid)
         compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
@@ -75,12 +78,12 @@ class FastLaunch:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict):
-        """``(key, every parameter's value in order, device)``, or None where the call cannot be keyed."""
+        """``(key, every parameter's value in order, device)``; a None key where the call cannot be keyed."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
                 or runtime.debug or knobs.compilation.instrumentation_mode):
-            return None
+            return _NO_KEY
         values = list(args)
         options = dict(kwargs)
         for name, default in zip(self.names[len(args):], self.defaults[len(args):]):
@@ -89,15 +92,10 @@ class FastLaunch:
         for value, constexpr in zip(values, self.constexpr):
             part = value if constexpr else fingerprint(value)
             if part is _UNKEYED:
-                return None
+                return _NO_KEY
             parts.append(part)
         device = driver.active.get_current_device()
-        key = (device, tuple(parts), tuple(options.items()))
-        try:
-            hash(key)
-        except TypeError:    # an unhashable constexpr or option value
-            return None
-        return key, values, device
+        return (device, tuple(parts), tuple(options.items())), values, device
 
 
 def _empty(hook) -> bool:

@@ -1,4 +1,5 @@
-"""Host-side sizes of kernel launches: ceil division, powers of two, row tables repeated per tile."""
+"""Host-side sizes of kernel launches: ceil division, powers of two, row tables repeated per tile, and whether sizes
+are static."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,13 @@ import torch
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ints."""
     return -(-a // b)
+
+
+def static(*sizes) -> bool:
+    """Whether every size is a plain int: a graph traced for any length sees SymInts, and a host-side choice that
+    compares one adds a guard on the length (from a backward graph, one that breaks Inductor's scheduler on
+    torch 2.11: KeyError in ``compute_ancestors``); such choices take the path that fits every size."""
+    return all(isinstance(size, int) for size in sizes)
 
 
 def pow2(x: int, minimum: int = 1) -> int:

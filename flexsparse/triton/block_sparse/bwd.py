@@ -28,7 +28,7 @@ from .fwd import chunk_rows, geometry, list_rows, list_steps
 from .._runtime.registry import launcher
 from ..common.jit import LOG2E, load_tile, mm, store_tile
 from .gluon import block_bwd_ws, block_fwd_ws
-from .._runtime.sizes import cdiv, pow2, repeat_rows
+from .._runtime.sizes import cdiv, pow2, repeat_rows, static
 from .._runtime.registry import launching_directly
 from .._runtime.tiles import overrides
 
@@ -170,10 +170,9 @@ def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Tensor:
     """The dK/dV programs' order (``split`` programs per key block): ``longest_first``, or the identity where the
     whole grid fits the device's SMs at once, so that the order cannot matter (one op where the sort is seven).
-    A symbolic grid (a graph traced for any length) takes the sort: a guard on the length from a backward
-    graph breaks Inductor's scheduler on torch 2.11 (KeyError in ``compute_ancestors``)."""
+    A symbolic grid takes the sort (``sizes.static``)."""
     items = offsets.shape[0] * kv_heads * (offsets.shape[2] - 1)
-    if offsets.is_cuda and isinstance(items, int) and items * split <= sm_count(offsets.device):
+    if offsets.is_cuda and static(items) and items * split <= sm_count(offsets.device):
         return torch.arange(items, dtype=torch.int32, device=offsets.device)
     return longest_first(offsets, kv_heads)
 

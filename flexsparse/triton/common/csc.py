@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...masks import csr_to_csc
 from .._runtime.registry import launcher
-from .._runtime.sizes import cdiv
+from .._runtime.sizes import cdiv, static
 from ...masks.levels import CSC_OFF, Levels, SEL_OFF
 
 _BE = 1024
@@ -89,10 +89,10 @@ def _small_csc_kernel(SEL, OFFSETS, ROWS, S_TOTAL, C_TOTAL, sel_off, csc_off, en
 
 
 def small(segments: list["Segment"], bsz_heads) -> bool:
-    """Whether the one-kernel path transposes these segments (static sizes only: a graph traced for any length
-    takes the others)."""
-    return all(isinstance(x, int) for seg in segments for x in (seg.rows, seg.keys, seg.topk)) and isinstance(
-        bsz_heads, int) and sum(seg.keys * seg.rows * seg.topk for seg in segments) * bsz_heads <= _SMALL_WORK
+    """Whether the one-kernel path transposes these segments (static sizes only, ``sizes.static``)."""
+    if not static(bsz_heads, *(x for seg in segments for x in (seg.rows, seg.keys, seg.topk))):
+        return False
+    return sum(seg.keys * seg.rows * seg.topk for seg in segments) * bsz_heads <= _SMALL_WORK
 
 
 def segments_csc(sel: torch.Tensor, segments: list[Segment], csc_size: int,
