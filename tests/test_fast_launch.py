@@ -23,12 +23,6 @@ def _one_argument(x):
 def test_fingerprint_refines_triton_specialization():
     """Arguments with one fingerprint get one specialization from Triton's binder (the other way round need not
     hold: a fingerprint may split what Triton keeps together)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import KernelParam, create_function_from_signature
-    signature = inspect.signature(_one_argument)
-    params = [KernelParam(0, signature.parameters["x"], False, False)]
-    binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
     base = torch.empty(64, dtype=torch.float32)
     draws = torch.randint(-2**40, 2**40, (40,)).tolist()
     values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**32, 2**63 - 1,
@@ -36,12 +30,43 @@ def test_fingerprint_refines_triton_specialization():
               base, base[1:], base[2:], base[4:], base[5:], torch.empty(8, dtype=torch.bfloat16),
               torch.empty(9, dtype=torch.bfloat16)[1:], torch.empty(8, dtype=torch.float16),
               torch.empty(3, dtype=torch.int32), torch.empty(3, dtype=torch.int64)[1:]]
+    groups = _specializations(values)
+    assert not {key: specs for key, specs in groups.items() if len(specs) > 1}
+    assert len(groups) >= 12
+
+
+def _specializations(values) -> dict:
+    """``{fingerprint: {Triton's specialization}}`` of each value as the one argument of a kernel for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import KernelParam, create_function_from_signature
+    signature = inspect.signature(_one_argument)
+    params = [KernelParam(0, signature.parameters["x"], False, False)]
+    binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
     groups = collections.defaultdict(set)
     for value in values:
         groups[fingerprint(value)].add(repr(binder(value)[1]))
-    split = {key: specs for key, specs in groups.items() if len(specs) > 1}
-    assert not split
-    assert len(groups) >= 12
+    return groups
+
+
+@ts.cpu_parent
+def test_fingerprint_refines_triton_specialization_of_gluon_descriptors():
+    """Gluon TMA descriptors over tensors of other shapes, strides and base addresses share a fingerprint (and a
+    specialization) when their dtype, block shape and layout agree; those that differ in any of them split."""
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    values = []
+    for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16), (torch.float32, gl.float32)):
+        for rows in (64, 128):
+            for cols in (32, 64):
+                layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
+                for n in (128, 4096, 1000):
+                    base = torch.empty(n + 8, 128, dtype=dtype)
+                    for tensor in (base[:n], base[8:], base[:n, :cols], base[:n, 64:64 + cols]):
+                        values.append(TensorDescriptor.from_tensor(tensor, [rows, cols], layout))
+    groups = _specializations(values)
+    assert not {key: specs for key, specs in groups.items() if len(specs) > 1}
+    assert len(groups) == 12
 
 
 @triton.jit
@@ -76,3 +101,47 @@ def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, st
         assert compiled is _scaled_copy_kernel.run(x, out, n, stride, 0.5, BLOCK=128, ADD_ONE=add_one, num_warps=4,
                                                    grid=grid, warmup=True)
     assert len(fast.compiled) == 2
+
+
+@ts.gpu
+@pytest.mark.parametrize("method, d, n, changes", [
+    ("topk", 128, 2048, {}),                                  # warp-specialized forward and dQ
+    ("topk", 64, 2048, {"topk": 24}),                         # forward and dK/dV (long CSC lists)
+    ("sla", 64, 4096, {}),                                    # both SLA branches in one kernel
+])
+def test_gpu_fast_launch_runs_gluon_kernels_as_triton_does(monkeypatch, method, d, n, changes):
+    """The warp-specialized Gluon kernels launch through ``FastLaunch`` once compiled: the compiled kernels it keeps
+    are Triton's own for those arguments, and the outputs and gradients equal those of Triton's path bit for bit."""
+    ts.skip_unless_sm90()
+    import flexsparse
+    from flexsparse.triton._runtime import fast_launch
+    from flexsparse.triton.block_sparse import bwd_ws, fwd_ws
+    from flexsparse.triton.linear import mix_ws
+    kernels = {"topk": [fwd_ws._ws_fwd_kernel, bwd_ws._ws_dq_kernel if d == 128 else bwd_ws._ws_dkv_kernel],
+               "sla": [mix_ws._ws_mix_kernel]}[method]
+    for kernel in kernels:
+        kernel.__dict__.pop("_flexsparse_fast", None)
+    module = flexsparse.SparseAttention(ts.example_config(method, **changes), head_dim=d, num_heads=2, seq_len=n,
+                                        backend="triton").cuda()
+    inputs = [torch.randn(2, 2, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    grad = torch.randn_like(inputs[0])
+
+    def run():
+        """Output and gradients of q, k, v at fresh copies of the inputs (new addresses: new TMA descriptors)."""
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        out = module(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    want = run()
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    for _ in range(3):                                        # a miss, then hits
+        got = run()
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for got_grad, want_grad in zip(got[1:], want[1:]):
+            torch.testing.assert_close(got_grad, want_grad)
+    for kernel in kernels:
+        fast = kernel.__dict__.get("_flexsparse_fast")
+        assert fast is not None and fast.compiled, kernel.fn.__name__
+        triton_cache = kernel.device_caches[torch.cuda.current_device()][0]
+        assert all(any(c is t for t in triton_cache.values()) for c in fast.compiled.values())

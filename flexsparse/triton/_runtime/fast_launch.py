@@ -5,10 +5,12 @@
 globals and builds launch metadata: 25-60 us of host time per launch of a flexsparse kernel (8-45 arguments) on an
 H200 host, where the compiled kernel's own ``run`` costs a few. ``FastLaunch`` keys the compiled kernel by a
 fingerprint of the arguments that refines Triton's specialization (two calls with one fingerprint specialize
-alike; ``fingerprint``), computed in one pass, and calls ``CompiledKernel.run`` directly on a hit. A miss, or a call
-it cannot key (an argument of another type, such as a TMA descriptor; a callable grid; launch or stage hooks, pre-run
-hooks, debug or instrumentation knobs set) goes through ``JITFunction.run``, which compiles where needed; the
-compiled kernel it returns is kept for the fingerprint.
+alike; ``fingerprint``), computed in one pass, and calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
+the same path: a host TMA descriptor is keyed by what Triton specializes on (dtype, block shape, shared layout), and
+the compiled kernel's launcher encodes it at every launch, as on Triton's path. A miss, or a call it cannot key (an
+argument of another type; a callable grid; launch or stage hooks, pre-run hooks, debug or instrumentation knobs set)
+goes through ``JITFunction.run``, which compiles where needed; the compiled kernel it returns is kept for the
+fingerprint.
 
 ``FLEXSPARSE_TRITON_LAUNCH=triton`` (read at import) keeps every launch on Triton's own path.
 """
@@ -21,6 +23,11 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
 
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:                                             # a Triton without Gluon
+    GluonDescriptor = None
+
 ENABLED = os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast") != "triton"
 _UNKEYED = object()
 _NO_KEY = None, None, None
@@ -30,7 +37,8 @@ _I32_MIN, _I32_MAX, _U64_MIN = -2**31, 2**31 - 1, 2**63
 def fingerprint(value):
     """A hashable key of one non-constexpr argument that determines Triton's specialization of it: dtype and
     16-byte alignment of a tensor, ``== 1``, divisibility by 16 and integer width of an int, the value of a bool,
-    the class of a float or None; ``_UNKEYED`` for anything else."""
+    the class of a float or None, the base dtype, block shape, shared layout and padding of a Gluon TMA descriptor
+    (its shape and strides are launch arguments); ``_UNKEYED`` for anything else."""
     cls = value.__class__
     if cls is int:
         if value == 1:
@@ -42,6 +50,9 @@ def fingerprint(value):
         return value, cls
     if cls is float:
         return float
+    if cls is GluonDescriptor:
+        return (cls, value.base.dtype, tuple(value.block_shape), value.layout, value.padding,
+                getattr(value, "round_f32_to_tf32", False))
     return _UNKEYED
 
 

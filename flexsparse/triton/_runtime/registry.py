@@ -106,17 +106,15 @@ def triton_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callab
 
 def launcher(kernel):
     """``kernel`` made traceable by ``torch.compile`` (``wrap_triton``); launched through ``fast_launch`` from an
-    op body run eagerly (``registry``); as it is when interpreted, or a Gluon kernel run eagerly. A pointer a
-    launch leaves unused is one of its inputs, never an alias of a tensor it writes: were torch's write analysis to
-    fail, it would take every pointer as written, and the copies of two aliased "outputs" would overwrite each
-    other."""
+    op body run eagerly (``registry``) and always for a Gluon kernel (``wrap_triton`` does not take them: their ops
+    are opaque); as it is when interpreted. A pointer a launch leaves unused is one of its inputs, never an alias of
+    a tensor it writes: were torch's write analysis to fail, it would take every pointer as written, and the copies
+    of two aliased "outputs" would overwrite each other."""
     from triton.runtime.jit import JITFunction
     if not isinstance(kernel, JITFunction):
         return kernel
-    if not launching_directly():
+    if not kernel.is_gluon() and not launching_directly():
         return torch.library.wrap_triton(kernel)
-    if type(kernel) is not JITFunction:
-        return kernel
     fast = kernel.__dict__.get("_flexsparse_fast")
     if fast is None:
         from .fast_launch import FastLaunch

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout, program_tile, shared_layout
+from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv
 
 
@@ -232,7 +233,7 @@ def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages
     q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
                                        for x in (q, do, k, v))
     dq, delta = torch.empty_like(q), torch.empty_like(lse)
-    _ws_dq_kernel[(tq * (block_q // 64), bsz * heads)](
+    launcher(_ws_dq_kernel)[(tq * (block_q // 64), bsz * heads)](
         q_desc, do_desc, k_desc, v_desc, o, lse, lse if dlse is None else dlse, delta, dq, indices, heads,
         heads // k.shape[1], nq, k.shape[2], tq, topk, BLOCK_Q=block_q, Q_SPLIT=block_q // 64,
         HAS_DLSE=dlse is not None, SCALE2=float(scale * LOG2E), SCALE=float(scale), STAGES=stages, num_warps=4,
@@ -271,7 +272,7 @@ def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: f
     q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
                                        for x in (q, do, k, v))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _ws_dkv_kernel[(order.numel(),)](
+    launcher(_ws_dkv_kernel)[(order.numel(),)](
         q_desc, do_desc, k_desc, v_desc, lse, delta, offsets, rows, order, dk, dv, nq, nk, tq, tk,
         rows.shape[2] // tq, BLOCK_Q=block_q, Q_SPLIT=block_q // 64, SCALE2=float(scale * LOG2E),
         SCALE=float(scale), STAGES=stages, num_warps=4, maxnreg=maxnreg)

@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .._runtime.registry import launcher
+
 LOG2E = 1.4426950408889634
 
 
@@ -266,7 +268,7 @@ def ws_block_forward(q, k, v, indices, block_q: int, block_k: int, scale: float,
     q_desc, k_desc, v_desc, _ = descriptors(q, k, v, block_k, bm)
     o = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
-    _ws_fwd_kernel[(tq * (block_q // bm), bsz * heads)](
+    launcher(_ws_fwd_kernel)[(tq * (block_q // bm), bsz * heads)](
         q_desc, k_desc, v_desc, o, lse, indices, heads, heads // k.shape[1], nq, k.shape[2], tq, topk,
         BLOCK_Q=block_q, BLOCK_K=block_k, Q_SPLIT=block_q // bm, SCALE2=float(scale * LOG2E), STAGES=stages,
         num_warps=bm // 16, maxnreg=maxnreg)

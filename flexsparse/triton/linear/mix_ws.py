@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .._runtime.registry import launcher
 from ..block_sparse import fwd_ws as block_fwd_ws
 from ..block_sparse.fwd_ws import LOG2E, attend, store_lse, store_rows
 from .fwd import feature_code
@@ -157,7 +158,7 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     out = torch.empty_like(q)
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
     o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
-    _ws_mix_kernel[(tq * (block_q // tiles["bm"]), bsz * heads)](
+    launcher(_ws_mix_kernel)[(tq * (block_q // tiles["bm"]), bsz * heads)](
         q_desc, k_desc, v_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
         q if bias is None else bias, q if alpha is None else alpha, indices, heads, heads // k.shape[1], nq,
         k.shape[2], tq, topk, tq if alpha is not None and alpha.shape[0] > 1 else 0, BLOCK_Q=block_q,
