@@ -165,7 +165,75 @@ def test_opcheck_cpu_fallback():
         torch.library.opcheck(selection_op.block_topk.op, (qp, kp, 3, 2))
 
 
+# ------------------------------------------------------------------------- the routers' pooled inputs
+
+# (B, H, Hk, Nq, Nk, D, block_q, block_k, dtype): ragged tails, GQA, Nq != Nk, block_q != block_k, D not a power of
+# two, fewer tokens than a block, many blocks per program.
+POOL_CASES = [
+    (2, 4, 2, 100, 90, 16, 16, 32, torch.float32),
+    (1, 2, 1, 130, 70, 20, 64, 16, torch.float16),
+    (1, 1, 1, 5, 3, 8, 16, 16, torch.float32),
+    (1, 2, 2, 2048, 1000, 32, 16, 64, torch.float32),
+]
+
+
+def _pair_inputs(b, h, hk, nq, nk, d, dtype, device="cpu"):
+    """q and k with fresh random values; q a view of every other row of a wider tensor (strided rows)."""
+    q = torch.randn(b, h, nq, d + 3, dtype=dtype, device=device)[..., 3:]
+    return q, torch.randn(b, hk, nk, d, dtype=dtype, device=device)
+
+
+def _check_pair(q, k, block_q, block_k, rtol=None, atol=None):
+    from flexsparse.triton.pooling import naive
+    from flexsparse.triton.pooling.op import block_means_pair
+    q_means, k_means, k_sums = block_means_pair(q, k, block_q, block_k)
+    want = naive.mean_pool(q, block_q), naive.mean_pool(k, block_k), naive.block_sums(k, block_k)
+    for got, expected in zip((q_means, k_means, k_sums), want):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,block_q,block_k,dtype", POOL_CASES)
+def test_pair_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype):
+    """``flexsparse::block_means_pair`` (one kernel for q and k; q a strided view) against ``naive.mean_pool`` and
+    ``naive.block_sums`` (fp32 sums in another order)."""
+    _check_pair(*_pair_inputs(b, h, hk, nq, nk, d, dtype), block_q, block_k)
+
+
+@cpu_only
+def test_pair_means_above_the_size_limit_take_the_pytorch_path(monkeypatch):
+    from flexsparse.triton.pooling import naive, pair
+    from flexsparse.triton.pooling.op import block_means_pair
+    q, k = _pair_inputs(1, 2, 1, 100, 90, 16, torch.float32)
+    monkeypatch.setattr(pair, "PAIR_ELEMENTS", q.numel() + k.numel() - 1)
+    launches = []
+    monkeypatch.setattr(pair, "pair_means", lambda *args: launches.append(args))
+    q_means, _, k_sums = block_means_pair(q, k, 16, 32)
+    assert not launches
+    assert torch.equal(q_means, naive.mean_pool(q, 16)) and torch.equal(k_sums, naive.block_sums(k, 32))
+
+
+@cpu_parent
+def test_pair_means_cpu_fallback_and_opcheck():
+    from flexsparse.triton.pooling.op import block_means_pair
+    q, k = _pair_inputs(2, 4, 2, 100, 90, 16, torch.float32)
+    with ts.interpreter_env(False):
+        _check_pair(q, k, 16, 32, rtol=0, atol=0)
+        torch.library.opcheck(block_means_pair.op, (q, k, 16, 32))
+
+
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,block_q,block_k,dtype", [
+    (2, 8, 8, 4096, 4096, 64, 64, 64, torch.bfloat16), (1, 8, 2, 16381, 16381, 128, 128, 64, torch.bfloat16),
+    (2, 4, 4, 1000, 3001, 64, 64, 16, torch.float16), (1, 2, 1, 777, 777, 32, 64, 64, torch.float32)])
+def test_gpu_pair_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype):
+    _check_pair(*_pair_inputs(b, h, hk, nq, nk, d, dtype, "cuda"), block_q, block_k)
+
+
 
 
 @gpu

@@ -69,6 +69,11 @@ class Backend:
         """Block means (true means on a ragged tail): ``(B, H, N, D)`` -> ``(B, H, ceil(N / block), D)``."""
         return pooling.mean_pool(x, block)
 
+    def block_means_pair(self, q: torch.Tensor, k: torch.Tensor, block_q: int,
+                         block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean_pool(q, block_q), mean_pool(k, block_k))``: a block selection's pooled inputs."""
+        return self.mean_pool(q, block_q), self.mean_pool(k, block_k)
+
     def key_mean(self, k: torch.Tensor, block: int, sums: torch.Tensor | None = None) -> torch.Tensor:
         """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``
         tokens (``sums``: ``block_sums(k, block)`` when the caller has them)."""

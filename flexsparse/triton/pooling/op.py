@@ -1,5 +1,6 @@
 """``torch.library`` ops of the pooling kernels (namespace ``flexsparse``): ``llsa_pool`` (the pooling pyramid),
-``llsa_pool_qkv`` (LLSA's pyramids of q, k and v in one pass over them) and ``center_tokens`` (``x - mean``).
+``llsa_pool_qkv`` (LLSA's pyramids of q, k and v in one pass over them), ``block_means_pair`` (the block routers'
+pooled q and k in one launch) and ``center_tokens`` (``x - mean``).
 
 Registered with ``triton_op`` (``torch.compile(fullgraph=True)`` sees the kernels; the bodies are their own fake
 implementations; plain eager calls skip the dispatcher). Where the kernels do not run (``common.inputs.use_kernels``:
@@ -37,6 +38,18 @@ def llsa_pool_qkv(q: Tensor, k: Tensor, v: Tensor, block: int, levels: int) -> t
         return q_pyr, k_scores, k_scores.to(k.dtype, copy=True), v_scores.to(v.dtype, copy=True)
     from .pool import pool_qkv
     return pool_qkv(*row_views(q, k, v), level_table(q.shape[2], block, [1] * levels))
+
+
+@triton_op("flexsparse::block_means_pair")
+def block_means_pair(q: Tensor, k: Tensor, block_q: int, block_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Block means of q ``(B, H, Nq, D)`` over ``block_q`` tokens and of k ``(B, Hk, Nk, D)`` over ``block_k`` in the
+    accumulation dtype (true means on ragged tails), and k's block sums (``naive.block_sums``). Not
+    differentiable. One launch (``pair.pair_means``) where ``pair.pair_runs``, else the PyTorch path."""
+    from .pair import pair_means, pair_runs
+    if use_kernels(q) and pair_runs(q, k):
+        return pair_means(*row_views(q, k), block_q, block_k)
+    sums = naive.block_sums(k, block_k)
+    return naive.mean_pool(q, block_q), naive.block_means(sums, k.shape[2], block_k), sums
 
 
 @triton_op("flexsparse::center_tokens")

@@ -1,0 +1,84 @@
+"""Block means of q and k in one launch: the routers' pooled inputs (``topk``'s and ``sla``'s selection) where the
+call is small enough that its host time, not the GPU's, sets its cost.
+
+A program sums ``STEP`` consecutive blocks of one head, one row of each block per step (fp32), and stores their true
+means (a ragged tail block's over its real tokens) and, for k, their sums (SLA's key mean). ``program_id(2)`` picks q or
+k; programs past a tensor's blocks or heads store nothing. Against the PyTorch path (a sum and a division per
+tensor: four ATen ops) it is one launch; ``pair_runs`` keeps it to the sizes where the launch count matters, and
+larger calls take the PyTorch reductions, whose passes run at full memory bandwidth.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._runtime.registry import launcher
+from .._runtime.sizes import cdiv, pow2
+
+PAIR_ELEMENTS = 1 << 24   # q and k elements up to which the pair kernel pools (B2 H8 N16384 D64)
+TILE_ELEMENTS = 4096      # block sums per program times the padded head dim
+
+
+def pair_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``pair_means`` pools this call: at most ``PAIR_ELEMENTS`` elements of q and k together."""
+    return q.numel() + k.numel() <= PAIR_ELEMENTS
+
+
+@triton.jit
+def _block_means(src, stride, MEANS, SUMS, pid, N, T, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+                 STEP: tl.constexpr, HAS_SUMS: tl.constexpr):
+    """Means (and sums with ``HAS_SUMS``) of blocks ``pid * STEP ...`` of ``BLOCK`` rows of ``src`` (row stride
+    ``stride``, ``N`` rows) into rows of ``MEANS`` / ``SUMS`` (``T`` blocks of ``D``, contiguous)."""
+    t = pid * STEP + tl.arange(0, STEP)
+    dim = tl.arange(0, BD)
+    cols = dim[None, :] < D
+    total = tl.zeros([STEP, BD], tl.float32)
+    for j in range(BLOCK):
+        row = t * BLOCK + j
+        total += tl.load(src + row.to(tl.int64)[:, None] * stride + dim[None, :], mask=(row < N)[:, None] & cols,
+                         other=0.0).to(tl.float32)
+    count = tl.maximum(tl.minimum(N - t * BLOCK, BLOCK), 1).to(tl.float32)
+    out = t.to(tl.int64)[:, None] * D + dim[None, :]
+    ok = (t < T)[:, None] & cols
+    tl.store(MEANS + out, total / count[:, None], mask=ok)
+    if HAS_SUMS:
+        tl.store(SUMS + out, total, mask=ok)
+
+
+@triton.jit
+def _pair_means_kernel(Q, K, QM, KM, KS, q_b, q_h, q_n, k_b, k_h, k_n, H, HK, NQ, NK, TQ, TK, D: tl.constexpr,
+                       BD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, STEP_Q: tl.constexpr,
+                       STEP_K: tl.constexpr):
+    """``_block_means`` of q's head ``program_id(1)`` (``program_id(2) == 0``) or of k's (KV heads past ``HK``
+    return); outputs ``(B, H or HK, T, D)`` contiguous fp32."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        b = bh // H
+        h = bh - b * H
+        _block_means(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, q_n, QM + bh.to(tl.int64) * TQ * D, QM, pid,
+                     NQ, TQ, D, BD, BLOCK_Q, STEP_Q, False)
+    elif bh < (tl.num_programs(1) // H) * HK:
+        b = bh // HK
+        h = bh - b * HK
+        head = bh.to(tl.int64) * TK * D
+        _block_means(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h, k_n, KM + head, KS + head, pid, NK, TK, D, BD,
+                     BLOCK_K, STEP_K, True)
+
+
+def pair_means(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int):
+    """Block means of q ``(B, H, Nq, D)`` over ``block_q`` tokens and of k ``(B, Hk, Nk, D)`` over ``block_k``
+    (last dims contiguous), fp32 ``(B, H, Tq, D)`` and ``(B, Hk, Tk, D)``, and k's fp32 block sums like k's means."""
+    bsz, heads, nq, d = q.shape
+    kv_heads, nk = k.shape[1], k.shape[2]
+    tq, tk, bd = cdiv(nq, block_q), cdiv(nk, block_k), pow2(d)
+    step = max(1, TILE_ELEMENTS // bd)
+    step_q, step_k = min(step, pow2(tq)), min(step, pow2(tk))
+    q_means = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
+    k_means = q.new_empty(bsz, kv_heads, tk, d, dtype=torch.float32)
+    sums = torch.empty_like(k_means)
+    launcher(_pair_means_kernel)[(max(cdiv(tq, step_q), cdiv(tk, step_k)), bsz * heads, 2)](
+        q, k, q_means, k_means, sums, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        heads, kv_heads, nq, nk, tq, tk, D=d, BD=bd, BLOCK_Q=block_q, BLOCK_K=block_k, STEP_Q=step_q, STEP_K=step_k)
+    return q_means, k_means, sums
