@@ -86,7 +86,8 @@ def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE:
 @pytest.mark.parametrize("stride", [1, 2, 16])
 def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, stride):
     """Each call launches what ``JITFunction.run`` would (the same compiled kernel) and gets the same result, for
-    misaligned pointers, lengths and strides that are 1, multiples of 16 or neither, and keyword arguments."""
+    misaligned pointers, lengths and strides that are 1, multiples of 16 or neither, and keyword arguments; a CPU
+    tensor where the kernel was compiled for CUDA ones gets Triton's error."""
     fast = FastLaunch(_scaled_copy_kernel)
     base = torch.randn(offset + n * stride + 8, device="cuda")
     x = base[offset:]
@@ -101,6 +102,8 @@ def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, st
         assert compiled is _scaled_copy_kernel.run(x, out, n, stride, 0.5, BLOCK=128, ADD_ONE=add_one, num_warps=4,
                                                    grid=grid, warmup=True)
     assert len(fast.compiled) == 2
+    with pytest.raises(ValueError, match="cpu tensor"):    # a CPU tensor misses and gets Triton's pointer check
+        fast[grid](x.cpu(), out, n, stride, 0.5, BLOCK=128, ADD_ONE=True, num_warps=4)
 
 
 @ts.gpu

@@ -35,17 +35,17 @@ _I32_MIN, _I32_MAX, _U64_MIN = -2**31, 2**31 - 1, 2**63
 
 
 def fingerprint(value):
-    """A hashable key of one non-constexpr argument that determines Triton's specialization of it: dtype and
-    16-byte alignment of a tensor, ``== 1``, divisibility by 16 and integer width of an int, the value of a bool,
-    the class of a float or None, the base dtype, block shape, shared layout and padding of a Gluon TMA descriptor
-    (its shape and strides are launch arguments); ``_UNKEYED`` for anything else."""
+    """A hashable key of one non-constexpr argument that determines Triton's specialization of it: dtype, 16-byte
+    alignment and device type of a tensor, ``== 1``, divisibility by 16 and integer width of an int, the value of a
+    bool, the class of a float or None, the base dtype, block shape, shared layout and padding of a Gluon TMA
+    descriptor (its shape and strides are launch arguments); ``_UNKEYED`` for anything else."""
     cls = value.__class__
     if cls is int:
         if value == 1:
             return 1
         return (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN)
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() & 15 == 0
+        return value.dtype, value.data_ptr() & 15 == 0, value.is_cuda
     if cls is bool or value is None:
         return value, cls
     if cls is float:
@@ -89,22 +89,36 @@ class FastLaunch:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict):
-        """``(key, every parameter's value in order, device)``; a None key where the call cannot be keyed."""
+        """``(key, every parameter's launch value in order, device)``; a None key where the call cannot be keyed.
+        A tensor's launch value is its address (an int: the launcher then skips its per-pointer driver query; a
+        CPU tensor has another fingerprint, so it misses and gets Triton's error)."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
                 or runtime.debug or knobs.compilation.instrumentation_mode):
             return _NO_KEY
         values = list(args)
-        options = dict(kwargs)
-        for name, default in zip(self.names[len(args):], self.defaults[len(args):]):
-            values.append(options.pop(name) if name in options else default)
+        options = kwargs
+        if len(values) < len(self.names):
+            options = dict(kwargs)
+            for name, default in zip(self.names[len(values):], self.defaults[len(values):]):
+                values.append(options.pop(name) if name in options else default)
         parts = []
-        for value, constexpr in zip(values, self.constexpr):
-            part = value if constexpr else fingerprint(value)
-            if part is _UNKEYED:
-                return _NO_KEY
-            parts.append(part)
+        append = parts.append
+        for i, constexpr in enumerate(self.constexpr):
+            value = values[i]
+            if constexpr:
+                append(value)
+            elif value.__class__ is int:
+                append(1 if value == 1 else (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN))
+            elif isinstance(value, torch.Tensor):
+                address = values[i] = value.data_ptr()
+                append((value.dtype, address & 15 == 0, value.is_cuda))
+            else:
+                part = fingerprint(value)
+                if part is _UNKEYED:
+                    return _NO_KEY
+                append(part)
         device = driver.active.get_current_device()
         return (device, tuple(parts), tuple(options.items())), values, device
 
