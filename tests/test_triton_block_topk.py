@@ -183,22 +183,37 @@ def _pair_inputs(b, h, hk, nq, nk, d, dtype, device="cpu"):
     return q, torch.randn(b, hk, nk, d, dtype=dtype, device=device)
 
 
-def _check_pair(q, k, block_q, block_k, rtol=None, atol=None):
+def _check_pair(q, k, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2)):
+    """Outputs against the PyTorch pooling, and the gradients of q and k through the outputs ``used`` (fresh random
+    upstream gradients) against the PyTorch pooling's at fp32 copies of q and k (one rounding to q's dtype)."""
     from flexsparse.triton.pooling import naive
     from flexsparse.triton.pooling.op import block_means_pair
-    q_means, k_means, k_sums = block_means_pair(q, k, block_q, block_k)
-    want = naive.mean_pool(q, block_q), naive.mean_pool(k, block_k), naive.block_sums(k, block_k)
-    for got, expected in zip((q_means, k_means, k_sums), want):
-        assert got.dtype == expected.dtype and got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    q, k = (x.detach().requires_grad_() for x in (q, k))
+    wide = [x.detach().float().requires_grad_() for x in (q, k)]
+    got = block_means_pair(q, k, block_q, block_k)
+    want = naive.mean_pool(wide[0], block_q), naive.mean_pool(wide[1], block_k), naive.block_sums(wide[1], block_k)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    grads = [torch.randn_like(want[i]) for i in used]
+    got_grads = torch.autograd.grad([got[i] for i in used], (q, k), grads, allow_unused=True)
+    want_grads = torch.autograd.grad([want[i] for i in used], wide, grads, allow_unused=True)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == q.dtype
+            torch.testing.assert_close(a, b.to(q.dtype), rtol=rtol, atol=atol)
 
 
 @cpu_only
 @pytest.mark.parametrize("b,h,hk,nq,nk,d,block_q,block_k,dtype", POOL_CASES)
 def test_pair_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype):
     """``flexsparse::block_means_pair`` (one kernel for q and k; q a strided view) against ``naive.mean_pool`` and
-    ``naive.block_sums`` (fp32 sums in another order)."""
-    _check_pair(*_pair_inputs(b, h, hk, nq, nk, d, dtype), block_q, block_k)
+    ``naive.block_sums`` (fp32 sums in another order), with gradients through all outputs, k's means only (VSA's
+    coarse branch reads q's and k's) and q's only."""
+    q, k = _pair_inputs(b, h, hk, nq, nk, d, dtype)
+    for used in ((0, 1, 2), (0, 1), (1,), (0,)):
+        _check_pair(q, k, block_q, block_k, used=used)
 
 
 @cpu_only
@@ -219,8 +234,10 @@ def test_pair_means_cpu_fallback_and_opcheck():
     from flexsparse.triton.pooling.op import block_means_pair
     q, k = _pair_inputs(2, 4, 2, 100, 90, 16, torch.float32)
     with ts.interpreter_env(False):
-        _check_pair(q, k, 16, 32, rtol=0, atol=0)
+        for used in ((0, 1, 2), (1, 2), (2,)):
+            _check_pair(q, k, 16, 32, rtol=0, atol=0, used=used)
         torch.library.opcheck(block_means_pair.op, (q, k, 16, 32))
+        torch.library.opcheck(block_means_pair.op, (q.requires_grad_(), k.requires_grad_(), 16, 32))
 
 
 # ----------------------------------------------------------------------------------------------- GPU

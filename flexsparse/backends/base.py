@@ -71,7 +71,7 @@ class Backend:
 
     def block_means_pair(self, q: torch.Tensor, k: torch.Tensor, block_q: int,
                          block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean_pool(q, block_q), mean_pool(k, block_k))``: a block selection's pooled inputs."""
+        """``(mean_pool(q, block_q), mean_pool(k, block_k))``: a block method's pooled q and k (differentiable)."""
         return self.mean_pool(q, block_q), self.mean_pool(k, block_k)
 
     def key_mean(self, k: torch.Tensor, block: int, sums: torch.Tensor | None = None) -> torch.Tensor:

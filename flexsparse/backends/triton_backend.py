@@ -89,15 +89,15 @@ class TritonBackend(Backend):
         return top, (bottom if bottomk else None)
 
     def block_means_pair(self, q, k, block_q: int, block_k: int):
-        """One launch for both where the call records no gradient of them (eager: ``pooling.op.block_means_pair``)."""
-        if torch.compiler.is_compiling() or _grad_needed(q, k):
+        """One op for both in eager calls (``pooling.op.block_means_pair``: one launch where the call is small)."""
+        if torch.compiler.is_compiling():
             return super().block_means_pair(q, k, block_q, block_k)
         return pooling_op.block_means_pair(q, k, block_q, block_k)[:2]
 
     def router_inputs(self, q, k, block_q: int, block_k: int, k_sums=None):
-        """The pooled q and k (and k's block sums for the key mean) from one launch where the call records no
-        gradient of them and has no sums yet (eager: ``pooling.op.block_means_pair``)."""
-        if k_sums is not None or torch.compiler.is_compiling() or _grad_needed(q, k):
+        """The pooled q and k, and k's block sums for the key mean, from one op in eager calls without the sums
+        (``pooling.op.block_means_pair``)."""
+        if k_sums is not None or torch.compiler.is_compiling():
             return super().router_inputs(q, k, block_q, block_k, k_sums)
         q_bar, k_means, k_sums = pooling_op.block_means_pair(q, k, block_q, block_k)
         return q_bar, k_means - self.key_mean(k, block_k, k_sums)

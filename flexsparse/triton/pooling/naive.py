@@ -41,14 +41,18 @@ class _BlockSums(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        """Each block's gradient broadcast to its tokens, cast to x's dtype in the same pass."""
-        n, block = ctx.n, ctx.block
-        whole = n // block
-        out = grad.new_empty(*grad.shape[:-2], n, grad.shape[-1], dtype=ctx.dtype)
-        out[..., :whole * block, :].unflatten(-2, (whole, block)).copy_(grad[..., :whole, None, :])
-        if whole * block < n:
-            out[..., whole * block:, :].copy_(grad[..., whole:, :])
-        return out, None
+        return block_sums_backward(grad, ctx.n, ctx.block, ctx.dtype), None
+
+
+def block_sums_backward(grad: torch.Tensor, n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of ``block_sums`` of ``n`` tokens: each block's gradient ``(..., T, D)`` broadcast to its tokens,
+    ``(..., n, D)``, cast to ``dtype`` in the same pass."""
+    whole = n // block
+    out = grad.new_empty(*grad.shape[:-2], n, grad.shape[-1], dtype=dtype)
+    out[..., :whole * block, :].unflatten(-2, (whole, block)).copy_(grad[..., :whole, None, :])
+    if whole * block < n:
+        out[..., whole * block:, :].copy_(grad[..., whole:, :])
+    return out
 
 
 def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -62,6 +66,11 @@ def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
 def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
     return sums / _divisors(n, block, sums)
+
+
+def block_means_backward(grad: torch.Tensor, n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of the block means (``mean_pool``) of ``n`` tokens of ``dtype`` from theirs ``(..., T, D)``."""
+    return block_sums_backward(grad / _divisors(n, block, grad), n, block, dtype)
 
 
 def _divisors(n: int, span: int, sums: torch.Tensor) -> torch.Tensor | int:

@@ -43,13 +43,32 @@ def llsa_pool_qkv(q: Tensor, k: Tensor, v: Tensor, block: int, levels: int) -> t
 @triton_op("flexsparse::block_means_pair")
 def block_means_pair(q: Tensor, k: Tensor, block_q: int, block_k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Block means of q ``(B, H, Nq, D)`` over ``block_q`` tokens and of k ``(B, Hk, Nk, D)`` over ``block_k`` in the
-    accumulation dtype (true means on ragged tails), and k's block sums (``naive.block_sums``). Not
-    differentiable. One launch (``pair.pair_means``) where ``pair.pair_runs``, else the PyTorch path."""
+    accumulation dtype (true means on ragged tails), and k's block sums (``naive.block_sums``). Differentiable: the
+    gradients of the means and sums broadcast to their tokens (``naive.block_sums_backward``). One launch
+    (``pair.pair_means``) where ``pair.pair_runs``, else the PyTorch path."""
     from .pair import pair_means, pair_runs
     if use_kernels(q) and pair_runs(q, k):
         return pair_means(*row_views(q, k), block_q, block_k)
     sums = naive.block_sums(k, block_k)
     return naive.mean_pool(q, block_q), naive.block_means(sums, k.shape[2], block_k), sums
+
+
+def _pair_setup(ctx, inputs, output):
+    q, k, block_q, block_k = inputs
+    ctx.q, ctx.k = (q.shape[2], block_q, q.dtype), (k.shape[2], block_k, k.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _pair_backward(ctx, d_q_means, d_k_means, d_k_sums):
+    (nq, block_q, q_dtype), (nk, block_k, k_dtype) = ctx.q, ctx.k
+    dq = None if d_q_means is None else naive.block_means_backward(d_q_means, nq, block_q, q_dtype)
+    if d_k_means is not None:                     # d sum = d mean / token count
+        d_k_sums = naive.block_means(d_k_means, nk, block_k) + (0 if d_k_sums is None else d_k_sums)
+    dk = None if d_k_sums is None else naive.block_sums_backward(d_k_sums, nk, block_k, k_dtype)
+    return dq, dk, None, None
+
+
+block_means_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
 
 
 @triton_op("flexsparse::center_tokens")
