@@ -69,10 +69,13 @@ class Backend:
         """Block means (true means on a ragged tail): ``(B, H, N, D)`` -> ``(B, H, ceil(N / block), D)``."""
         return pooling.mean_pool(x, block)
 
-    def block_means_pair(self, q: torch.Tensor, k: torch.Tensor, block_q: int,
-                         block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean_pool(q, block_q), mean_pool(k, block_k))``: a block method's pooled q and k (differentiable)."""
-        return self.mean_pool(q, block_q), self.mean_pool(k, block_k)
+    def block_pooling(self, q: torch.Tensor, k: torch.Tensor, block_q: int,
+                      block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A block method's pooled q and k: ``(mean_pool(q, block_q), mean_pool(k, block_k), block_sums(k,
+        block_k))``, ``(B, H, Tq, D)``, ``(B, Hk, Tk, D)`` twice, in the accumulation dtype, differentiable (the
+        sums give the routers' key mean)."""
+        k_sums = self.block_sums(k, block_k)
+        return self.mean_pool(q, block_q), pooling.block_means(k_sums, k.shape[2], block_k), k_sums
 
     def key_mean(self, k: torch.Tensor, block: int, sums: torch.Tensor | None = None) -> torch.Tensor:
         """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``
@@ -80,13 +83,13 @@ class Backend:
         return pooling.key_mean(k, block, sums)
 
     def router_inputs(self, q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int,
-                      k_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      pooled: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block routers' inputs: block means of q ``(B, H, Tq, D)`` and of the smoothed k ``(B, Hk, Tk, D)``
         (the per-head key mean over all N tokens subtracted: pool(k - mean k) = pool(k) - mean k, the mean from the
-        block sums), in the accumulation dtype. ``k_sums``: ``block_sums(k, block_k)`` when the caller has them."""
-        k_sums = self.block_sums(k, block_k) if k_sums is None else k_sums
-        k_bar = pooling.block_means(k_sums, k.shape[2], block_k) - self.key_mean(k, block_k, k_sums)
-        return self.mean_pool(q, block_q), k_bar
+        block sums), in the accumulation dtype. ``pooled``: ``block_pooling(q, k, block_q, block_k)`` when the
+        caller has it."""
+        q_means, k_means, k_sums = self.block_pooling(q, k, block_q, block_k) if pooled is None else pooled
+        return q_means, k_means - self.key_mean(k, block_k, k_sums)
 
     def block_topk(self, q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int,
                    bottomk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

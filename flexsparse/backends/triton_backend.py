@@ -88,19 +88,11 @@ class TritonBackend(Backend):
         top, bottom = selection_op.block_topk(q_pooled, k_pooled, topk, bottomk)
         return top, (bottom if bottomk else None)
 
-    def block_means_pair(self, q, k, block_q: int, block_k: int):
-        """One op for both in eager calls (``pooling.op.block_means_pair``: one launch where the call is small)."""
+    def block_pooling(self, q, k, block_q: int, block_k: int):
+        """One op in eager calls (``pooling.op.block_means_pair``: one launch where the call is small)."""
         if torch.compiler.is_compiling():
-            return super().block_means_pair(q, k, block_q, block_k)
-        return pooling_op.block_means_pair(q, k, block_q, block_k)[:2]
-
-    def router_inputs(self, q, k, block_q: int, block_k: int, k_sums=None):
-        """The pooled q and k, and k's block sums for the key mean, from one op in eager calls without the sums
-        (``pooling.op.block_means_pair``)."""
-        if k_sums is not None or torch.compiler.is_compiling():
-            return super().router_inputs(q, k, block_q, block_k, k_sums)
-        q_bar, k_means, k_sums = pooling_op.block_means_pair(q, k, block_q, block_k)
-        return q_bar, k_means - self.key_mean(k, block_k, k_sums)
+            return super().block_pooling(q, k, block_q, block_k)
+        return pooling_op.block_means_pair(q, k, block_q, block_k)
 
     def center(self, x, mean):
         if torch.compiler.is_compiling():

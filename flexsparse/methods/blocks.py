@@ -16,6 +16,6 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, cfg, backend,
     topk = clamp_topk("topk", cfg.topk, num_blocks(k.shape[2], cfg.block_k), "key blocks")
     with torch.no_grad():
         if pooled is None:
-            pooled = backend.block_means_pair(q, k, cfg.block_q, cfg.block_k)
+            pooled = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)[:2]
         top, _ = backend.block_topk(pooled[0].detach(), pooled[1].detach(), topk)
     return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])

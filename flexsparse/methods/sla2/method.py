@@ -87,10 +87,11 @@ class SLA2(Method):
         return checked
 
     def select(self, q, k, v, cfg, backend, params) -> SLA2Selection:
-        k_sums = backend.block_sums(k, cfg.block_k)   # one pass over k for the router and the smoothing mean
-        mask = route(q, k, cfg, backend, params["proj_q"], params["proj_k"], k_sums)  # keys never rounded
+        with torch.set_grad_enabled(cfg.router == "soft" and torch.is_grad_enabled()):   # the soft router trains
+            pooled = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)   # for the router and the smoothing mean
+        mask = route(q, k, cfg, backend, params["proj_q"], params["proj_k"], pooled)  # keys never rounded
         if cfg.smooth_k == "all":                      # both branches attend the smoothed keys, one rounding
-            k = smoothed_keys(k, backend.key_mean(k, cfg.block_k, k_sums), backend)
+            k = smoothed_keys(k, backend.key_mean(k, cfg.block_k, pooled[2]), backend)
         return SLA2Selection(mask, k)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):

@@ -13,13 +13,13 @@ from .softtopk import soft_topk_logits
 
 
 def route(q: torch.Tensor, k: torch.Tensor, cfg, backend, proj_q: torch.Tensor, proj_k: torch.Tensor,
-          k_sums: torch.Tensor | None = None) -> BlockSelection | SoftBlockMask:
+          pooled: tuple | None = None) -> BlockSelection | SoftBlockMask:
     """Hard selection ``(B, H, Tq, K)`` or SoftTop-k mask ``(B, H, Tq, Tk)`` from the projected pooled Q and
-    smoothed K (``k_sums``: ``backend.block_sums(k, block_k)`` when the caller has them)."""
+    smoothed K (``pooled``: ``backend.block_pooling(q, k, block_q, block_k)`` when the caller has it)."""
     count = ratio_count(cfg.topk_ratio, num_blocks(k.shape[2], cfg.block_k), minimum=1)
     soft = cfg.router == "soft"
     with torch.set_grad_enabled(soft and torch.is_grad_enabled()):
-        q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k, k_sums)
+        q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k, pooled)
         q_bar, k_bar = q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
         if not soft:
             top, _ = backend.block_topk(q_bar, k_bar, count)

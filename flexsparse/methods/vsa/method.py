@@ -49,7 +49,7 @@ class VSA(Method):
         return require_params("vsa", params, {"gate_weight": (heads, d), "gate_bias": (heads,)})
 
     def select(self, q, k, v, cfg, backend, params):
-        q_bar, k_bar = backend.block_means_pair(q, k, cfg.block_q, cfg.block_k)
+        q_bar, k_bar, _ = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)
         return VSASelection(select_blocks(q, k, cfg, backend, pooled=(q_bar, k_bar)), q_bar, k_bar)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
