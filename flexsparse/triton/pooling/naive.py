@@ -69,7 +69,7 @@ def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
 
 
 def block_means_backward(grad: torch.Tensor, n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of the block means (``mean_pool``) of ``n`` tokens of ``dtype`` from theirs ``(..., T, D)``."""
+    """The gradient of ``mean_pool`` of ``n`` tokens, in ``dtype``, from the means' gradient ``(..., T, D)``."""
     return block_sums_backward(grad / _divisors(n, block, grad), n, block, dtype)
 
 

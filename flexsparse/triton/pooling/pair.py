@@ -16,8 +16,8 @@ import triton.language as tl
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
 
-PAIR_ELEMENTS = 1 << 24   # q and k elements up to which the pair kernel pools (B2 H8 N16384 D64)
-TILE_ELEMENTS = 4096      # block sums per program times the padded head dim
+PAIR_ELEMENTS = 1 << 25   # q and k elements up to which the pair kernel pools (both of B2 H8 N16384 D64)
+TILE_ELEMENTS = 1024      # block sums per program times the padded head dim
 
 
 def pair_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
