@@ -530,7 +530,39 @@ def test_mixed_output_leaves_other_cases_to_pytorch():
         assert _fused(q.double(), k.double(), v.double(), selection, q.double(), "elu", **params) is None
 
 
+# (B, H, Tq, Tk, S, repeat, dtype): one skipped block, all but one, rows longer than a store tile (Tk x repeat >
+# 1024), repeated rows (the backward's query tiles); bf16 on the GPU only (the interpreter has no bf16 constants).
+KEEP_CASES = [(1, 2, 5, 7, 1, 1, torch.float32), (2, 3, 4, 9, 8, 2, torch.float16), (1, 1, 3, 700, 35, 2,
+              torch.float16), (1, 2, 6, 1030, 3, 1, torch.float32)]
+
+
+def _check_keep_rows(b, h, tq, tk, width, repeat, dtype, device="cpu"):
+    """``dense.keep_rows`` equals ``masks.keep_map`` with repeated rows, on distinct random skipped ids per row."""
+    from flexsparse.masks import keep_map
+    from flexsparse.triton._runtime.sizes import repeat_rows
+    from flexsparse.triton.linear.dense import keep_rows
+    skipped = torch.rand(b, h, tq, tk, device=device).argsort(-1)[..., :width].sort(-1).values.to(torch.int32)
+    got = keep_rows(skipped, tk, dtype, repeat)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, repeat_rows(keep_map(skipped, tk, dtype), repeat))
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,tq,tk,width,repeat,dtype", KEEP_CASES)
+def test_keep_rows_kernel_equals_keep_map(b, h, tq, tk, width, repeat, dtype):
+    _check_keep_rows(b, h, tq, tk, width, repeat, dtype)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("b,h,tq,tk,width,repeat,dtype", KEEP_CASES + [(2, 3, 4, 9, 8, 2, torch.bfloat16),
+                                                                       (2, 8, 1024, 1024, 51, 2, torch.bfloat16)])
+def test_gpu_keep_rows_kernel_equals_keep_map(b, h, tq, tk, width, repeat, dtype):
+    """The fill and the scatter of one program land in order (the barrier between them) on the GPU too."""
+    for _ in range(3):
+        _check_keep_rows(b, h, tq, tk, width, repeat, dtype, "cuda")
 
 
 GPU_CASES = [  # (H, Hk, N, D, block_q, block_k, topk_ratio, negligible_ratio, feature map, dtype)

@@ -25,6 +25,6 @@ def pow2(x: int, minimum: int = 1) -> int:
 def repeat_rows(table: torch.Tensor, times: int) -> torch.Tensor:
     """``table (B, H, T, X)`` with each row of dim 2 repeated ``times`` times in place: ``(B, H, T * times, X)``,
     contiguous for a contiguous table (one copy; a view of it when ``times == 1``). A query block's row for
-    each of its tiles (the block-sparse dK/dV's index table, the linear branch's keep map)."""
+    each of its tiles (the block-sparse dK/dV's index table)."""
     bsz, heads, rows, width = table.shape
     return table.unsqueeze(3).expand(bsz, heads, rows, times, width).flatten(2, 3)

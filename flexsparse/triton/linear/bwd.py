@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...masks import keep_map
 from .._runtime.registry import launcher
 from ..common.csc import block_csc
-from .._runtime.sizes import cdiv, pow2, repeat_rows
+from .._runtime.sizes import cdiv, pow2
 from .fwd import block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split, state_dtype
 from .._runtime.registry import launching_directly
 
@@ -163,8 +162,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
         SAVED=o_l is not None, PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
-        from .dense import key_sums
-        d_ht, d_zt = key_sums(repeat_rows(keep_map(skipped, tk, dt), parts), d_hq, d_zq, kv_heads)
+        from .dense import keep_rows, key_sums
+        d_ht, d_zt = key_sums(keep_rows(skipped, tk, dt, parts), d_hq, d_zq, kv_heads)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq

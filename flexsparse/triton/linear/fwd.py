@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from ...config import FEATURE_MAPS
-from ...masks import keep_map
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
 from .._runtime.tiles import overrides
@@ -253,8 +252,8 @@ class Mix(NamedTuple):
 
 def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
     """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``dense.py``)."""
-    from .dense import query_sums
-    return query_sums(keep_map(skipped, hs.shape[2], hs.dtype), hs, zs)
+    from .dense import keep_rows, query_sums
+    return query_sums(keep_rows(skipped, hs.shape[2], hs.dtype), hs, zs)
 
 
 def dense_query_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_k: int,
