@@ -80,9 +80,9 @@ def _fetch_blocks(q, k, v, method, cfg, backend, *, scale, params, need_lse, par
     _check_whole_blocks(lengths_k, cfg.block_k, "block_k", method.name)
     blocks_k = [num_blocks(n, cfg.block_k) for n in lengths_k]
     topk = clamp_topk("topk", cfg.topk, sum(blocks_k), "key blocks of the whole sequence")
-    with torch.no_grad():
-        pooled_keys = _all_gather_rows(backend.mean_pool(k, cfg.block_k).detach(), blocks_k, group)
-        top, _ = backend.block_topk(backend.mean_pool(q, cfg.block_q).detach(), pooled_keys, topk)
+    with torch.no_grad():                  # the single-device selection's pooling: the same bits per block
+        pooled_q, pooled_k, _ = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)
+        top, _ = backend.block_topk(pooled_q, _all_gather_rows(pooled_k, blocks_k, group), topk)
     k_c, v_c, position = _fetch_selected(k, v, top, blocks_k, lengths_k, cfg.block_k, group)
     selection = BlockSelection(position[top.long()].to(torch.int32), cfg.block_q, cfg.block_k, q.shape[2],
                                k_c.shape[2])
