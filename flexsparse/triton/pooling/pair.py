@@ -1,10 +1,10 @@
-"""Block means of q and k in one launch: the routers' pooled inputs (``topk``'s and ``sla``'s selection) where the
-call is small enough that its host time, not the GPU's, sets its cost.
+"""Block means of q and k in one launch: a block method's pooled q and k (``Backend.block_pooling``: the routers'
+inputs, VSA's coarse tiles) where the call is small enough that its host time, not the GPU's, sets its cost.
 
 A program sums ``STEP`` consecutive blocks of one head, one row of each block per step (fp32), and stores their true
-means (a ragged tail block's over its real tokens) and, for k, their sums (SLA's key mean). ``program_id(2)`` picks q or
-k; programs past a tensor's blocks or heads store nothing. Against the PyTorch path (a sum and a division per
-tensor: four ATen ops) it is one launch; ``pair_runs`` keeps it to the sizes where the launch count matters, and
+means (a ragged tail block's over its real tokens) and, for k, their sums (the routers' key mean). ``program_id(2)``
+picks q or k; programs past a tensor's blocks or heads store nothing. Against the PyTorch path (a sum and a division
+per tensor: four ATen ops) it is one launch; ``pair_runs`` keeps it to the sizes where the launch count matters, and
 larger calls take the PyTorch reductions, whose passes run at full memory bandwidth.
 """
 from __future__ import annotations
