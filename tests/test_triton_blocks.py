@@ -65,14 +65,15 @@ def test_without_gluon_the_triton_kernels_serve():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ts.ROOT)
 
 
-def grad_run(fn, q, k, v, selection, scale, **kw):
-    """o, lse, dq, dk, dv of a random loss of o and lse (the LSE term checks dLSE in the backward)."""
+def grad_run(fn, q, k, v, selection, scale, terms=("o", "lse"), **kw):
+    """o, lse, dq, dk, dv of a random loss of the outputs ``terms`` (the LSE term checks dLSE in the backward)."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     o, lse = fn(*leaves, selection, scale, **kw)
     gen = torch.Generator().manual_seed(0)
     w_o = torch.randn(o.shape, generator=gen).to(o.device)
     w_lse = torch.randn(lse.shape, generator=gen).to(lse.device)
-    ((o.float() * w_o).sum() + (lse.float() * w_lse).sum()).backward()
+    loss = {"o": (o.float() * w_o).sum(), "lse": (lse.float() * w_lse).sum()}
+    sum(loss[term] for term in terms).backward()
     return [o, lse] + [x.grad for x in leaves]
 
 
@@ -107,6 +108,22 @@ def test_matches_torch_backend_and_reference(bsz, nq, nk, block_q, block_k, head
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert ts.rel_err(a, b) < 1e-5, name
         assert ts.rel_err(a, c) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("terms", [("o",), ("lse",)])
+def test_gradients_of_one_output(terms):
+    """A loss of the output alone (the op gets no LSE gradient: none is zero-filled) or of the LSE alone (a zero
+    output gradient): the gradients of the torch branch."""
+    q, k, v = make_qkv(1, 2, 1, 70, 70, 16)
+    selection = random_selection(1, 2, 70, 70, 16, 16, 2)
+    got = grad_run(triton_branch, q, k, v, selection, 0.25, terms)
+    want = grad_run(torch_branch, q, k, v, selection, 0.25, terms)
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:                                   # the LSE does not depend on v
+            assert a is None or not a.any(), name
+        else:
+            assert ts.rel_err(a, b) < 1e-5, name
 
 
 TILE_OVERRIDES = {

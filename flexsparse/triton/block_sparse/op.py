@@ -90,10 +90,13 @@ def _setup(ctx, inputs, output):
     q, k, v, indices, block_q, block_k, scale, deterministic = inputs
     ctx.save_for_backward(q, k, v, indices, *output)
     ctx.args = (block_q, block_k, scale, deterministic)
+    ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient (dlse=None skips it)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, indices, o, lse = ctx.saved_tensors
+    if do is None:                                  # only the LSE reaches the loss
+        do = torch.zeros_like(o)
     dq, dk, dv = block_attn_bwd(do, dlse, q, k, v, indices, o, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
