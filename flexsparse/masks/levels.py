@@ -50,8 +50,8 @@ class Levels:
         return self.rows[level][T]
 
     def meta(self, like: torch.Tensor) -> torch.Tensor:
-        """The level table as an int32 tensor on ``like``'s device (cached, see ``_constant``)."""
-        return self._constant("meta", like, lambda device: torch.tensor(self.rows, dtype=torch.int32, device=device))
+        """The level table as an int32 tensor on ``like``'s device (cached, see ``constant``)."""
+        return self.constant("meta", like, lambda device: torch.tensor(self.rows, dtype=torch.int32, device=device))
 
     @property
     def coarse_keys(self) -> int:
@@ -60,8 +60,8 @@ class Levels:
 
     def log2_counts(self, like: torch.Tensor) -> torch.Tensor:
         """``log2`` of the fine tokens under each pyramid row ``(T_1 + ... + T_L,)`` fp32 (``b^l`` but on a
-        ragged tail), on ``like``'s device (cached, see ``_constant``)."""
-        return self._constant("log2_counts", like, self._log2_counts)
+        ragged tail), on ``like``'s device (cached, see ``constant``)."""
+        return self.constant("log2_counts", like, self._log2_counts)
 
     def _log2_counts(self, device) -> torch.Tensor:
         parts = []  # constants only (inductor failed on the arange arithmetic inside a compiled CUDA graph)
@@ -71,10 +71,10 @@ class Levels:
                       torch.full((1,), math.log2(self.n - (tokens - 1) * span), device=device)]
         return torch.cat(parts)
 
-    def _constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
+    def constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
         """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
         tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
-        compile) build it in the graph."""
+        compile) build it in the graph. The cached tensor is shared: callers only read it."""
         if type(like) is not torch.Tensor or torch.compiler.is_compiling():
             return build(like.device)
         key = (name, self.rows, str(like.device))
