@@ -77,10 +77,11 @@ def _qkv(n, heads, kv_heads, d, grid=False, dtype=torch.float32, device="cpu", p
     return [x.to(dtype=dtype, device=device) for x in (q, k, v)]
 
 
-def _leaf_run(fn, q, k, v, selection, levels, scale, pooled_dtype=None):
+def _leaf_run(fn, q, k, v, selection, levels, scale, pooled_dtype=None, terms=("o", "lse")):
     """o, lse and the gradients of q, k, v and of every pooled level (separate fp32 leaves, rounded
     through ``pooled_dtype`` first: the kernels read bf16 pooled keys, and at the dense top level
-    that rounding alone moves the pooled gradients by ~2% against fp32 means)."""
+    that rounding alone moves the pooled gradients by ~2% against fp32 means) of a random loss of the outputs
+    ``terms``."""
 
     def pooled(x):
         return [(p.to(pooled_dtype).float() if pooled_dtype else p).detach().requires_grad_()
@@ -93,7 +94,8 @@ def _leaf_run(fn, q, k, v, selection, levels, scale, pooled_dtype=None):
     gen = torch.Generator().manual_seed(0)
     w_o = torch.randn(o.shape, generator=gen).to(o)
     w_lse = torch.randn(lse.shape, generator=gen).to(lse)
-    ((o.float() * w_o.float()).sum() + (lse * w_lse).sum()).backward()
+    loss = {"o": (o.float() * w_o.float()).sum(), "lse": (lse * w_lse).sum()}
+    sum(loss[term] for term in terms).backward()
     return [o, lse, q.grad] + [x.grad for x in k_levels] + [x.grad for x in v_levels]
 
 
@@ -301,6 +303,26 @@ def test_attention_matches_torch_backend(n, block, topk, heads, kv_heads, d, til
     names = ["o", "lse", "dq"] + [f"dk{l}" for l in range(levels + 1)] + [f"dv{l}" for l in range(levels + 1)]
     for name, a, b in zip(names, got, want):
         assert (ts.lse_err if name == "lse" else ts.rel_err)(a, b) < 1e-5, name
+
+
+@cpu_only
+@pytest.mark.parametrize("tiles", [ENTRY, FUSED])
+@pytest.mark.parametrize("terms", [("o",), ("lse",)])
+def test_gradients_of_one_output(terms, tiles, monkeypatch):
+    """A loss of the output alone (the op gets no LSE gradient: none is zero-filled) or of the LSE alone (a zero
+    output gradient): the torch backend's gradients, with dQ in two kernels or in one."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"bwd": tiles}))
+    n, block, topk, heads, kv_heads, d = PARTIAL_TILE
+    q, k, v = _qkv(n, heads, kv_heads, d)
+    levels = len(topk)
+    selection = hierarchical_topk(pool_pyramid(q, block, levels), pool_pyramid(k, block, levels), topk, block, n)
+    got = _leaf_run(TRITON.llsa_softmax, q, k, v, selection, levels, d**-0.5, terms=terms)
+    want = _leaf_run(TORCH.llsa_softmax, q, k, v, selection, levels, d**-0.5, terms=terms)
+    for index, (a, b) in enumerate(zip(got, want)):
+        if b is None:                                   # the LSE does not depend on v
+            assert a is None or not a.any(), index
+        else:
+            assert (ts.lse_err if index == 1 else ts.rel_err)(a, b) < 1e-5, index
 
 
 @cpu_only

@@ -80,11 +80,14 @@ def _setup(ctx, inputs, output):
     q, k, v, kc, vc, sel, block, topk, scale, fuse_pool, deterministic = inputs
     ctx.save_for_backward(q, k, v, kc, vc, sel, *output)
     ctx.args = (block, topk, scale, fuse_pool, deterministic)
+    ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient (dlse=None skips it)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, kc, vc, sel, o, lse = ctx.saved_tensors
     block, topk, scale, fuse_pool, deterministic = ctx.args
+    if do is None:                                  # only the LSE reaches the loss
+        do = torch.zeros_like(o)
     dq, dk, dv, dkc, dvc = llsa_attn_bwd(do, dlse, q, k, v, kc, vc, sel, o, lse, block, topk, scale, fuse_pool,
                                          deterministic)
     if fuse_pool:
