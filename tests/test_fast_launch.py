@@ -114,7 +114,8 @@ def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, st
 ])
 def test_gpu_fast_launch_runs_gluon_kernels_as_triton_does(monkeypatch, method, d, n, changes):
     """The warp-specialized Gluon kernels launch through ``FastLaunch`` once compiled: the compiled kernels it keeps
-    are Triton's own for those arguments, and the outputs and gradients equal those of Triton's path bit for bit."""
+    are Triton's own for those arguments; the output equals that of Triton's path bit for bit, the gradients within
+    bf16 tolerance."""
     ts.skip_unless_sm90()
     import flexsparse
     from flexsparse.triton._runtime import fast_launch
