@@ -230,6 +230,24 @@ def test_pair_means_above_the_size_limit_take_the_pytorch_path(monkeypatch):
 
 
 @cpu_parent
+def test_pair_means_gradient_of_one_input():
+    """Where only q (or only k) records a gradient, only it gets one."""
+    from flexsparse.triton.pooling import naive
+    from flexsparse.triton.pooling.op import block_means_pair
+    q, k = _pair_inputs(1, 2, 1, 100, 90, 16, torch.float32)
+    for grad_q in (True, False):
+        q_leaf, k_leaf = q.detach().requires_grad_(grad_q), k.detach().requires_grad_(not grad_q)
+        q_means, k_means, k_sums = block_means_pair(q_leaf, k_leaf, 16, 32)
+        (q_means.sum() + k_means.sum() + k_sums.sum()).backward()
+        leaf, other = (q_leaf, k_leaf) if grad_q else (k_leaf, q_leaf)
+        assert other.grad is None
+        want_q = naive.block_means_backward(torch.ones_like(q_means), 100, 16, q.dtype)
+        want_k = (naive.block_means_backward(torch.ones_like(k_means), 90, 32, k.dtype)
+                  + naive.block_sums_backward(torch.ones_like(k_sums), 90, 32, k.dtype))
+        torch.testing.assert_close(leaf.grad, want_q if grad_q else want_k)
+
+
+@cpu_parent
 def test_pair_means_cpu_fallback_and_opcheck():
     from flexsparse.triton.pooling.op import block_means_pair
     q, k = _pair_inputs(2, 4, 2, 100, 90, 16, torch.float32)

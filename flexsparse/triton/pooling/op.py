@@ -61,10 +61,11 @@ def _pair_setup(ctx, inputs, output):
 
 def _pair_backward(ctx, d_q_means, d_k_means, d_k_sums):
     (nq, block_q, q_dtype), (nk, block_k, k_dtype) = ctx.q, ctx.k
-    dq = None if d_q_means is None else naive.block_means_backward(d_q_means, nq, block_q, q_dtype)
+    need_q, need_k = ctx.needs_input_grad[:2]
+    dq = None if d_q_means is None or not need_q else naive.block_means_backward(d_q_means, nq, block_q, q_dtype)
     if d_k_means is not None:                     # d sum = d mean / token count
         d_k_sums = naive.block_means(d_k_means, nk, block_k) + (0 if d_k_sums is None else d_k_sums)
-    dk = None if d_k_sums is None else naive.block_sums_backward(d_k_sums, nk, block_k, k_dtype)
+    dk = None if d_k_sums is None or not need_k else naive.block_sums_backward(d_k_sums, nk, block_k, k_dtype)
     return dq, dk, None, None
 
 
