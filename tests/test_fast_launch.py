@@ -45,7 +45,7 @@ def _specializations(values) -> dict:
     binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
     groups = collections.defaultdict(set)
     for value in values:
-        groups[fingerprint(value)].add(repr(binder(value)[1]))
+        groups[fingerprint(value)[0]].add(repr(binder(value)[1]))
     return groups
 
 

@@ -35,25 +35,26 @@ _I32_MIN, _I32_MAX, _U64_MIN = -2**31, 2**31 - 1, 2**63
 
 
 def fingerprint(value):
-    """A hashable key of one non-constexpr argument that determines Triton's specialization of it: dtype, 16-byte
-    alignment and device type of a tensor, ``== 1``, divisibility by 16 and integer width of an int, the value of a
-    bool, the class of a float or None, the base dtype, block shape, shared layout and padding of a Gluon TMA
-    descriptor (its shape and strides are launch arguments); ``_UNKEYED`` for anything else."""
+    """``(key, launch value)`` of one non-constexpr argument. The key is hashable and determines Triton's
+    specialization of the argument: dtype, 16-byte alignment and device type of a tensor, ``== 1``, divisibility by
+    16 and integer width of an int, the value of a bool, the class of a float or None, the base dtype, block shape,
+    shared layout and padding of a Gluon TMA descriptor (its shape and strides are launch arguments); ``_UNKEYED``
+    for anything else. The launch value is the argument itself, or a tensor's address (an int: the launcher then
+    skips its per-pointer driver query; a CPU tensor has another key, so it misses and gets Triton's error)."""
     cls = value.__class__
     if cls is int:
-        if value == 1:
-            return 1
-        return (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN)
+        return (1 if value == 1 else (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN)), value
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() & 15 == 0, value.is_cuda
+        address = value.data_ptr()
+        return (value.dtype, address & 15 == 0, value.is_cuda), address
     if cls is bool or value is None:
-        return value, cls
+        return (value, cls), value
     if cls is float:
-        return float
+        return float, value
     if cls is GluonDescriptor:
         return (cls, value.base.dtype, tuple(value.block_shape), value.layout, value.padding,
-                getattr(value, "round_f32_to_tf32", False))
-    return _UNKEYED
+                getattr(value, "round_f32_to_tf32", False)), value
+    return _UNKEYED, value
 
 
 class FastLaunch:
@@ -89,9 +90,8 @@ class FastLaunch:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict):
-        """``(key, every parameter's launch value in order, device)``; a None key where the call cannot be keyed.
-        A tensor's launch value is its address (an int: the launcher then skips its per-pointer driver query; a
-        CPU tensor has another fingerprint, so it misses and gets Triton's error)."""
+        """``(key, every parameter's launch value in order (``fingerprint``), device)``; a None key where the call
+        cannot be keyed."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
@@ -104,21 +104,14 @@ class FastLaunch:
             for name, default in zip(self.names[len(values):], self.defaults[len(values):]):
                 values.append(options.pop(name) if name in options else default)
         parts = []
-        append = parts.append
         for i, constexpr in enumerate(self.constexpr):
-            value = values[i]
             if constexpr:
-                append(value)
-            elif value.__class__ is int:
-                append(1 if value == 1 else (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN))
-            elif isinstance(value, torch.Tensor):
-                address = values[i] = value.data_ptr()
-                append((value.dtype, address & 15 == 0, value.is_cuda))
-            else:
-                part = fingerprint(value)
-                if part is _UNKEYED:
-                    return _NO_KEY
-                append(part)
+                parts.append(values[i])
+                continue
+            part, values[i] = fingerprint(values[i])
+            if part is _UNKEYED:
+                return _NO_KEY
+            parts.append(part)
         device = driver.active.get_current_device()
         return (device, tuple(parts), tuple(options.items())), values, device
 
