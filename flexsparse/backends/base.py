@@ -71,11 +71,9 @@ class Backend:
 
     def block_pooling(self, q: torch.Tensor, k: torch.Tensor, block_q: int,
                       block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A block method's pooled q and k: ``(mean_pool(q, block_q), mean_pool(k, block_k), block_sums(k,
-        block_k))``, ``(B, H, Tq, D)``, ``(B, Hk, Tk, D)`` twice, in the accumulation dtype, differentiable (the
-        sums give the routers' key mean)."""
-        k_sums = self.block_sums(k, block_k)
-        return self.mean_pool(q, block_q), pooling.block_means(k_sums, k.shape[2], block_k), k_sums
+        """A block method's pooled q and k (``pooling.block_pooling``): q's and k's block means and k's block sums
+        (the routers' key mean), differentiable."""
+        return pooling.block_pooling(q, k, block_q, block_k)
 
     def key_mean(self, k: torch.Tensor, block: int, sums: torch.Tensor | None = None) -> torch.Tensor:
         """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``

@@ -63,6 +63,14 @@ def mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
     return block_means(block_sums(x, block), x.shape[-2], block)
 
 
+def block_pooling(q: torch.Tensor, k: torch.Tensor, block_q: int,
+                  block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block method's pooled q and k: ``(mean_pool(q, block_q), mean_pool(k, block_k), block_sums(k, block_k))``,
+    ``(B, H, Tq, D)``, ``(B, Hk, Tk, D)`` twice, in the accumulation dtype (k's means from its sums: one pass)."""
+    k_sums = block_sums(k, block_k)
+    return mean_pool(q, block_q), block_means(k_sums, k.shape[-2], block_k), k_sums
+
+
 def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
     return sums / _divisors(n, block, sums)

@@ -49,8 +49,7 @@ def block_means_pair(q: Tensor, k: Tensor, block_q: int, block_k: int) -> tuple[
     from .pair import pair_means, pair_runs
     if use_kernels(q) and pair_runs(q, k):
         return pair_means(*row_views(q, k), block_q, block_k)
-    sums = naive.block_sums(k, block_k)
-    return naive.mean_pool(q, block_q), naive.block_means(sums, k.shape[2], block_k), sums
+    return naive.block_pooling(q, k, block_q, block_k)
 
 
 def _pair_setup(ctx, inputs, output):
