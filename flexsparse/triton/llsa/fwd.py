@@ -85,7 +85,7 @@ def coarse_rows(sel: torch.Tensor, levels: Levels) -> torch.Tensor:
     ``S_{l+1}`` of the ancestor at level l+1, in selection order; -1 for children past ``T_l``. For L = 1 (no
     such level) a ``(B, H, 1, 1)`` table of -1. The top level is not listed (every query attends all of it)."""
     bsz, heads = sel.shape[:2]
-    if levels.levels == 1:      # the same table at every call of a shape: built once (a fill kernel per call)
+    if levels.levels == 1:      # the same table at every call of a shape: built once, not filled per call
         return levels.constant(f"no coarse rows {bsz}x{heads} {sel.dtype}", sel,
                                lambda device: torch.full((bsz, heads, 1, 1), -1, dtype=sel.dtype, device=device))
     rows = sel.new_empty(bsz, heads, levels.tokens(2), levels.coarse_keys)
