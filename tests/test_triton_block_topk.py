@@ -178,9 +178,9 @@ POOL_CASES = [
 
 
 def _pair_inputs(b, h, hk, nq, nk, d, dtype, device="cpu"):
-    """q and k with fresh random values; q a view of every other row of a wider tensor (strided rows)."""
-    q = torch.randn(b, h, nq, d + 3, dtype=dtype, device=device)[..., 3:]
-    return q, torch.randn(b, hk, nk, d, dtype=dtype, device=device)
+    """q and k with fresh random values (``make_qkv``); q a view into wider rows (strided rows)."""
+    q, k, _ = ts.make_qkv(b, h, hk, nq, nk, d + 3, dtype, device)
+    return q[..., 3:], k[..., 3:].contiguous()
 
 
 def _check_pair(q, k, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2)):

@@ -541,7 +541,7 @@ def _check_keep_rows(b, h, tq, tk, width, repeat, dtype, device="cpu"):
     from flexsparse.masks import keep_map
     from flexsparse.triton._runtime.sizes import repeat_rows
     from flexsparse.triton.linear.dense import keep_rows
-    skipped = torch.rand(b, h, tq, tk, device=device).argsort(-1)[..., :width].sort(-1).values.to(torch.int32)
+    skipped = ts.random_selection(b, h, tq, tk, 1, 1, width, device).indices
     got = keep_rows(skipped, tk, dtype, repeat)
     assert got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, repeat_rows(keep_map(skipped, tk, dtype), repeat))
