@@ -19,9 +19,12 @@ fi
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/device.txt"
 tests=$1
 shift
+# Workers by GPU memory: 16 fit 141 GB (H200); on an 80 GB H100 16 workers run out of memory, 8 do not.
+gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+workers=${GPU_TEST_WORKERS:-$(( gib / 1024 >= 120 ? 16 : 8 ))}
 if [ -n "$tests" ]; then
   # shellcheck disable=SC2086
-  python3 -m pytest $tests -m gpu -q -n "${GPU_TEST_WORKERS:-16}" --maxschedchunk=1 -p no:cacheprovider \
+  python3 -m pytest $tests -m gpu -q -n "$workers" --maxschedchunk=1 -p no:cacheprovider \
     -p no:logging 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
   sed -n '/largest recorded errors/,/ in [0-9.]*s/p' "$OUT/gpu_tests.log" | head -40
