@@ -102,6 +102,27 @@ def test_recorded_qkv_feed_the_fp8_benchmark(tmp_path, image_dir):
     assert report["shape"] == [3, 2, 256, 16] and 0 < report["results"]["fp8"]["rel_l2_branch"] < 0.1
 
 
+def test_fixture_rebuilds_the_recorded_qkv(tmp_path, image_dir):
+    """``--fixture`` keeps the blocks up to the layer (bf16) with the crops; ``fixture_qkv`` records the same q, k, v
+    as ``record`` on the whole checkpoint, up to the bf16 rounding of the weights and inputs."""
+    sla = '{"method": "sla", "block_size": 4, "topk_ratio": 0.25}'
+    out, _, _ = run(tmp_path, "sla", image_dir, "--image-size", "16", "--steps", "2", "--attn", sla)
+    checkpoint, path = str(out / "checkpoints" / "last.pt"), tmp_path / "fixture.pt"
+    saved = record_qkv.main([checkpoint, "--layer", "0", "--crops", "2", "--fixture", "--out", str(path)])
+    assert saved["config"]["depth"] == 1 and not any(name.startswith("blocks.1.") for name in saved["ema"])
+    assert all(value.dtype == torch.bfloat16 for value in saved["ema"].values())
+    rebuilt = record_qkv.fixture_qkv(path, torch.device("cpu"))
+    recorded = record_qkv.record(checkpoint, 0, 2, torch.device("cpu"))
+    assert rebuilt["layer"] == recorded["layer"] == "blocks.0.attn.attention"
+    for name in ("q", "k", "v"):
+        assert rebuilt[name].shape == recorded[name].shape == (2, 2, 256, 16)
+        assert (rebuilt[name] - recorded[name]).norm() / recorded[name].norm() < 0.02
+    with pytest.raises(ValueError, match="--fixture needs --layer"):
+        record_qkv.main([checkpoint, "--fixture", "--out", str(path)])
+    with pytest.raises(ValueError, match="--layer must be in"):
+        record_qkv.fixture(checkpoint, 2, 1)
+
+
 def test_resume_checks_the_architecture(tmp_path, image_dir):
     out, _, _ = run(tmp_path, "full", image_dir, "--image-size", "16", "--steps", "1", "--attn", "full")
     with pytest.raises(ValueError, match="--hidden=64 differs from the checkpoint's 32"):

@@ -57,7 +57,7 @@ def plot(runs: list[tuple[str, dict]], path: Path, title: str) -> None:
     for ax, key, name in zip(axes, ("val_loss", "val_loss_ema"), ("raw model", "EMA model")):
         for i, (label, curves) in enumerate(runs):
             ax.plot(curves["val_step"], curves[key], "o-", ms=3, color=f"C{i}", label=label)
-        ax.set_title(f"{title}: validation loss, {name}")
+        ax.set_title(f"{title + ': ' if title else ''}validation loss, {name}")
         ax.set_xlabel("step")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
