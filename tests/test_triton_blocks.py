@@ -227,13 +227,15 @@ def test_dkv_program_order_is_head_major_longest_first():
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
     selection.indices[:, :, :, 0] = 3                                   # key block 3: picked by every row
     offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets
-    order = longest_first(offsets, 2).long()
-    assert torch.equal(order.sort().values, torch.arange(2 * 2 * 19))
-    work = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(2, 2, 2, 19).sum(2).flatten()
-    heads = order // 19
-    assert torch.equal(heads, torch.arange(4).repeat_interleave(19))
-    assert (order % 19).view(4, 19)[:, 0].eq(3).all()
-    assert (work[order].view(4, 19).diff(dim=1) <= 0).all()
+    for kv_heads in (2, 4):                                             # GQA, and one query head per KV head
+        order = longest_first(offsets, kv_heads)
+        assert order.dtype == torch.int32
+        order, rows = order.long(), 2 * kv_heads
+        assert torch.equal(order.sort().values, torch.arange(rows * 19))
+        work = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(2, kv_heads, 4 // kv_heads, 19).sum(2).flatten()
+        assert torch.equal(order // 19, torch.arange(rows).repeat_interleave(19))
+        assert (order % 19).view(rows, 19)[:, 0].eq(3).all()
+        assert (work[order].view(rows, 19).diff(dim=1) <= 0).all()
 
 
 @gpu

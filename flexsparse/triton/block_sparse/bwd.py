@@ -161,10 +161,13 @@ def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
     head (programs in flight share one head's Q and dO in L2), within a head by descending work (the CSC
     list lengths summed over its query heads), so that popular key blocks (long lists) start first."""
     bsz, heads, width = offsets.shape
-    counts = (offsets[:, :, 1:] - offsets[:, :, :-1]).view(bsz, kv_heads, heads // kv_heads, width - 1).sum(2)
+    counts = offsets[:, :, 1:] - offsets[:, :, :-1]
+    if heads != kv_heads:
+        counts = counts.view(bsz, kv_heads, heads // kv_heads, width - 1).sum(2)
     order = torch.argsort(counts, dim=-1, descending=True, stable=True)
-    first = torch.arange(bsz * kv_heads, device=offsets.device).view(bsz, kv_heads, 1) * (width - 1)
-    return (order + first).flatten().to(torch.int32)
+    first = torch.arange(0, bsz * kv_heads * (width - 1), width - 1, dtype=torch.int32, device=offsets.device)
+    ids = torch.empty(order.shape, dtype=torch.int32, device=offsets.device)
+    return torch.add(order, first.view(bsz, kv_heads, 1), out=ids).flatten()     # int32 ids in one op
 
 
 def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Tensor:
