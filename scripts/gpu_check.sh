@@ -20,8 +20,8 @@ fi
 tests=$1
 shift
 # Workers by GPU memory: 16 fit 141 GB (H200); on an 80 GB H100 16 workers run out of memory, 8 do not.
-gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-workers=${GPU_TEST_WORKERS:-$(( gib / 1024 >= 120 ? 16 : 8 ))}
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+workers=${GPU_TEST_WORKERS:-$(( mib >= 120 * 1024 ? 16 : 8 ))}
 if [ -n "$tests" ]; then
   # shellcheck disable=SC2086
   python3 -m pytest $tests -m gpu -q -n "$workers" --maxschedchunk=1 -p no:cacheprovider \

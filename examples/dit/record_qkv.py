@@ -33,6 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def held_out(config: dict, crops: int, device: torch.device) -> dict:
+    """The run's first ``crops`` validation crops with their fixed noise and sigmas (``train.validation_set``)."""
+    _, val_images = photos_and_split(config["data_dir"])
+    return train.validation_set(val_images, config["image_size"], crops, device)
+
+
 def load_ema(saved: dict, device: torch.device):
     """The EMA model of a checkpoint (or fixture) dict."""
     model = train.build_model(saved["config"], device)
@@ -58,9 +64,7 @@ def record(checkpoint: str, layer: int | None, crops: int, device: torch.device)
     config = saved["config"]
     model = load_ema(saved, device)
     layer = len(model.blocks) // 2 if layer is None else layer
-    _, val_images = photos_and_split(config["data_dir"])
-    val = train.validation_set(val_images, config["image_size"], crops, device)
-    return {**record_layer(model, layer, val, config["noise_scale"]), "config": config}
+    return {**record_layer(model, layer, held_out(config, crops, device), config["noise_scale"]), "config": config}
 
 
 def fixture(checkpoint: str, layer: int, crops: int) -> dict:
@@ -72,8 +76,7 @@ def fixture(checkpoint: str, layer: int, crops: int) -> dict:
         raise ValueError(f"--layer must be in [0, {config['depth']}), got {layer}")
     kept = {name: value.to(torch.bfloat16) for name, value in saved["ema"].items()
             if not name.startswith("blocks.") or int(name.split(".")[1]) <= layer}
-    _, val_images = photos_and_split(config["data_dir"])
-    val = train.validation_set(val_images, config["image_size"], crops, torch.device("cpu"))
+    val = held_out(config, crops, torch.device("cpu"))
     return {"config": {**config, "depth": layer + 1}, "ema": kept, "layer": layer, "x0": val["x0"].to(torch.bfloat16),
             "eps": val["eps"].to(torch.bfloat16), "sigma": val["sigma"]}
 
@@ -91,12 +94,12 @@ def main(argv=None) -> dict:
         if args.layer is None:
             raise ValueError("--fixture needs --layer")
         result = fixture(args.checkpoint, args.layer, args.crops)
-        torch.save(result, args.out)
-        print(f"blocks 0..{args.layer}, {len(result['ema'])} tensors -> {args.out}")
-        return result
-    result = record(args.checkpoint, args.layer, args.crops, torch.device(args.device))
+        what = f"blocks 0..{args.layer}, {len(result['ema'])} tensors"
+    else:
+        result = record(args.checkpoint, args.layer, args.crops, torch.device(args.device))
+        what = f"{result['layer']}: q {tuple(result['q'].shape)}"
     torch.save(result, args.out)
-    print(f"{result['layer']}: q {tuple(result['q'].shape)} -> {args.out}")
+    print(f"{what} -> {args.out}")
     return result
 
 
