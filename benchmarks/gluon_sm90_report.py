@@ -76,7 +76,7 @@ def main() -> None:
     driver.set_active(_Sm90Driver())
     from flexsparse.triton.block_sparse import fwd_ws as block_fwd_ws
     from flexsparse.triton.block_sparse import fwd_ws_fp8 as block_fwd_ws_fp8
-    from flexsparse.triton.linear import mix_ws
+    from flexsparse.triton.linear import mix_ws, mix_ws_fp8
     ints = torch.zeros(64, dtype=torch.int32)
     flt = torch.zeros(64)
     low = torch.zeros(64, dtype=torch.bfloat16)
@@ -101,6 +101,13 @@ def main() -> None:
                       Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, STAGES=fp8_tiles["stages"], FRESH_ACC=fresh, num_warps=4,
                       maxnreg=fp8_tiles["maxnreg"], grid=(1, 1)))
                  for fresh in (True, False)]
+        jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)}",
+                  lambda mix=mix, store=store: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
+                      q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256,
+                      256, 4, 4, 2, 0, BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, EPS=1e-5, FMAP=0,
+                      MIX=mix, STORE=store, STAGES=mix_ws_fp8.ring_stages(d), FRESH_ACC=True, num_warps=4,
+                      maxnreg=mix_ws_fp8.registers(d), grid=(1, 1)))
+                 for mix, store in ((1, False), (1, True), (2, False), (2, True))]
         for name, compile_kernel in jobs:
             try:
                 report(name, compile_kernel(), args.sass == name)

@@ -33,7 +33,7 @@ def mma_layout(num_warps, cols):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, q_row, kv_row, vt_row,
+def producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, q_row, kv_row, vt_row,
               n_steps, BLOCK_K: gl.constexpr):
     """Q8 once, then per step the K8 rows and V8^T columns of the row's key block into the ring of slots."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -60,7 +60,7 @@ def _softmax(s, m_i, l_i, c):
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
+def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
             BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, num_warps: gl.constexpr):
     """The online softmax over the ring's tiles (``fwd_ws.attend``'s schedule): ``(acc, m, l)``, every slot
     released. ``kd_ptr``: the reciprocal K scales of this KV head's key blocks."""
@@ -114,26 +114,44 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_fact
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
-              q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
-              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, num_warps: gl.constexpr):
-    """``_attend``, then O ``acc / (l s_v)`` and the LSE of the unsmoothed logits for the rows below ``NQ``.
-    ``vs_ptr``, ``km_ptr``: this KV head's V scales and K mean ``(D,)`` fp32."""
+def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE: gl.constexpr):
+    """The LSE of the unsmoothed logits stored for the rows below ``NQ``; returns O ``acc / (l s_v)`` (fp32, the
+    accumulator's layout). ``vs_ptr``, ``km_ptr``: this KV head's V scales and K mean ``(D,)`` fp32."""
+    BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
-    acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                            n_steps, BLOCK_K, FRESH_ACC, num_warps)
     o_layout: gl.constexpr = acc.type.layout
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
     o = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(1.0 / gl.load(vs_ptr + cols), 0)
-    store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
     q = q_smem.load(o_layout).to(gl.float32)                   # the smoothing's LSE term: scale q8 . k_mean / s_q
     shift = gl.sum(q * gl.expand_dims(gl.load(km_ptr + cols), 0), axis=1) * (SCALE / q_scale)
-    BM: gl.constexpr = q_smem.type.shape[0]
     row_s: gl.constexpr = m_i.type.layout
     local = gl.arange(0, BM, layout=row_s)
     lse = (m_i + gl.log2(l_i) - LOG2_448) * LN2 + gl.convert_layout(shift, row_s)
     gl.store(lse_ptr + q_row + local, lse, mask=q_first + local < NQ)
+    return o
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
+              q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
+              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, num_warps: gl.constexpr):
+    """``attend``, then O and the LSE (``finish``) for the rows below ``NQ``."""
+    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
+                           n_steps, BLOCK_K, FRESH_ACC, num_warps)
+    o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
+    store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
+
+
+@gluon.jit
+def allocate_ring(q_desc, k_desc, vt_desc, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Shared memory of the Q8 tile and of the K8 / V8^T ring, and its barriers (``fwd_ws._barriers``)."""
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [q_desc.block_type.shape[0], D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_K, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_K], vt_desc.layout)
+    q_bar, ready, empty = _barriers(STAGES)
+    return q_smem, k_bufs, v_bufs, q_bar, ready, empty
 
 
 @gluon.jit
@@ -147,16 +165,13 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
     hk = kv_row // NK                                           # flat (batch, KV head)
     idx = idx_ptr + (bh.to(gl.int64) * TQ + qblk) * TOPK
     q_scale = gl.load(qs_ptr + bh.to(gl.int64) * TQ + qblk)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_K, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_K], vt_desc.layout)
-    q_bar, ready, empty = _barriers(STAGES)
+    q_smem, k_bufs, v_bufs, q_bar, ready, empty = allocate_ring(q_desc, k_desc, vt_desc, STAGES, BLOCK_K)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, kd_ptr + hk * TK,
                      vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE, SCALE2,
                      FRESH_ACC, num_warps)),
-        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
+        (producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
                      TOPK, BLOCK_K)),
     ], [1], [24])
 
@@ -176,25 +191,33 @@ def default_tiles(d: int) -> dict:
     return dict(stages=4, maxnreg=96, fresh_acc=True) if d <= 64 else dict(stages=3, maxnreg=128, fresh_acc=True)
 
 
+BM = 64                                                         # query-tile rows: one consumer warpgroup
+
+
+def descriptors(q8, k8, vt8, block_k: int):
+    """TMA descriptors of q8 (``(BM, D)`` tiles), k8 (``(block_k, D)``) and V8^T (``(D, block_k)``) over the flattened
+    ``(B * H * N, D)`` and ``(B * Hk * D, NP)`` tensors."""
+    d, np_ = q8.shape[-1], vt8.shape[-1]
+    return (TensorDescriptor.from_tensor(q8.view(-1, d), [BM, d], shared_layout(BM, d, gl.float8e4nv)),
+            TensorDescriptor.from_tensor(k8.view(-1, d), [block_k, d], shared_layout(block_k, d, gl.float8e4nv)),
+            TensorDescriptor.from_tensor(vt8.view(-1, np_), [d, block_k], shared_layout(d, block_k, gl.float8e4nv)))
+
+
 def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,
                         scale: float, out_dtype: torch.dtype, tiles: dict | None = None):
     """``fwd_fp8.block_attend_fp8`` on the Gluon kernel (see ``supported``): O ``(B, H, Nq, D)`` in ``out_dtype``,
     natural-log LSE ``(B, H, Nq)`` fp32. ``tiles``: ``default_tiles``' keys."""
     bsz, heads, nq, d = q8.shape
-    nk, np_ = k8.shape[2], vt8.shape[3]
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = {**default_tiles(d), **(tiles or {})}
-    bm = 64
-    q_desc = TensorDescriptor.from_tensor(q8.view(-1, d), [bm, d], shared_layout(bm, d, gl.float8e4nv))
-    k_desc = TensorDescriptor.from_tensor(k8.view(-1, d), [block_k, d], shared_layout(block_k, d, gl.float8e4nv))
-    vt_desc = TensorDescriptor.from_tensor(vt8.view(-1, np_), [d, block_k], shared_layout(d, block_k, gl.float8e4nv))
+    q_desc, k_desc, vt_desc = descriptors(q8, k8, vt8, block_k)
     o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
     lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
-    launcher(_ws_fwd_fp8_kernel)[(tq * (block_q // bm), bsz * heads)](
+    launcher(_ws_fwd_fp8_kernel)[(tq * (block_q // BM), bsz * heads)](
         q_desc, k_desc, vt_desc, o, lse, indices, q_scales, 1.0 / k_scales, v_scales, k_mean, heads,
-        heads // k8.shape[1], nq, nk, tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
-        Q_SPLIT=block_q // bm, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
-        FRESH_ACC=tiles["fresh_acc"], num_warps=bm // 16, maxnreg=tiles["maxnreg"])
+        heads // k8.shape[1], nq, k8.shape[2], tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
+        Q_SPLIT=block_q // BM, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
+        FRESH_ACC=tiles["fresh_acc"], num_warps=BM // 16, maxnreg=tiles["maxnreg"])
     return o, lse
 
 
