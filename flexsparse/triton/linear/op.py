@@ -184,8 +184,8 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     LSE it stored: for ``fp8`` the QAT gradients) and the linear kernels add theirs to them (one pass fewer over dq,
     dk and dv than two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse
     forward (bf16, or FP8 after its pre-pass) and the output kernel are one Gluon kernel
-    (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
-    ``linear_kernels(q)``)."""
+    (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h,
+    rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``)."""
     from ..block_sparse.op import block_attn, block_attn_fp8
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
     mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
