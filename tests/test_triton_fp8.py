@@ -488,8 +488,8 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
 
 
 @gpu
-@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 64, 64, 8), (4000, 2, 2, 128, 128, 5),
-                                                              (1000, 4, 1, 64, 128, 3)])
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 128, 64, 8), (4000, 2, 2, 128, 128, 5),
+                                                              (1000, 4, 1, 128, 128, 3)])
 def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_heads, d, block_q, topk):
     """The Gluon FP8 forward against the Triton FP8 kernel walking the same key order (one block per step) on the
     same pre-pass outputs: the same math up to fp32 reassociation and the fp8 MMAs' accumulation (ragged N, GQA,
