@@ -1,4 +1,5 @@
-"""Compile the Gluon forward kernels (``block_sparse/fwd_ws.py``, ``linear/mix_ws.py``) for sm_90 without a GPU and
+"""Compile the Gluon forward kernels (``block_sparse/fwd_ws.py``, ``fwd_ws_fp8.py``, ``linear/mix_ws.py``) for sm_90
+without a GPU and
 report registers, spills, shared memory and the matrix instructions, as ``triton_sm90_report.py`` does for the
 Triton kernels. Not a ``python -m flexsparse`` case: the runner times calls on a device, this reads the compiled
 code of each kernel, offline.
@@ -53,6 +54,20 @@ def _descriptors(d: int, bm: int, rows: int):
     return q, kv, hw
 
 
+def _fp8_descriptors(d: int, rows: int):
+    """TMA descriptors of e4m3 q and k (``rows`` tokens, ``(64, D)`` tiles) and of V^T (``(D, 64)`` tiles), as
+    ``fwd_ws_fp8.ws_block_attend_fp8`` builds them."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flexsparse.triton.block_sparse.fwd_ws import shared_layout
+    x = torch.zeros(rows, d, dtype=torch.float8_e4m3fn)
+    tile = shared_layout(64, d, gl.float8e4nv)
+    vt = torch.zeros(4 * d, rows, dtype=torch.float8_e4m3fn)
+    return (TensorDescriptor.from_tensor(x, [64, d], tile), TensorDescriptor.from_tensor(x, [64, d], tile),
+            TensorDescriptor.from_tensor(vt, [d, 64], shared_layout(d, 64, gl.float8e4nv)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
@@ -60,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     driver.set_active(_Sm90Driver())
     from flexsparse.triton.block_sparse import fwd_ws as block_fwd_ws
-    from flexsparse.triton.linear import mix_ws
+    from flexsparse.triton.block_sparse import fwd_ws_fp8 as block_fwd_ws_fp8
+    from flexsparse.triton.linear import mix_ws, mix_ws_fp8
     ints = torch.zeros(64, dtype=torch.int32)
     flt = torch.zeros(64)
     low = torch.zeros(64, dtype=torch.bfloat16)
@@ -76,6 +92,21 @@ def main() -> None:
                   lambda mix=mix, store=store: mix_ws._ws_mix_kernel.warmup(
                       q, kv, kv, hw, hw, low, flt, low, low, flt, low, low, ints, 2, 1, 256, 256, 4, 2, 0, EPS=1e-5,
                       FMAP=0, MIX=mix, STORE=store, **launch))
+                 for mix, store in ((1, False), (1, True), (2, False), (2, True))]
+        fp8_tiles = block_fwd_ws_fp8.default_tiles(d)
+        q8, k8, vt8 = _fp8_descriptors(d, 256)
+        jobs += [(f"ws fwd fp8 D={d} FRESH_ACC={int(fresh)}",
+                  lambda fresh=fresh: block_fwd_ws_fp8._ws_fwd_fp8_kernel.warmup(
+                      q8, k8, vt8, low, flt, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4, 4, 2, BLOCK_Q=64, BLOCK_K=64,
+                      Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, STAGES=fp8_tiles["stages"], FRESH_ACC=fresh, num_warps=4,
+                      maxnreg=fp8_tiles["maxnreg"], grid=(1, 1)))
+                 for fresh in (True, False)]
+        jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)}",
+                  lambda mix=mix, store=store: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
+                      q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256,
+                      256, 4, 4, 2, 0, BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, EPS=1e-5, FMAP=0,
+                      MIX=mix, STORE=store, STAGES=mix_ws_fp8.ring_stages(d), FRESH_ACC=True, num_warps=4,
+                      maxnreg=mix_ws_fp8.registers(d), grid=(1, 1)))
                  for mix, store in ((1, False), (1, True), (2, False), (2, True))]
         for name, compile_kernel in jobs:
             try:

@@ -12,7 +12,9 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``bf16_ms``        ``block_sparse.fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
 ``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (K mean, Q and K per block, V per channel transposed);
 ``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
-``fp8_total_ms``   pre-pass + kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
+``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
+``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
+                   Triton ones elsewhere), ``speedup_default`` the first over the second;
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
@@ -85,8 +87,11 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
     for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
-                     ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total)):
+                     ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
+                     ("fp8_default", lambda: fp8_kernel(None))):
         out[f"{name}_ms"] = attempt(lambda: time_spread(fn, device))
+    if all(isinstance(out[f"{name}_ms"], dict) for name in ("bf16_default", "fp8_default")):
+        out["speedup_default"] = out["bf16_default_ms"]["median_ms"] / out["fp8_default_ms"]["median_ms"]
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]

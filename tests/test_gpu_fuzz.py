@@ -236,7 +236,7 @@ def test_gpu_fuzz_fp8_kernel(case):
     pre = fp8.quantize_qkv(q, k, v, block_q, block_k)
     o, lse = fp8.block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
     want_o, want_lse = fp8.emulate_kernel(pre, selection.indices, block_q, block_k, scale,
-                                          fp8.forward_tiles(q.device, d))
+                                          fp8.kernel_tiles(pre, selection.indices, block_q, block_k))
     # LSE by absolute error: the FP8 products carry ~1e-4 absolute logit error, and a short row's LSE sits near 0.
     # O within 1e-2: where the kernel's and the emulation's logits differ in the last bits, some e4m3 roundings of P
     # land one step apart, and over long rows that adds up (5.3e-3 at 36 blocks of 64 keys, D=128; a wrong key

@@ -43,7 +43,7 @@ from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
 from flexsparse.triton.block_sparse.fp8_quant import (quantize_blocks, quantize_qkv,  # noqa: E402
                                                       quantize_v_transposed, to_e4m3)
 from flexsparse.triton.block_sparse.fwd import geometry  # noqa: E402
-from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles  # noqa: E402
+from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles, gluon_runs  # noqa: E402
 
 cpu_only, cpu_parent, gpu = ts.cpu_only, ts.cpu_parent, ts.gpu
 random_selection = ts.random_selection
@@ -64,6 +64,17 @@ def make_qkv(bsz, heads, kv_heads, n, d, dtype=torch.float32, device="cpu"):
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """torch's saturating e4m3 rounding (round to nearest even), as fp32."""
     return x.float().clamp(-448, 448).to(E4M3).float()
+
+
+ONE_BLOCK_PER_STEP = dict(BM=64, BN=64, KB=1, warps=4, stages=2, fresh_acc=True)   # the Gluon kernel's key order
+
+
+def kernel_tiles(pre, indices: torch.Tensor, block_q: int, block_k: int) -> dict:
+    """The key-tile order of the kernel ``block_attend_fp8`` runs on these inputs, for ``emulate_kernel``: the Gluon
+    kernel's one key block per step, or the Triton kernel's default tiles."""
+    if gluon_runs(pre[0], indices, block_q, block_k):
+        return ONE_BLOCK_PER_STEP
+    return forward_tiles(pre[0].device, pre[0].shape[-1])
 
 
 def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale: float, tiles: dict):
@@ -461,7 +472,8 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
-    want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
+    want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale,
+                                      kernel_tiles(pre, selection.indices, block_q, block_k))
     assert o.dtype == torch.bfloat16
     # LSE: the fp8 MMA accumulates Q K^T with ~14 bits, so logits carry ~1e-4 absolute error
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
@@ -473,6 +485,30 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
         assert ((o.float() - spec_o).abs() <= bound).all()
     plain_o, plain_lse = TRITON.sparse_softmax(q, k, v, selection, scale)
     assert 1e-3 < ts.rel_err(o, plain_o) < 0.07 and ts.rel_err(lse, plain_lse) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 128, 64, 8), (4000, 2, 2, 128, 128, 5),
+                                                              (1000, 4, 1, 128, 128, 3)])
+def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_heads, d, block_q, topk):
+    """The Gluon FP8 forward against the Triton FP8 kernel walking the same key order (one block per step) on the
+    same pre-pass outputs: the same math up to fp32 reassociation and the fp8 MMAs' accumulation (ragged N, GQA,
+    query blocks of one and two tiles); accumulating P V inside the MMA (``fresh_acc=False``) stays within the
+    FP8 error."""
+    from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
+    (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, 64, topk)
+    scale = d**-0.5
+    pre = quantize_qkv(q, k, v, block_q, 64)
+    assert gluon_runs(pre[0], selection.indices, block_q, 64)
+    want_o, want_lse = block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype, ONE_BLOCK_PER_STEP)
+    o, lse = block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype)
+    assert o.dtype == q.dtype and lse.shape == want_lse.shape
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+    emulated, _ = emulate_kernel(pre, selection.indices, block_q, 64, scale, ONE_BLOCK_PER_STEP)
+    assert ts.rel_err(o, emulated) < 5e-3
+    inside, inside_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
+                                             {"fresh_acc": False})
+    assert ts.rel_err(inside, want_o) < 2e-2 and ts.rel_err(inside_lse, want_lse) < 1e-4
 
 
 @gpu

@@ -681,6 +681,32 @@ def test_gpu_mixed_output_bf16(kind, compiled):
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["proj", "alpha_per_head"])
+@pytest.mark.parametrize("d,block_q", [(64, 64), (128, 64), (128, 128)])
+def test_gpu_linear_branch_in_fp8_sparse_epilogue_matches_two_ops(monkeypatch, kind, d, block_q):
+    """With ``quant`` on sm_90 at D=128 the one op runs the FP8 Gluon forward with the linear branch in its
+    epilogue (``mix_ws_fp8``; at D=64 the FP8 op and the linear kernels): output, LSE and gradients (the QAT ones,
+    the linear kernels adding theirs) against the FP8 op followed by ``mixed_linear_output`` (bf16, ragged N,
+    GQA)."""
+    pytest.importorskip("torchao")
+    from flexsparse.config import QuantConfig
+    from flexsparse.triton.linear import mix_ws_fp8
+    ts.skip_unless_sm90()
+    calls = []
+    fused = mix_ws_fp8.ws_sparse_linear_forward_fp8
+    monkeypatch.setattr(mix_ws_fp8, "ws_sparse_linear_forward_fp8", lambda *a: calls.append(1) or fused(*a))
+    q, k, v = _inputs(2, 4, 2, 4000, 4000, d, torch.bfloat16, "cuda")
+    selection = _selection(q, k, block_q, 64, 0.05, 0.0)
+    params = _mix_params(kind, 4, selection.num_q_blocks, d, "cuda")
+    got = _both_run(partial(_one_op, quant=QuantConfig()), q, k, v, selection, params, "softmax")
+    assert bool(calls) == (d == 128)
+    want = _both_run(partial(_two_ops, quant=QuantConfig()), q, k, v, selection, params, "softmax")
+    assert ts.rel_err(got["lse"], want["lse"]) < 1e-5
+    for name in want:
+        assert ts.rel_err(got[name], want[name]) < 1e-2, name
+
+
+@gpu
 def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
     """q, k, v in a transposed (B, N, H, D) layout, as models hand them over: the op makes them contiguous before
     it checks the Gluon kernels' conditions, so the fused epilogue runs and gives the contiguous inputs' output."""

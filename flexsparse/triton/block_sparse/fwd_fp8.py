@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
-from .._runtime.registry import launcher
+from .gluon import block_fwd_ws_fp8
+from .._runtime.registry import launcher, launching_directly
 from ..common.jit import LN2, LOG2E, load_tile, store_tile
 from .fp8_quant import E4M3, quantize_qkv, to_e4m3
 from .._runtime.sizes import pow2
@@ -124,6 +125,13 @@ def forward_tiles(device: torch.device, d: int) -> dict:
     return {**base, **overrides("block_fwd_fp8")}
 
 
+def gluon_runs(q8, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:
+    """Whether ``block_attend_fp8`` runs the Gluon kernel: default tiles (no ``tiles``, no ``FLEXSPARSE_TRITON_TILES``
+    override of ``block_fwd_fp8``) and what ``fwd_ws_fp8.supported`` takes."""
+    return (block_fwd_ws_fp8 is not None and tiles is None and not overrides("block_fwd_fp8")
+            and block_fwd_ws_fp8.supported(q8, indices, block_q, block_k))
+
+
 def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
     """FP8 block-sparse attention: O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32 of the
     quantized forward (``fp8_quant`` pre-pass, then the kernel).
@@ -136,7 +144,11 @@ def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float
 
 def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,
                      scale: float, out_dtype: torch.dtype, tiles: dict | None = None):
-    """The kernel alone on ``fp8_quant.quantize_qkv``'s outputs: O ``(B, H, Nq, D)`` in ``out_dtype``, LSE fp32."""
+    """The kernel alone on ``fp8_quant.quantize_qkv``'s outputs: O ``(B, H, Nq, D)`` in ``out_dtype``, LSE fp32.
+    Where ``gluon_runs`` the warp-specialized Gluon kernel (``fwd_ws_fp8``) runs instead."""
+    if gluon_runs(q8, indices, block_q, block_k, tiles):
+        run = block_fwd_ws_fp8.ws_block_attend_fp8 if launching_directly() else block_fwd_ws_fp8.block_attn_fp8_ws
+        return run(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q, block_k, scale, out_dtype)
     bsz, heads, nq, d = q8.shape
     nk, np_ = k8.shape[2], vt8.shape[3]
     tq, topk = indices.shape[2], indices.shape[3]

@@ -76,44 +76,50 @@ def _mix_producer(q_desc, k_desc, v_desc, h_desc, w_desc, q_smem, k_bufs, v_bufs
 
 
 @gluon.jit
-def _mix_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr,
-                  alpha_ptr, idx_ptr, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr,
-                  SCALE2: gl.constexpr, EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr,
-                  num_warps: gl.constexpr):
-    """``attend``; the LSE; O_s (stored with ``STORE``); O_l from ``H_i`` in the K slots (stored with ``STORE``);
-    the combined O."""
-    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, NK, n_steps, BLOCK_K, SCALE2,
-                           num_warps)
-    store_lse(lse_ptr, m_i, l_i, q_row, q_first, NQ)
-    BM: gl.constexpr = q_smem.type.shape[0]
-    D: gl.constexpr = q_smem.type.shape[1]
-    dtype: gl.constexpr = q_smem.dtype
-    o_layout: gl.constexpr = acc.type.layout
+def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, alpha_ptr, q_row, q_first, NQ,
+                    EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr):
+    """O_s (stored with ``STORE``); O_l from the Q tile ``q_tile`` and ``H_i`` (``h_tile``, shared memory, q's
+    dtype) (stored with ``STORE``); the combined O with SLA's ``W^T`` (``w_tile``) or SLA2's alpha. ``o_s``:
+    ``(BM, D)`` in q's dtype on the wgmma accumulator layout."""
+    BM: gl.constexpr = q_tile.type.shape[0]
+    D: gl.constexpr = q_tile.type.shape[1]
+    dtype: gl.constexpr = q_tile.dtype
+    o_layout: gl.constexpr = o_s.type.layout
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     zeros = gl.zeros([BM, D], gl.float32, o_layout)
-
-    o_s = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
     if STORE:
         store_rows(os_ptr, o_s, q_row, q_first, NQ)
-    mbarrier.wait(q_bar, 1)                       # H_i (and W^T) in the released slots
-    phi = _feature(q_smem.load(o_layout).to(gl.float32), FMAP)
+    phi = _feature(q_tile.load(o_layout).to(gl.float32), FMAP)
     den = EPS + gl.sum(phi * gl.expand_dims(gl.load(z_ptr + cols), 0), axis=1)
-    num = warpgroup_mma(gl.convert_layout(phi.to(dtype), a_layout), _square(k_bufs), zeros, use_acc=False,
-                        is_async=True)
+    num = warpgroup_mma(gl.convert_layout(phi.to(dtype), a_layout), h_tile, zeros, use_acc=False, is_async=True)
     num = warpgroup_mma_wait(num_outstanding=0, deps=(num, ))
     o_l = (num / gl.expand_dims(den, 1)).to(dtype)
     if STORE:
         store_rows(ol_ptr, o_l, q_row, q_first, NQ)
     if MIX == 1:
-        out = warpgroup_mma(gl.convert_layout(o_l, a_layout), _square(v_bufs), zeros, use_acc=False,
-                            is_async=True)
+        out = warpgroup_mma(gl.convert_layout(o_l, a_layout), w_tile, zeros, use_acc=False, is_async=True)
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
         out = o_s.to(gl.float32) + out + gl.expand_dims(gl.load(bias_ptr + cols).to(gl.float32), 0)
     else:
         lin = o_l.to(gl.float32)
         out = lin + gl.load(alpha_ptr).to(gl.float32) * (o_s.to(gl.float32) - lin)
     store_rows(o_ptr, out.to(dtype), q_row, q_first, NQ)
+
+
+@gluon.jit
+def _mix_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr,
+                  alpha_ptr, idx_ptr, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr,
+                  SCALE2: gl.constexpr, EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """``attend``; the LSE; then ``linear_epilogue`` with ``H_i`` in the K slots (and ``W^T`` in the V slots)."""
+    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, NK, n_steps, BLOCK_K, SCALE2,
+                           num_warps)
+    store_lse(lse_ptr, m_i, l_i, q_row, q_first, NQ)
+    o_s = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout)), 1)).to(q_smem.dtype)
+    mbarrier.wait(q_bar, 1)                       # H_i (and W^T) in the released slots
+    linear_epilogue(q_smem, _square(k_bufs), _square(v_bufs), o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, alpha_ptr,
+                    q_row, q_first, NQ, EPS, FMAP, MIX, STORE)
 
 
 @gluon.jit

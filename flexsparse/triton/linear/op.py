@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .._runtime.registry import launching_directly, triton_op
+from .._runtime.tiles import overrides
 from ..common.inputs import contiguous, use_kernels
 from . import naive
 
@@ -181,19 +182,19 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     over the selected blocks ``indices``; with ``fp8`` the FP8 forward ``block_attn_fp8`` of the QAT branch) and
     ``masked_linear_mix`` of it. One op so that its backward runs the sparse branch's gradients first (at the o_s and
     LSE it stored: for ``fp8`` the QAT gradients) and the linear kernels add theirs to them (one pass fewer over dq,
-    dk and dv than two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the bf16 sparse
-    forward and the output kernel are one Gluon kernel (``_mixed_in_sparse_epilogue``; o_s empty without
-    ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h, rows_z)``; arguments as the two ops (kernels only:
-    ``linear_kernels(q)``)."""
+    dk and dv than two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse
+    forward (bf16, or FP8 after its pre-pass) and the output kernel are one Gluon kernel
+    (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h,
+    rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``)."""
     from ..block_sparse.op import block_attn, block_attn_fp8
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
+    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
+                                      feature_map, eps, store_linear, fp8)
+    if mixed is not None:
+        return mixed
     if fp8:
         o_s, lse = block_attn_fp8.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     else:
-        mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
-                                          feature_map, eps, store_linear)
-        if mixed is not None:
-            return mixed
         o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
                                                       feature_map, eps, store_linear)
@@ -201,16 +202,22 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
 
 
 def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, feature_map,
-                              eps, store_linear):
+                              eps, store_linear, fp8=False):
     """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
-    epilogue (``mix_ws``; O_s is not stored without ``store_linear``), or ``None`` where it does not
-    run: where the sparse forward would not run its Gluon kernel (``block_sparse.fwd.gluon_runs``), for inputs other
-    than bf16 (the dense strategy's states are in q's dtype only then) and on the gather strategy (it sums the
-    states in the output kernel). q, k, v, indices and skipped: contiguous."""
+    epilogue (``mix_ws``, or with ``fp8`` ``mix_ws_fp8`` on the FP8 sparse forward; O_s is not stored without
+    ``store_linear``), or ``None`` where it does not run: where the sparse forward would not run its Gluon kernel
+    (``block_sparse.fwd.gluon_runs``; for ``fp8`` ``mix_ws_fp8.supported`` and no ``block_fwd_fp8`` tile
+    override), for inputs other than bf16 (the dense strategy's states are in q's dtype only then) and on the gather
+    strategy (it sums the states in the output kernel). q, k, v, indices and skipped: contiguous."""
     from ..block_sparse.fwd import gluon_runs
-    from .gluon import mix_ws
+    from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
-    if q.dtype != torch.bfloat16 or not gluon_runs(q, k, v, indices, block_q, block_k):
+    if q.dtype != torch.bfloat16:
+        return None
+    if fp8:
+        if mix_ws_fp8 is None or overrides("block_fwd_fp8") or not mix_ws_fp8.supported(q, indices, block_q, block_k):
+            return None
+    elif not gluon_runs(q, k, v, indices, block_q, block_k):
         return None
     states = dense_query_states(q, k, v, skipped, block_k, feature_map)
     if states is None:
@@ -219,7 +226,10 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else
                                         bias.to(q.dtype, memory_format=torch.contiguous_format))
     alpha = None if alpha is None else alpha.to(q.dtype).contiguous()
-    run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
+    if fp8:
+        run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
+    else:
+        run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
     out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha, block_q, block_k, scale, feature_map,
                              eps, store_linear)
     return out, lse, o_s, o_l, *states
