@@ -82,12 +82,14 @@ class Backend:
 
     def router_inputs(self, q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int,
                       pooled: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block routers' inputs: block means of q ``(B, H, Tq, D)`` and of the smoothed k ``(B, Hk, Tk, D)``
-        (the per-head key mean over all N tokens subtracted: pool(k - mean k) = pool(k) - mean k, the mean from the
-        block sums), in the accumulation dtype. ``pooled``: ``block_pooling(q, k, block_q, block_k)`` when the
-        caller has it."""
-        q_means, k_means, k_sums = self.block_pooling(q, k, block_q, block_k) if pooled is None else pooled
-        return q_means, k_means - self.key_mean(k, block_k, k_sums)
+        """The block routers' inputs: block means of q ``(B, H, Tq, D)`` and of k ``(B, Hk, Tk, D)`` in the
+        accumulation dtype. The papers pool the smoothed keys ``k - mean_N k``; a row's scores
+        ``q_i . (k_j - mean k)`` all move by ``q_i . mean k`` (after any linear map of the keys too), which changes
+        no top-K, softmax, standardized row or row-calibrated SoftTop-k, so the routers take k as it is (the mean
+        and the difference cost three ops per call). ``pooled``: ``block_pooling(q, k, block_q, block_k)`` when
+        the caller has it."""
+        q_means, k_means, _ = self.block_pooling(q, k, block_q, block_k) if pooled is None else pooled
+        return q_means, k_means
 
     def block_topk(self, q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int,
                    bottomk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,6 +1,6 @@
 """``sla``: sparse-linear attention (SLA, arXiv 2509.24006).
 
-select: mean-pooled Q and smoothed K (``k - mean_N k``) per block, raw-dot scores in fp32, the top
+select: mean-pooled Q and K per block (the paper's smoothed K selects the same blocks), raw-dot scores in fp32, the top
 ``max(1, floor(topk_ratio * Tk))`` key blocks per query block ("critical") and, with
 ``negligible_ratio``, the bottom ``floor(negligible_ratio * Tk)`` ("negligible", skipped by both branches).
 attend: softmax attention over the critical blocks (FP8 fake-quantized with ``quant``); linear attention

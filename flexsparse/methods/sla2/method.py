@@ -1,7 +1,8 @@
 """``sla2``: SLA2 (arXiv 2602.12675): learnable router and alpha-mixing of sparse and linear attention.
 
-smooth: the router pools ``K - mean_N K``; with ``smooth_k="all"`` (paper Alg. 2) both branches attend it too, which
-changes the linear branch; ``"router"`` (default) gives the branches the keys as they come (as SLA).
+smooth: with ``smooth_k="all"`` (paper Alg. 2) both branches attend ``K - mean_N K``, which changes the linear
+branch; ``"router"`` (default) gives the branches the keys as they come (as SLA). The router's selection is the same
+on smoothed and raw keys (``Backend.router_inputs``), so it pools them raw.
 select: pooled Q and K, shared ``proj_q``, ``proj_k`` (D x D, no bias, identity at init so an untrained
 router equals SLA's), scores ``proj_q(Qbar) proj_k(Kbar)^T / sqrt(D)`` (softmax over the row with
 ``router_softmax``); ``router="hard"``: the top ``max(1, floor(topk_ratio * Tk))`` blocks (no gradient to

@@ -1,4 +1,4 @@
-"""SLA2's router: smoothed keys, router scores over pooled blocks, the hard top-k or SoftTop-k mask.
+"""SLA2's router: router scores over pooled blocks, the hard top-k or SoftTop-k mask; the smoothed keys.
 
 All in fp32 (fp64 for fp64 inputs); the pooling and the hard selection run on the call's backend.
 """
@@ -15,7 +15,7 @@ from .softtopk import soft_topk_logits
 def route(q: torch.Tensor, k: torch.Tensor, cfg, backend, proj_q: torch.Tensor, proj_k: torch.Tensor,
           pooled: tuple | None = None) -> BlockSelection | SoftBlockMask:
     """Hard selection ``(B, H, Tq, K)`` or SoftTop-k mask ``(B, H, Tq, Tk)`` from the projected pooled Q and
-    smoothed K (``pooled``: ``backend.block_pooling(q, k, block_q, block_k)`` when the caller has it)."""
+    K (``Backend.router_inputs``; ``pooled``: ``backend.block_pooling(q, k, block_q, block_k)`` when the caller has it)."""
     count = ratio_count(cfg.topk_ratio, num_blocks(k.shape[2], cfg.block_k), minimum=1)
     soft = cfg.router == "soft"
     with torch.set_grad_enabled(soft and torch.is_grad_enabled()):
