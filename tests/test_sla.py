@@ -123,7 +123,7 @@ def test_bf16_close_to_fp64_reference():
 def test_selection_matches_bruteforce(n, block_q, block_k, heads):
     cfg = Config.from_dict(sla_config(block_q=block_q, block_k=block_k, topk_ratio=0.25, negligible_ratio=0.25))
     q, k, _ = leaf_qkv(2, heads[0], heads[1], n, 8)
-    k = k + 3 * torch.randn(8, dtype=k.dtype)       # a large key mean: the unsmoothed router selects as the smoothed one
+    k = k + 3 * torch.randn(8, dtype=k.dtype)       # a large key mean: the raw-key router selects as the smoothed one
     selection = sla_select(q, k, cfg)
     tk = -(-n // block_k)
     topk, bottomk = sla_block_counts(0.25, 0.25, tk)

@@ -15,7 +15,8 @@ from .softtopk import soft_topk_logits
 def route(q: torch.Tensor, k: torch.Tensor, cfg, backend, proj_q: torch.Tensor, proj_k: torch.Tensor,
           pooled: tuple | None = None) -> BlockSelection | SoftBlockMask:
     """Hard selection ``(B, H, Tq, K)`` or SoftTop-k mask ``(B, H, Tq, Tk)`` from the projected pooled Q and
-    K (``Backend.router_inputs``; ``pooled``: ``backend.block_pooling(q, k, block_q, block_k)`` when the caller has it)."""
+    K (``Backend.router_inputs``; ``pooled``: ``backend.block_pooling(q, k, block_q, block_k)`` when the caller
+    has it)."""
     count = ratio_count(cfg.topk_ratio, num_blocks(k.shape[2], cfg.block_k), minimum=1)
     soft = cfg.router == "soft"
     with torch.set_grad_enabled(soft and torch.is_grad_enabled()):

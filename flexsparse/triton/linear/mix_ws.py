@@ -144,6 +144,19 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
     ], [1], [24])
 
 
+def linear_operands(q, rows_h, weight_t, gl_dtype, store: bool):
+    """The linear epilogue's launch operands: TMA descriptors of ``rows_h`` and ``weight_t`` (``(D, D)`` tiles in
+    ``gl_dtype``; ``rows_h``'s stands in where ``weight_t`` is None), the mix code, and the empty ``out``, ``lse``
+    and ``o_s``, ``o_l`` (empty unless ``store``)."""
+    bsz, heads, nq, d = q.shape
+    square = block_fwd_ws.shared_layout(d, d, gl_dtype)      # square_layout's, built once
+    h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
+    w_desc = h_desc if weight_t is None else TensorDescriptor.from_tensor(weight_t, [d, d], square)
+    mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
+    o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
+    return h_desc, w_desc, mix, torch.empty_like(q), q.new_empty(bsz, heads, nq, dtype=torch.float32), o_s, o_l
+
+
 def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q: int, block_k: int,
                              scale: float, feature_map: str, eps: float, store: bool):
     """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_sparse.fwd_ws.ws_block_forward``)
@@ -157,13 +170,7 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
     q_desc, k_desc, v_desc, gl_dtype = block_fwd_ws.descriptors(q, k, v, block_k, tiles["bm"])
-    square = block_fwd_ws.shared_layout(d, d, gl_dtype)      # square_layout's, built once
-    h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
-    mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
-    w_desc = h_desc if weight_t is None else TensorDescriptor.from_tensor(weight_t, [d, d], square)
-    out = torch.empty_like(q)
-    lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
-    o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
+    h_desc, w_desc, mix, out, lse, o_s, o_l = linear_operands(q, rows_h, weight_t, gl_dtype, store)
     launcher(_ws_mix_kernel)[(tq * (block_q // tiles["bm"]), bsz * heads)](
         q_desc, k_desc, v_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
         q if bias is None else bias, q if alpha is None else alpha, indices, heads, heads // k.shape[1], nq,

@@ -20,7 +20,7 @@ from ..block_sparse import fwd_ws as block_fwd_ws
 from ..block_sparse import fwd_ws_fp8
 from ..block_sparse.fp8_quant import quantize_qkv
 from .fwd import feature_code
-from .mix_ws import MIX_ALPHA, MIX_PROJECTION, linear_epilogue, square_layout
+from .mix_ws import linear_epilogue, linear_operands, square_layout
 
 
 @gluon.jit
@@ -129,13 +129,7 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
     qb_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], block_fwd_ws.shared_layout(bm, d, gl.bfloat16))
-    square = block_fwd_ws.shared_layout(d, d, gl.bfloat16)
-    h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
-    mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
-    w_desc = h_desc if weight_t is None else TensorDescriptor.from_tensor(weight_t, [d, d], square)
-    out = torch.empty_like(q)
-    lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
-    o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
+    h_desc, w_desc, mix, out, lse, o_s, o_l = linear_operands(q, rows_h, weight_t, gl.bfloat16, store)
     launcher(_ws_mix_fp8_kernel)[(tq * (block_q // fwd_ws_fp8.BM), bsz * heads)](
         q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
         q if bias is None else bias, q if alpha is None else alpha, indices, q_scales, 1.0 / k_scales, v_scales,
