@@ -541,8 +541,8 @@ def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels:
     if splits * group > 1:
         first = levels.rows[top][level_columns.KV_OFF]
         span = slice(first, first + levels.tokens(top))
-        dkc[:, :, span] = part_k[:, :, :, span].sum(0)
-        dvc[:, :, span] = part_v[:, :, :, span].sum(0)
+        torch.sum(part_k[:, :, :, span], 0, out=dkc[:, :, span])       # one op each, in place
+        torch.sum(part_v[:, :, :, span], 0, out=dvc[:, :, span])
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
