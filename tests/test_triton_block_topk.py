@@ -340,3 +340,51 @@ def test_gpu_compiled_fullgraph_and_opcheck():
     assert torch.equal(top, want_top) and torch.equal(bottom, want_bottom)
     torch.library.opcheck(selection_op.block_topk.op, (qp, kp, 13, 26))
     torch.library.opcheck(selection_op.block_topk.op, (qp[:, :, :100], kp[:, :, :17000], 8, 0))
+
+
+def _check_coarse(q, k, v, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2, 3, 4)):
+    """``flexsparse::coarse_means`` against ``naive.coarse_pooling`` at fp32 copies of q, k, v: the fp32 means, the
+    rounded means (the reference's rounded once to the inputs' dtype) and the gradients of q, k, v through the
+    outputs ``used`` (fresh random upstream gradients)."""
+    from flexsparse.triton.pooling import naive
+    from flexsparse.triton.pooling.op import coarse_means
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    wide = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    got = coarse_means(*leaves, block_q, block_k)
+    want = naive.coarse_pooling(*wide, block_q, block_k)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == (torch.float32 if i < 2 else q.dtype) and a.shape == b.shape
+        torch.testing.assert_close(a, b if i < 2 else b.to(q.dtype), rtol=rtol, atol=atol)
+    assert len({x.data_ptr() for x in got}) == 5                       # five tensors of their own
+    grads = [torch.randn_like(want[i]).to(got[i].dtype) for i in used]
+    got_grads = torch.autograd.grad([got[i] for i in used], leaves, grads, allow_unused=True)
+    want_grads = torch.autograd.grad([want[i] for i in used], wide, [g.float() for g in grads], allow_unused=True)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == q.dtype
+            torch.testing.assert_close(a, b.to(q.dtype), rtol=rtol, atol=atol)
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,block_q,block_k,dtype", POOL_CASES)
+def test_coarse_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype):
+    """``flexsparse::coarse_means`` (one kernel for q, k and v; q and v strided views) against
+    ``naive.coarse_pooling``, with gradients through all outputs, the coarse tiles only (VSA's branch), v's only and
+    q's means only."""
+    q, k = _pair_inputs(b, h, hk, nq, nk, d, dtype)
+    v = ts.make_qkv(b, h, hk, nq, nk, d + 2, dtype)[2][..., 2:]
+    for used in ((0, 1, 2, 3, 4), (2, 3, 4), (4,), (0,)):
+        _check_coarse(q, k, v, block_q, block_k, used=used)
+
+
+@cpu_parent
+def test_coarse_means_cpu_fallback_and_opcheck():
+    from flexsparse.triton.pooling.op import coarse_means
+    q, k = _pair_inputs(2, 4, 2, 100, 90, 16, torch.float32)
+    v = torch.randn_like(k)
+    with ts.interpreter_env(False):
+        for used in ((0, 1, 2, 3, 4), (2, 3, 4), (1, 3)):
+            _check_coarse(q, k, v, 16, 32, rtol=0, atol=0, used=used)
+        torch.library.opcheck(coarse_means.op, (q, k, v, 16, 32))
+        torch.library.opcheck(coarse_means.op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 16, 32))

@@ -75,6 +75,11 @@ class Backend:
         (the routers' key mean), differentiable."""
         return pooling.block_pooling(q, k, block_q, block_k)
 
+    def coarse_pooling(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+        """VSA's pooled tiles (``pooling.coarse_pooling``): q's and k's block means in the accumulation dtype (the
+        router's inputs) and the block means of q, k, v in their dtypes (the coarse branch's), differentiable."""
+        return pooling.coarse_pooling(q, k, v, block_q, block_k)
+
     def key_mean(self, k: torch.Tensor, block: int, sums: torch.Tensor | None = None) -> torch.Tensor:
         """``mean_N k``: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` in the accumulation dtype, from the sums of ``block``
         tokens (``sums``: ``block_sums(k, block)`` when the caller has them)."""

@@ -94,6 +94,12 @@ class TritonBackend(Backend):
             return super().block_pooling(q, k, block_q, block_k)
         return pooling_op.block_means_pair(q, k, block_q, block_k)
 
+    def coarse_pooling(self, q, k, v, block_q: int, block_k: int):
+        """One op in eager calls (``pooling.op.coarse_means``: one launch where the call is small)."""
+        if torch.compiler.is_compiling():
+            return super().coarse_pooling(q, k, v, block_q, block_k)
+        return pooling_op.coarse_means(q, k, v, block_q, block_k)
+
     def center(self, x, mean):
         if torch.compiler.is_compiling():
             return super().center(x, mean)

@@ -21,11 +21,13 @@ from .config import VSAConfig
 
 
 class VSASelection(NamedTuple):
-    """The fine selection with the pooled q and k it was scored on (fp32, reused by the coarse branch)."""
+    """The fine selection with the coarse branch's pooled tiles of q, k and v (block means in their dtypes, pooled
+    with the fp32 means the selection was scored on)."""
 
     blocks: BlockSelection
-    q_bar: torch.Tensor
-    k_bar: torch.Tensor
+    q_tiles: torch.Tensor
+    k_tiles: torch.Tensor
+    v_tiles: torch.Tensor
 
 
 class VSA(Method):
@@ -49,12 +51,12 @@ class VSA(Method):
         return require_params("vsa", params, {"gate_weight": (heads, d), "gate_bias": (heads,)})
 
     def select(self, q, k, v, cfg, backend, params):
-        q_bar, k_bar, _ = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)
-        return VSASelection(select_blocks(q, k, cfg, backend, pooled=(q_bar, k_bar)), q_bar, k_bar)
+        q_bar, k_bar, *tiles = backend.coarse_pooling(q, k, v, cfg.block_q, cfg.block_k)
+        return VSASelection(select_blocks(q, k, cfg, backend, pooled=(q_bar, k_bar)), *tiles)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         fine, lse = backend.block_sparse_attention(q, k, v, selection.blocks, scale, deterministic=cfg.deterministic)
-        coarse = coarse_attention(selection.q_bar, selection.k_bar, backend.mean_pool(v, cfg.block_k), scale, q.dtype)
+        coarse = coarse_attention(selection.q_tiles, selection.k_tiles, selection.v_tiles, scale)
         return combine(fine, coarse, cfg.block_q, gate_values(q, params) if cfg.gate else None), lse
 
     def reference(self, q, k, v, selection, cfg, *, scale, params):
@@ -67,11 +69,11 @@ def gate_values(q: torch.Tensor, params) -> torch.Tensor:
     return (torch.einsum("bhnd,hd->bhn", q, w.to(q.dtype)) + c.to(q.dtype).view(1, -1, 1)).unsqueeze(-1)
 
 
-def coarse_attention(q_bar, k_bar, v_bar, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Tile-level attention of pooled q ``(B, H, Tq, D)`` over pooled k, v ``(B, Hk, Tk, D)`` (block means, in
-    the accumulation dtype), computed in ``dtype``: ``(B, H, Tq, D)``, one row per query tile."""
-    qc, kc, vc = (x.to(dtype) for x in (q_bar, k_bar, v_bar))
-    return F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=q_bar.shape[1] != k_bar.shape[1])
+def coarse_attention(q_tiles, k_tiles, v_tiles, scale: float) -> torch.Tensor:
+    """Tile-level attention of pooled q ``(B, H, Tq, D)`` over pooled k, v ``(B, Hk, Tk, D)`` (block means in the
+    inputs' dtype): ``(B, H, Tq, D)``, one row per query tile."""
+    return F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles, scale=scale,
+                                          enable_gqa=q_tiles.shape[1] != k_tiles.shape[1])
 
 
 def combine(fine: torch.Tensor, coarse: torch.Tensor, block_q: int, gate: torch.Tensor | None) -> torch.Tensor:

@@ -71,6 +71,14 @@ def block_pooling(q: torch.Tensor, k: torch.Tensor, block_q: int,
     return mean_pool(q, block_q), block_means(k_sums, k.shape[-2], block_k), k_sums
 
 
+def coarse_pooling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+    """VSA's pooled tiles: ``(q_means, k_means, q_tiles, k_tiles, v_tiles)``, q's ``(B, H, Tq, D)`` and k's
+    ``(B, Hk, Tk, D)`` block means in the accumulation dtype (the router's inputs) and the block means of q, k and v
+    rounded to their dtypes (the coarse branch's). Differentiable."""
+    q_means, k_means = mean_pool(q, block_q), mean_pool(k, block_k)
+    return q_means, k_means, q_means.to(q.dtype), k_means.to(k.dtype), mean_pool(v, block_k).to(v.dtype)
+
+
 def block_means(sums: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """``block_sums`` of ``n`` tokens -> block means (true means on the ragged tail): ``(..., T, D)``."""
     return sums / _divisors(n, block, sums)

@@ -1,6 +1,7 @@
 """``torch.library`` ops of the pooling kernels (namespace ``flexsparse``): ``llsa_pool`` (the pooling pyramid),
 ``llsa_pool_qkv`` (LLSA's pyramids of q, k and v in one pass over them), ``block_means_pair`` (the block routers'
-pooled q and k in one launch) and ``center_tokens`` (``x - mean``).
+pooled q and k in one launch), ``coarse_means`` (VSA's pooled q, k and v in one launch) and ``center_tokens``
+(``x - mean``).
 
 Registered with ``triton_op`` (``torch.compile(fullgraph=True)`` sees the kernels; the bodies are their own fake
 implementations; plain eager calls skip the dispatcher). Where the kernels do not run (``common.inputs.use_kernels``:
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...masks import level_table
+from ...masks import accumulation_dtype, level_table
 from .._runtime.registry import triton_op
 from ..common.inputs import row_views, use_kernels
 from . import naive
@@ -69,6 +70,40 @@ def _pair_backward(ctx, d_q_means, d_k_means, d_k_sums):
 
 
 block_means_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
+
+
+@triton_op("flexsparse::coarse_means")
+def coarse_means(q: Tensor, k: Tensor, v: Tensor, block_q: int,
+                 block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``naive.coarse_pooling``'s five results (q's and k's block means in the accumulation dtype, the means of q, k
+    and v rounded to their dtypes), each its own tensor. Differentiable: the gradients of the means broadcast to
+    their tokens (a rounded mean's gradient as its mean's). One launch (``pair.coarse_means``) where
+    ``pair.pair_runs``, else the PyTorch path."""
+    from .pair import coarse_means as coarse_kernel, pair_runs
+    if use_kernels(q) and pair_runs(q, k):
+        return coarse_kernel(*row_views(q, k, v), block_q, block_k)
+    q_means, k_means = naive.mean_pool(q, block_q), naive.mean_pool(k, block_k)
+    return (q_means, k_means, q_means.to(q.dtype, copy=True), k_means.to(k.dtype, copy=True),
+            naive.mean_pool(v, block_k).to(v.dtype, copy=True))
+
+
+def _coarse_setup(ctx, inputs, output):
+    q, k, v, block_q, block_k = inputs
+    ctx.shapes = (q.shape[2], block_q, q.dtype), (k.shape[2], block_k, k.dtype), (v.shape[2], block_k, v.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _coarse_backward(ctx, d_q_means, d_k_means, d_q_tiles, d_k_tiles, d_v_tiles):
+    grads = []
+    for means, tiles, (n, block, dtype), needed in zip((d_q_means, d_k_means, None), (d_q_tiles, d_k_tiles, d_v_tiles),
+                                                       ctx.shapes, ctx.needs_input_grad[:3]):
+        tiles = None if tiles is None else tiles.to(accumulation_dtype(dtype))     # the rounding's gradient
+        total = tiles if means is None else means if tiles is None else means + tiles
+        grads.append(None if total is None or not needed else naive.block_means_backward(total, n, block, dtype))
+    return *grads, None, None
+
+
+coarse_means.register_autograd(_coarse_backward, setup_context=_coarse_setup)
 
 
 @triton_op("flexsparse::center_tokens")

@@ -1,5 +1,6 @@
 """Block means of q and k in one launch: a block method's pooled q and k (``Backend.block_pooling``: the routers'
-inputs, VSA's coarse tiles) where the call is small enough that its host time, not the GPU's, sets its cost.
+inputs), or of q, k and v with their rounded copies (``Backend.coarse_pooling``: VSA's router inputs and coarse
+tiles), where the call is small enough that its host time, not the GPU's, sets its cost.
 
 A program sums ``STEP`` consecutive blocks of one head, one row of each block per step (fp32), and stores their true
 means (a ragged tail block's over its real tokens) and, for k, their sums (the routers' key mean). ``program_id(2)``
@@ -21,15 +22,17 @@ TILE_ELEMENTS = 1024      # block sums per program times the padded head dim
 
 
 def pair_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``pair_means`` pools this call: at most ``PAIR_ELEMENTS`` elements of q and k together."""
+    """Whether ``pair_means`` / ``coarse_means`` pool this call: at most ``PAIR_ELEMENTS`` elements of q and k
+    together."""
     return q.numel() + k.numel() <= PAIR_ELEMENTS
 
 
 @triton.jit
-def _block_means(src, stride, MEANS, SUMS, pid, N, T, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-                 STEP: tl.constexpr, HAS_SUMS: tl.constexpr):
-    """Means (and sums with ``HAS_SUMS``) of blocks ``pid * STEP ...`` of ``BLOCK`` rows of ``src`` (row stride
-    ``stride``, ``N`` rows) into rows of ``MEANS`` / ``SUMS`` (``T`` blocks of ``D``, contiguous)."""
+def _block_means(src, stride, MEANS, SUMS, ROUNDED, pid, N, T, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+                 STEP: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_ROUNDED: tl.constexpr):
+    """Means (with ``HAS_MEANS``, fp32), sums (``HAS_SUMS``) and means rounded to ``ROUNDED``'s dtype
+    (``HAS_ROUNDED``) of blocks ``pid * STEP ...`` of ``BLOCK`` rows of ``src`` (row stride ``stride``, ``N`` rows)
+    into rows of ``T`` blocks of ``D`` (contiguous)."""
     t = pid * STEP + tl.arange(0, STEP)
     dim = tl.arange(0, BD)
     cols = dim[None, :] < D
@@ -41,9 +44,13 @@ def _block_means(src, stride, MEANS, SUMS, pid, N, T, D: tl.constexpr, BD: tl.co
     count = tl.maximum(tl.minimum(N - t * BLOCK, BLOCK), 1).to(tl.float32)
     out = t.to(tl.int64)[:, None] * D + dim[None, :]
     ok = (t < T)[:, None] & cols
-    tl.store(MEANS + out, total / count[:, None], mask=ok)
+    means = total / count[:, None]
+    if HAS_MEANS:
+        tl.store(MEANS + out, means, mask=ok)
     if HAS_SUMS:
         tl.store(SUMS + out, total, mask=ok)
+    if HAS_ROUNDED:
+        tl.store(ROUNDED + out, means.to(ROUNDED.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -57,14 +64,49 @@ def _pair_means_kernel(Q, K, QM, KM, KS, q_b, q_h, q_n, k_b, k_h, k_n, H, HK, NQ
     if tl.program_id(2) == 0:
         b = bh // H
         h = bh - b * H
-        _block_means(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, q_n, QM + bh.to(tl.int64) * TQ * D, QM, pid,
-                     NQ, TQ, D, BD, BLOCK_Q, STEP_Q, False)
+        _block_means(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, q_n, QM + bh.to(tl.int64) * TQ * D, QM, QM,
+                     pid, NQ, TQ, D, BD, BLOCK_Q, STEP_Q, True, False, False)
     elif bh < (tl.num_programs(1) // H) * HK:
         b = bh // HK
         h = bh - b * HK
         head = bh.to(tl.int64) * TK * D
-        _block_means(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h, k_n, KM + head, KS + head, pid, NK, TK, D, BD,
-                     BLOCK_K, STEP_K, True)
+        _block_means(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h, k_n, KM + head, KS + head, KM, pid, NK, TK, D,
+                     BD, BLOCK_K, STEP_K, True, True, False)
+
+
+@triton.jit
+def _coarse_means_kernel(Q, K, V, QM, KM, QC, KC, VC, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, H, HK, NQ, NK,
+                         TQ, TK, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STEP_Q: tl.constexpr, STEP_K: tl.constexpr):
+    """``_block_means`` of q's head ``program_id(1)`` (``program_id(2) == 0``: fp32 and rounded), of k's (1: fp32 and
+    rounded) or of v's (2: rounded); KV heads past ``HK`` return. Outputs ``(B, H or HK, T, D)`` contiguous."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    which = tl.program_id(2)
+    if which == 0:
+        b = bh // H
+        h = bh - b * H
+        head = bh.to(tl.int64) * TQ * D
+        _block_means(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h, q_n, QM + head, QM, QC + head, pid, NQ, TQ, D,
+                     BD, BLOCK_Q, STEP_Q, True, False, True)
+    elif bh < (tl.num_programs(1) // H) * HK:
+        b = bh // HK
+        h = bh - b * HK
+        head = bh.to(tl.int64) * TK * D
+        if which == 1:
+            _block_means(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h, k_n, KM + head, KM, KC + head, pid, NK, TK,
+                         D, BD, BLOCK_K, STEP_K, True, False, True)
+        else:
+            _block_means(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h, v_n, VC, VC, VC + head, pid, NK, TK, D, BD,
+                         BLOCK_K, STEP_K, False, False, True)
+
+
+def _grid(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int) -> dict:
+    """The launch geometry both kernels share: block counts, padded head dim, blocks per program, grid width."""
+    tq, tk, bd = cdiv(q.shape[2], block_q), cdiv(k.shape[2], block_k), pow2(q.shape[3])
+    step = max(1, TILE_ELEMENTS // bd)
+    step_q, step_k = min(step, pow2(tq)), min(step, pow2(tk))
+    return dict(tq=tq, tk=tk, bd=bd, step_q=step_q, step_k=step_k, width=max(cdiv(tq, step_q), cdiv(tk, step_k)))
 
 
 def pair_means(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int):
@@ -72,13 +114,30 @@ def pair_means(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int):
     (last dims contiguous), fp32 ``(B, H, Tq, D)`` and ``(B, Hk, Tk, D)``, and k's fp32 block sums like k's means."""
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
-    tq, tk, bd = cdiv(nq, block_q), cdiv(nk, block_k), pow2(d)
-    step = max(1, TILE_ELEMENTS // bd)
-    step_q, step_k = min(step, pow2(tq)), min(step, pow2(tk))
-    q_means = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
-    k_means = q.new_empty(bsz, kv_heads, tk, d, dtype=torch.float32)
+    g = _grid(q, k, block_q, block_k)
+    q_means = q.new_empty(bsz, heads, g["tq"], d, dtype=torch.float32)
+    k_means = q.new_empty(bsz, kv_heads, g["tk"], d, dtype=torch.float32)
     sums = torch.empty_like(k_means)
-    launcher(_pair_means_kernel)[(max(cdiv(tq, step_q), cdiv(tk, step_k)), bsz * heads, 2)](
+    launcher(_pair_means_kernel)[(g["width"], bsz * heads, 2)](
         q, k, q_means, k_means, sums, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        heads, kv_heads, nq, nk, tq, tk, D=d, BD=bd, BLOCK_Q=block_q, BLOCK_K=block_k, STEP_Q=step_q, STEP_K=step_k)
+        heads, kv_heads, nq, nk, g["tq"], g["tk"], D=d, BD=g["bd"], BLOCK_Q=block_q, BLOCK_K=block_k,
+        STEP_Q=g["step_q"], STEP_K=g["step_k"])
     return q_means, k_means, sums
+
+
+def coarse_means(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+    """VSA's pooled tiles in one launch: block means of q ``(B, H, Nq, D)`` over ``block_q`` tokens and of k and v
+    ``(B, Hk, Nk, D)`` over ``block_k`` (last dims contiguous): ``(q_means, k_means, q_coarse, k_coarse,
+    v_coarse)``, q's and k's means in fp32 ``(B, H, Tq, D)`` / ``(B, Hk, Tk, D)`` and all three rounded to their
+    dtypes."""
+    bsz, heads, nq, d = q.shape
+    kv_heads, nk = k.shape[1], k.shape[2]
+    g = _grid(q, k, block_q, block_k)
+    q_means = q.new_empty(bsz, heads, g["tq"], d, dtype=torch.float32)
+    k_means = q.new_empty(bsz, kv_heads, g["tk"], d, dtype=torch.float32)
+    q_coarse, k_coarse, v_coarse = q.new_empty(q_means.shape), k.new_empty(k_means.shape), v.new_empty(k_means.shape)
+    launcher(_coarse_means_kernel)[(g["width"], bsz * heads, 3)](
+        q, k, v, q_means, k_means, q_coarse, k_coarse, v_coarse, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads, kv_heads, nq, nk, g["tq"], g["tk"], D=d,
+        BD=g["bd"], BLOCK_Q=block_q, BLOCK_K=block_k, STEP_Q=g["step_q"], STEP_K=g["step_k"])
+    return q_means, k_means, q_coarse, k_coarse, v_coarse
