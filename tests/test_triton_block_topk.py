@@ -342,6 +342,12 @@ def test_gpu_compiled_fullgraph_and_opcheck():
     torch.library.opcheck(selection_op.block_topk.op, (qp[:, :, :100], kp[:, :, :17000], 8, 0))
 
 
+def _coarse_inputs(b, h, hk, nq, nk, d, dtype, device="cpu"):
+    """``_pair_inputs``' q and k and a fresh v, a view into wider rows."""
+    q, k = _pair_inputs(b, h, hk, nq, nk, d, dtype, device)
+    return q, k, ts.make_qkv(b, h, hk, nq, nk, d + 2, dtype, device)[2][..., 2:]
+
+
 def _check_coarse(q, k, v, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2, 3, 4)):
     """``flexsparse::coarse_means`` against ``naive.coarse_pooling`` at fp32 copies of q, k, v: the fp32 means, the
     rounded means (the reference's rounded once to the inputs' dtype) and the gradients of q, k, v through the
@@ -372,10 +378,18 @@ def test_coarse_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype
     """``flexsparse::coarse_means`` (one kernel for q, k and v; q and v strided views) against
     ``naive.coarse_pooling``, with gradients through all outputs, the coarse tiles only (VSA's branch), v's only and
     q's means only."""
-    q, k = _pair_inputs(b, h, hk, nq, nk, d, dtype)
-    v = ts.make_qkv(b, h, hk, nq, nk, d + 2, dtype)[2][..., 2:]
+    q, k, v = _coarse_inputs(b, h, hk, nq, nk, d, dtype)
     for used in ((0, 1, 2, 3, 4), (2, 3, 4), (4,), (0,)):
         _check_coarse(q, k, v, block_q, block_k, used=used)
+
+
+@gpu
+@pytest.mark.parametrize("b,h,hk,nq,nk,d,block_q,block_k,dtype", [
+    (2, 8, 8, 4096, 4096, 64, 64, 64, torch.bfloat16), (1, 8, 2, 16381, 16381, 128, 128, 64, torch.bfloat16),
+    (1, 2, 1, 777, 777, 32, 64, 64, torch.float32)])
+def test_gpu_coarse_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dtype):
+    for used in ((0, 1, 2, 3, 4), (2, 3, 4)):
+        _check_coarse(*_coarse_inputs(b, h, hk, nq, nk, d, dtype, "cuda"), block_q, block_k, used=used)
 
 
 @cpu_parent

@@ -72,15 +72,21 @@ def _pair_backward(ctx, d_q_means, d_k_means, d_k_sums):
 block_means_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
 
 
+def _coarse_kernels(q: Tensor, k: Tensor) -> bool:
+    """Whether ``coarse_means`` and its backward run their kernels (``pair.pair_runs``)."""
+    from .pair import pair_runs
+    return use_kernels(q) and pair_runs(q, k)
+
+
 @triton_op("flexsparse::coarse_means")
 def coarse_means(q: Tensor, k: Tensor, v: Tensor, block_q: int,
                  block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``naive.coarse_pooling``'s five results (q's and k's block means in the accumulation dtype, the means of q, k
     and v rounded to their dtypes), each its own tensor. Differentiable: the gradients of the means broadcast to
-    their tokens (a rounded mean's gradient as its mean's). One launch (``pair.coarse_means``) where
-    ``pair.pair_runs``, else the PyTorch path."""
-    from .pair import coarse_means as coarse_kernel, pair_runs
-    if use_kernels(q) and pair_runs(q, k):
+    their tokens (a rounded mean's gradient as its mean's). One launch each way (``pair.coarse_means``,
+    ``pair.coarse_grads``) where ``_coarse_kernels``, else the PyTorch path."""
+    if _coarse_kernels(q, k):
+        from .pair import coarse_means as coarse_kernel
         return coarse_kernel(*row_views(q, k, v), block_q, block_k)
     q_means, k_means = naive.mean_pool(q, block_q), naive.mean_pool(k, block_k)
     return (q_means, k_means, q_means.to(q.dtype, copy=True), k_means.to(k.dtype, copy=True),
@@ -89,18 +95,26 @@ def coarse_means(q: Tensor, k: Tensor, v: Tensor, block_q: int,
 
 def _coarse_setup(ctx, inputs, output):
     q, k, v, block_q, block_k = inputs
-    ctx.shapes = (q.shape[2], block_q, q.dtype), (k.shape[2], block_k, k.dtype), (v.shape[2], block_k, v.dtype)
+    ctx.shapes, ctx.dtypes, ctx.blocks = (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype), (block_q, block_k)
+    ctx.kernel = _coarse_kernels(q, k)
     ctx.set_materialize_grads(False)
 
 
-def _coarse_backward(ctx, d_q_means, d_k_means, d_q_tiles, d_k_tiles, d_v_tiles):
-    grads = []
-    for means, tiles, (n, block, dtype), needed in zip((d_q_means, d_k_means, None), (d_q_tiles, d_k_tiles, d_v_tiles),
-                                                       ctx.shapes, ctx.needs_input_grad[:3]):
+def _coarse_backward(ctx, *grads):
+    """``grads``: of ``(q_means, k_means, q_tiles, k_tiles, v_tiles)``, ``None`` where absent."""
+    needed, (block_q, block_k) = ctx.needs_input_grad[:3], ctx.blocks
+    if ctx.kernel and any(g is not None for g in grads):
+        from .pair import coarse_grads
+        grads = [g if g is None else g.contiguous() for g in grads]
+        return *coarse_grads(ctx.shapes[0], ctx.shapes[1], ctx.dtypes, grads, needed, block_q, block_k), None, None
+    d_q_means, d_k_means, d_q_tiles, d_k_tiles, d_v_tiles = grads
+    out = []
+    for means, tiles, shape, dtype, block, need in zip((d_q_means, d_k_means, None), (d_q_tiles, d_k_tiles, d_v_tiles),
+                                                       ctx.shapes, ctx.dtypes, (block_q, block_k, block_k), needed):
         tiles = None if tiles is None else tiles.to(accumulation_dtype(dtype))     # the rounding's gradient
         total = tiles if means is None else means if tiles is None else means + tiles
-        grads.append(None if total is None or not needed else naive.block_means_backward(total, n, block, dtype))
-    return *grads, None, None
+        out.append(None if total is None or not need else naive.block_means_backward(total, shape[2], block, dtype))
+    return *out, None, None
 
 
 coarse_means.register_autograd(_coarse_backward, setup_context=_coarse_setup)
