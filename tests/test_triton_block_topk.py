@@ -183,6 +183,15 @@ def _pair_inputs(b, h, hk, nq, nk, d, dtype, device="cpu"):
     return q[..., 3:], k[..., 3:].contiguous()
 
 
+def _assert_grads_close(got, want, dtype: torch.dtype, rtol, atol):
+    """The kernels' input gradients ``got`` (``dtype``) against the fp32 reference's ``want``, None where it is."""
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == dtype
+            torch.testing.assert_close(a, b.to(dtype), rtol=rtol, atol=atol)
+
+
 def _check_pair(q, k, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2)):
     """Outputs against the PyTorch pooling, and the gradients of q and k through the outputs ``used`` (fresh random
     upstream gradients) against the PyTorch pooling's at fp32 copies of q and k (one rounding to q's dtype)."""
@@ -198,11 +207,7 @@ def _check_pair(q, k, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2)):
     grads = [torch.randn_like(want[i]) for i in used]
     got_grads = torch.autograd.grad([got[i] for i in used], (q, k), grads, allow_unused=True)
     want_grads = torch.autograd.grad([want[i] for i in used], wide, grads, allow_unused=True)
-    for a, b in zip(got_grads, want_grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype == q.dtype
-            torch.testing.assert_close(a, b.to(q.dtype), rtol=rtol, atol=atol)
+    _assert_grads_close(got_grads, want_grads, q.dtype, rtol, atol)
 
 
 @cpu_only
@@ -365,11 +370,7 @@ def _check_coarse(q, k, v, block_q, block_k, rtol=None, atol=None, used=(0, 1, 2
     grads = [torch.randn_like(want[i]).to(got[i].dtype) for i in used]
     got_grads = torch.autograd.grad([got[i] for i in used], leaves, grads, allow_unused=True)
     want_grads = torch.autograd.grad([want[i] for i in used], wide, [g.float() for g in grads], allow_unused=True)
-    for a, b in zip(got_grads, want_grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype == q.dtype
-            torch.testing.assert_close(a, b.to(q.dtype), rtol=rtol, atol=atol)
+    _assert_grads_close(got_grads, want_grads, q.dtype, rtol, atol)
 
 
 @cpu_only
