@@ -372,6 +372,28 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
                                   1e-5, False)
 
 
+
+@cpu_only
+@pytest.mark.parametrize("kind", MIXES)
+def test_mixed_output_rounds_fp32_parameters_in_kernel(kind):
+    """fp16 inputs with SLA's bias or SLA2's alpha in fp32 (as the methods pass them, uncast): the output kernel
+    rounds them to fp16, so the output is bitwise the one of the parameters cast beforehand; the lerp's backward
+    likewise, on the kernel and on the PyTorch path."""
+    q, k, v = _inputs(1, 2, 1, 37, 37, 16, torch.float16)
+    o_s = torch.randn_like(q)
+    selection = _selection(q, k, 8, 8, 0.3, 0.0)
+    params = _mix_params(kind, 2, selection.num_q_blocks, 16)
+    cast = {name: t if name == "weight" else t.half() for name, t in params.items()}
+    assert not torch.equal(_fused(q, k, v, selection, o_s, "elu", **cast), o_s)
+    assert torch.equal(_fused(q, k, v, selection, o_s, "elu", **params), _fused(q, k, v, selection, o_s, "elu", **cast))
+    if kind != "proj":
+        dout, o_l = torch.randn_like(q), torch.randn_like(q)
+        for interpreted in (True, False):
+            with ts.interpreter_env(interpreted):
+                got = linear_op.lerp_mix_bwd(dout, o_s, o_l, params["alpha"], 8)
+                want = linear_op.lerp_mix_bwd(dout, o_s, o_l, cast["alpha"], 8)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
 def _both_run(fn, q, k, v, selection, params, fmap):
     """Output, LSE and the gradients of q, k, v and the mixing parameters of a fixed random loss on both."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -725,6 +747,27 @@ def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
         got = _one_op(*strided, selection, "softmax", **params)
     assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
 
+
+@gpu
+@pytest.mark.parametrize("kind", MIXES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("quant", [False, True])
+def test_gpu_sparse_epilogue_rounds_fp32_parameters(kind, d, quant):
+    """bf16: the one op (the Gluon epilogue on sm_90, with ``quant`` the FP8 one at D=128) mixes fp32 bias and
+    alpha rounded to bf16 in the kernel: bitwise the output and LSE of the parameters cast beforehand."""
+    quant_config = None
+    if quant:
+        pytest.importorskip("torchao")
+        from flexsparse.config import QuantConfig
+        quant_config = QuantConfig()
+    q, k, v = _inputs(1, 4, 2, 4000, 4000, d, torch.bfloat16, "cuda")
+    selection = _selection(q, k, 64, 64, 0.05, 0.0)
+    params = _mix_params(kind, 4, selection.num_q_blocks, d, "cuda")
+    cast = {name: t if name == "weight" else t.bfloat16() for name, t in params.items()}
+    with torch.no_grad():
+        got = _one_op(q, k, v, selection, "softmax", quant=quant_config, **params)
+        want = _one_op(q, k, v, selection, "softmax", quant=quant_config, **cast)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 @gpu
 @pytest.mark.parametrize("h,hk,n,d,bq,negligible,fmap,kind", [

@@ -139,9 +139,9 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, 
         state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
     if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
         w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
-        bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(tl.float32)
+        bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(O.dtype.element_ty).to(tl.float32)
     if MIX == 2:
-        alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(tl.float32)
+        alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(O.dtype.element_ty).to(tl.float32)
     base = bh.to(tl.int64) * NQ * D
     for c in range(SPLIT):
         rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
@@ -240,8 +240,8 @@ def key_states(k: torch.Tensor, v: torch.Tensor, block_k: int, feature_map: str,
 class Mix(NamedTuple):
     """What the output kernel mixes into O_l (``linear_forward``'s ``mix``): ``o_s (B, H, Nq, D)`` contiguous,
     and either ``weight (D, D)`` (``nn.Linear`` layout) and ``bias (D,)`` (SLA: ``O_s + O_l W^T + b``) or
-    ``alpha (1 or H, Tq)`` (SLA2: ``O_l + alpha (O_s - O_l)``), all contiguous in q's dtype; ``store_linear``:
-    also return the O_l that was mixed."""
+    ``alpha (1 or H, Tq)`` (SLA2: ``O_l + alpha (O_s - O_l)``), all contiguous, weight in q's dtype, bias and alpha
+    in any float dtype (the kernel rounds them to q's); ``store_linear``: also return the O_l that was mixed."""
 
     o_s: torch.Tensor
     weight: torch.Tensor | None = None

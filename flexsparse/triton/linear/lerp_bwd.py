@@ -23,7 +23,7 @@ def _lerp_grad_kernel(DOUT, OS, OL, ALPHA, DOS, DOL, PART, H, N, TQ, ALPHA_ROWS,
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     row = tl.where(ALPHA_ROWS > 1, bh % H, 0)
-    a = tl.load(ALPHA + row * TQ + qb).to(tl.float32)
+    a = tl.load(ALPHA + row * TQ + qb).to(DOUT.dtype.element_ty).to(tl.float32)
     base = bh.to(tl.int64) * N * D
     dim = tl.arange(0, BD)
     total = tl.zeros([CHUNK, BD], tl.float32)
@@ -46,7 +46,8 @@ def lerp_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, alph
                   block_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dO_s, dO_l, partial)``: dO_s, dO_l ``(B, H, N, D)`` in dout's dtype, partial ``(B, H, Tq)`` fp32 with
     ``sum(partial over B (and H for one alpha row)) = d alpha``. dout, o_s, o_l: ``(B, H, N, D)`` contiguous, one
-    dtype; alpha: ``(1 or H, Tq)`` in that dtype (the value the forward mixed with)."""
+    dtype; alpha: ``(1 or H, Tq)`` contiguous, any float dtype (rounded to dout's: the value the forward mixed
+    with)."""
     bsz, heads, n, d = dout.shape
     tq = alpha.shape[-1]
     d_os, d_ol = torch.empty_like(dout), torch.empty_like(dout)

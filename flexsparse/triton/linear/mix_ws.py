@@ -100,10 +100,10 @@ def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, b
     if MIX == 1:
         out = warpgroup_mma(gl.convert_layout(o_l, a_layout), w_tile, zeros, use_acc=False, is_async=True)
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
-        out = o_s.to(gl.float32) + out + gl.expand_dims(gl.load(bias_ptr + cols).to(gl.float32), 0)
+        out = o_s.to(gl.float32) + out + gl.expand_dims(gl.load(bias_ptr + cols).to(dtype).to(gl.float32), 0)
     else:
         lin = o_l.to(gl.float32)
-        out = lin + gl.load(alpha_ptr).to(gl.float32) * (o_s.to(gl.float32) - lin)
+        out = lin + gl.load(alpha_ptr).to(dtype).to(gl.float32) * (o_s.to(gl.float32) - lin)
     store_rows(o_ptr, out.to(dtype), q_row, q_first, NQ)
 
 
@@ -161,10 +161,10 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
                              scale: float, feature_map: str, eps: float, store: bool):
     """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_sparse.fwd_ws.ws_block_forward``)
     mixed with the masked linear branch of the query-block states ``rows_h (B, H, Tq, D, D)`` (q's dtype) and
-    ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` and ``bias (D,)``
-    contiguous in q's dtype, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)`` contiguous
-    in q's dtype; weight_t and bias None). o_s and o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them),
-    else empty. Takes the bf16 calls ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's
+    ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` contiguous in q's
+    dtype, ``bias (D,)`` contiguous, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)``
+    contiguous; weight_t and bias None); bias and alpha in any float dtype, rounded to q's in the kernel. o_s and
+    o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them), else empty. Takes the bf16 calls ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's
     first slots at both head dims)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]

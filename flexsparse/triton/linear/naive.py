@@ -223,9 +223,11 @@ def lerp_mix_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, 
                       block_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha (H, Tq))``, d alpha
     fp32 summed over the batch (``flexsparse::lerp_mix_bwd``'s CPU branch; the op sums the heads of one alpha row).
-    dout, o_s, o_l ``(B, H, Nq, D)``; alpha ``(1 or H, Tq)`` in dout's dtype."""
+    dout, o_s, o_l ``(B, H, Nq, D)``; alpha ``(1 or H, Tq)``, any float dtype, rounded to dout's (the forward's
+    mixing value)."""
     bsz, heads, n, d = dout.shape
     tq = alpha.shape[-1]
+    alpha = alpha.to(dout.dtype)
     a = alpha[:, torch.arange(n, device=dout.device) // block_q].unsqueeze(-1).to(accumulation_dtype(dout.dtype))
     d_os, d_ol = (dout * a).to(dout.dtype), (dout * (1 - a)).to(dout.dtype)
     diff = o_s - o_l

@@ -100,10 +100,10 @@ def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Ten
     """The masked linear branch O_l (``masked_linear``) combined with the sparse output ``o_s (B, H, Nq, D)`` in
     the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``, alpha
     None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
-    None). weight, bias and alpha are cast to q's dtype, O_l is rounded to it before mixing (as the unfused
-    methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when ``store_linear`` (the backward
-    needs it) else empty, and the query-block states (``masked_linear``). Runs the kernels only
-    (``linear_kernels(q)``)."""
+    None). weight is cast to q's dtype, bias and alpha are rounded to it in the kernel, O_l is rounded to it before
+    mixing (as the unfused methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when
+    ``store_linear`` (the backward needs it) else empty, and the query-block states (``masked_linear``). Runs the
+    kernels only (``linear_kernels(q)``)."""
     if not linear_kernels(q):
         raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
                          f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
@@ -111,11 +111,12 @@ def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Ten
     if (weight is None) == (alpha is None):
         raise ValueError("masked_linear_mix takes either weight (and bias) or alpha")
     from .fwd import Mix, linear_forward
-    cast = [None if t is None else t.to(q.dtype).contiguous() for t in (weight, bias, alpha)]
-    if weight is not None and cast[1] is None:
-        cast[1] = q.new_zeros(q.shape[-1])
+    if weight is not None:
+        weight = weight.to(q.dtype).contiguous()
+        bias = q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
+    alpha = None if alpha is None else alpha.contiguous()
     out, rows_h, rows_z, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
-                                              mix=Mix(o_s.contiguous(), *cast, store_linear=store_linear))
+                                              mix=Mix(o_s.contiguous(), weight, bias, alpha, store_linear))
     return out, (q.new_empty(0) if o_l is None else o_l), rows_h, rows_z
 
 
@@ -133,16 +134,15 @@ def _mix_setup(ctx, inputs, output):
 def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
                  block_q: int) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha)``. dout, o_s, o_l
-    ``(B, H, Nq, D)`` one dtype; alpha ``(1 or H, Tq)`` in that dtype (as the forward mixed); ``d o_s = alpha dout``
-    and ``d O_l = (1 - alpha) dout`` in fp32, rounded once; d alpha fp32, summed over each query block's tokens and
-    the head dim, then the batch (and the heads for one alpha row). Kernel ``lerp_bwd`` (one pass); the PyTorch
-    path is the same math in several passes."""
+    ``(B, H, Nq, D)`` one dtype; alpha ``(1 or H, Tq)`` in any float dtype, rounded to theirs (as the forward
+    mixed); ``d o_s = alpha dout`` and ``d O_l = (1 - alpha) dout`` in fp32, rounded once; d alpha fp32, summed
+    over each query block's tokens and the head dim, then the batch (and the heads for one alpha row). Kernel
+    ``lerp_bwd`` (one pass); the PyTorch path is the same math in several passes."""
     if use_kernels(dout):
         from .lerp_bwd import lerp_backward
-        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)
-        grad = part.sum(0)                                                                   # (H, Tq)
-    else:
-        d_os, d_ol, grad = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
+        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)       # part (B, H, Tq)
+        return d_os, d_ol, part.sum(0) if alpha.shape[0] > 1 else part.sum((0, 1)).unsqueeze(0)
+    d_os, d_ol, grad = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
     return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
 
 
@@ -156,9 +156,9 @@ def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Opt
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
         flat = dout.flatten(0, 2)
         d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
-        d_bias = None if bias_dtype is None else flat.sum(0).to(bias_dtype)
+        d_bias = None if bias_dtype is None else flat.sum(0, dtype=bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
-        d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha.to(dout.dtype), block_q)
+        d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha, block_q)
         d_alpha = d_alpha.to(alpha.dtype)
     return d_os, d_ol, d_weight, d_bias, d_alpha
 
@@ -223,9 +223,8 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     if states is None:
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
-    bias = None if weight is None else (q.new_zeros(q.shape[-1]) if bias is None else
-                                        bias.to(q.dtype, memory_format=torch.contiguous_format))
-    alpha = None if alpha is None else alpha.to(q.dtype).contiguous()
+    bias = None if weight is None else q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
+    alpha = None if alpha is None else alpha.contiguous()     # bias and alpha: rounded to q's dtype in the kernel
     if fp8:
         run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
     else:
