@@ -11,7 +11,7 @@ Kernels: CUDA kernels of one call in the profiler. Launch: the host time per cal
 binding and specialization, cache lookup, the launch itself), in total and per kernel. Writes
 ``bench_out/host_time.json`` and prints a table.
 
-    python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5]
+    python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5] [--core 3]
 """
 from __future__ import annotations
 
@@ -114,7 +114,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["topk", "llsa", "sla", "sla2", "vsa"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--core", type=int, help="pin the process to this CPU before CUDA starts: the autograd "
+                        "engine's device thread, created later, inherits it, so the backward runs on the core that "
+                        "ran the forward")
     args = parser.parse_args()
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
     rows, results = [], {}
     for name in ["sdpa"] + args.methods:
         fn = (F.scaled_dot_product_attention if name == "sdpa"
@@ -133,7 +138,7 @@ def main() -> None:
     print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)",
                                   "least, Triton's launch path", "kernels", "launch us", "by kernel"]))
     os.makedirs(args.out, exist_ok=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n}
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n, "core": args.core}
     with open(os.path.join(args.out, "host_time.json"), "w") as f:
         json.dump({"env": env, "results": results}, f, indent=1)
 
