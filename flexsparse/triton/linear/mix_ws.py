@@ -164,8 +164,8 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` contiguous in q's
     dtype, ``bias (D,)`` contiguous, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)``
     contiguous; weight_t and bias None); bias and alpha in any float dtype, rounded to q's in the kernel. o_s and
-    o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them), else empty. Takes the bf16 calls ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's
-    first slots at both head dims)."""
+    o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them), else empty. Takes the bf16 calls
+    ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's first slots at both head dims)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
