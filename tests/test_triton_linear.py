@@ -372,7 +372,6 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
                                   1e-5, False)
 
 
-
 @cpu_only
 @pytest.mark.parametrize("kind", MIXES)
 def test_mixed_output_rounds_fp32_parameters_in_kernel(kind):
@@ -393,6 +392,7 @@ def test_mixed_output_rounds_fp32_parameters_in_kernel(kind):
                 got = linear_op.lerp_mix_bwd(dout, o_s, o_l, params["alpha"], 8)
                 want = linear_op.lerp_mix_bwd(dout, o_s, o_l, cast["alpha"], 8)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+
 
 def _both_run(fn, q, k, v, selection, params, fmap):
     """Output, LSE and the gradients of q, k, v and the mixing parameters of a fixed random loss on both."""
@@ -768,6 +768,7 @@ def test_gpu_sparse_epilogue_rounds_fp32_parameters(kind, d, quant):
         got = _one_op(q, k, v, selection, "softmax", quant=quant_config, **params)
         want = _one_op(q, k, v, selection, "softmax", quant=quant_config, **cast)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
 
 @gpu
 @pytest.mark.parametrize("h,hk,n,d,bq,negligible,fmap,kind", [

@@ -221,8 +221,8 @@ def masked_linear_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped:
 
 def lerp_mix_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, alpha: torch.Tensor,
                       block_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha (H, Tq))``, d alpha
-    fp32 summed over the batch (``flexsparse::lerp_mix_bwd``'s CPU branch; the op sums the heads of one alpha row).
+    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, partial (B, H, Tq))``, the
+    partial fp32 per batch element and head (``flexsparse::lerp_mix_bwd``'s CPU branch; the op sums it to d alpha).
     dout, o_s, o_l ``(B, H, Nq, D)``; alpha ``(1 or H, Tq)``, any float dtype, rounded to dout's (the forward's
     mixing value)."""
     bsz, heads, n, d = dout.shape
@@ -234,4 +234,4 @@ def lerp_mix_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, 
     if tq * block_q != n:                       # ragged last block: zero padded tokens
         dout, diff = (F.pad(x, (0, 0, 0, tq * block_q - n)) for x in (dout, diff))
     dots = torch.bmm(dout.reshape(-1, 1, block_q * d), diff.reshape(-1, block_q * d, 1))   # (B H Tq, 1, 1)
-    return d_os, d_ol, dots.view(bsz, heads, tq).float().sum(0)
+    return d_os, d_ol, dots.view(bsz, heads, tq).float()

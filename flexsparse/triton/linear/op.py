@@ -111,13 +111,18 @@ def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Ten
     if (weight is None) == (alpha is None):
         raise ValueError("masked_linear_mix takes either weight (and bias) or alpha")
     from .fwd import Mix, linear_forward
-    if weight is not None:
-        weight = weight.to(q.dtype).contiguous()
-        bias = q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
-    alpha = None if alpha is None else alpha.contiguous()
+    weight = None if weight is None else weight.to(q.dtype).contiguous()
+    bias, alpha = _mix_scalars(q, weight, bias, alpha)
     out, rows_h, rows_z, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
                                               mix=Mix(o_s.contiguous(), weight, bias, alpha, store_linear))
     return out, (q.new_empty(0) if o_l is None else o_l), rows_h, rows_z
+
+
+def _mix_scalars(q: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha: Optional[Tensor]):
+    """``(bias, alpha)`` as the mix kernels take them: contiguous, uncast (the kernels round them to q's dtype);
+    SLA's missing bias as zeros, None where the mix has none."""
+    bias = None if weight is None else q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
+    return bias, None if alpha is None else alpha.contiguous()
 
 
 def _mix_setup(ctx, inputs, output):
@@ -140,10 +145,10 @@ def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
     ``lerp_bwd`` (one pass); the PyTorch path is the same math in several passes."""
     if use_kernels(dout):
         from .lerp_bwd import lerp_backward
-        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)       # part (B, H, Tq)
-        return d_os, d_ol, part.sum(0) if alpha.shape[0] > 1 else part.sum((0, 1)).unsqueeze(0)
-    d_os, d_ol, grad = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
-    return d_os, d_ol, grad if alpha.shape[0] > 1 else grad.sum(0, keepdim=True)
+        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)
+    else:
+        d_os, d_ol, part = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
+    return d_os, d_ol, part.sum(0) if alpha.shape[0] > 1 else part.sum((0, 1)).unsqueeze(0)   # part (B, H, Tq)
 
 
 def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
@@ -223,8 +228,7 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     if states is None:
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
-    bias = None if weight is None else q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
-    alpha = None if alpha is None else alpha.contiguous()     # bias and alpha: rounded to q's dtype in the kernel
+    bias, alpha = _mix_scalars(q, weight, bias, alpha)
     if fp8:
         run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
     else:
