@@ -21,8 +21,8 @@ def _one_argument(x):
 
 @ts.cpu_parent
 def test_fingerprint_refines_triton_specialization():
-    """Arguments with one fingerprint get one specialization from Triton's binder (the other way round need not
-    hold: a fingerprint may split what Triton keeps together)."""
+    """Arguments of one type and one fingerprint get one specialization from Triton's binder (the other way round
+    need not hold: a fingerprint may split what Triton keeps together)."""
     base = torch.empty(64, dtype=torch.float32)
     draws = torch.randint(-2**40, 2**40, (40,)).tolist()
     values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**32, 2**63 - 1,
@@ -36,7 +36,8 @@ def test_fingerprint_refines_triton_specialization():
 
 
 def _specializations(values) -> dict:
-    """``{fingerprint: {Triton's specialization}}`` of each value as the one argument of a kernel for sm_90."""
+    """``{(type, fingerprint): {Triton's specialization}}`` of each value as the one argument of a kernel for sm_90
+    (``FastLaunch`` keys the arguments' types beside their fingerprints)."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import KernelParam, create_function_from_signature
@@ -45,7 +46,7 @@ def _specializations(values) -> dict:
     binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
     groups = collections.defaultdict(set)
     for value in values:
-        groups[fingerprint(value)[0]].add(repr(binder(value)[1]))
+        groups[value.__class__, fingerprint(value)[0]].add(repr(binder(value)[1]))
     return groups
 
 
@@ -86,8 +87,9 @@ def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE:
 @pytest.mark.parametrize("stride", [1, 2, 16])
 def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, stride):
     """Each call launches what ``JITFunction.run`` would (the same compiled kernel) and gets the same result, for
-    misaligned pointers, lengths and strides that are 1, multiples of 16 or neither, and keyword arguments; a CPU
-    tensor where the kernel was compiled for CUDA ones gets Triton's error."""
+    misaligned pointers, lengths and strides that are 1, multiples of 16 or neither, keyword arguments, and equal
+    scalars of other types (``1``, ``1.0``, ``True``: other specializations); a CPU tensor where the kernel was
+    compiled for CUDA ones gets Triton's error."""
     fast = FastLaunch(_scaled_copy_kernel)
     base = torch.randn(offset + n * stride + 8, device="cuda")
     x = base[offset:]
@@ -102,6 +104,12 @@ def test_gpu_fast_launch_runs_triton_kernel_of_each_specialization(n, offset, st
         assert compiled is _scaled_copy_kernel.run(x, out, n, stride, 0.5, BLOCK=128, ADD_ONE=add_one, num_warps=4,
                                                    grid=grid, warmup=True)
     assert len(fast.compiled) == 2
+    by_factor = {}
+    for factor in (1, 1.0, True, 1):                          # equal values of three types: three kernels
+        by_factor[type(factor)] = fast[grid](x, out, n, stride, factor, BLOCK=128, ADD_ONE=False, num_warps=4)
+        torch.testing.assert_close(out, x[: n * stride: stride], rtol=0, atol=0)
+        out.fill_(float("nan"))
+    assert len({id(compiled) for compiled in by_factor.values()}) == 3 and len(fast.compiled) == 5
     with pytest.raises(ValueError, match="cpu tensor"):    # a CPU tensor misses and gets Triton's pointer check
         fast[grid](x.cpu(), out, n, stride, 0.5, BLOCK=128, ADD_ONE=True, num_warps=4)
 

@@ -3,14 +3,15 @@
 ``JITFunction.run`` binds every argument, specializes each one (dtype and 16-byte alignment of a pointer,
 ``== 1`` and divisibility by 16 of an int), builds a cache key from the result and options, checks the kernel's
 globals and builds launch metadata: 25-60 us of host time per launch of a flexsparse kernel (8-45 arguments) on an
-H200 host, where the compiled kernel's own ``run`` costs a few. ``FastLaunch`` keys the compiled kernel by a
-fingerprint of the arguments that refines Triton's specialization (two calls with one fingerprint specialize
-alike; ``fingerprint``), computed in one pass, and calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
+H200 host, where the compiled kernel's own ``run`` costs a few. ``FastLaunch`` keys the compiled kernel by the
+arguments' types and a fingerprint of each that refines Triton's specialization (two calls with one key specialize
+alike; ``fingerprint``: scalars are their own keys, so the key takes few Python steps; a tensor's position is
+planned once per tuple of types), and calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
 the same path: a host TMA descriptor is keyed by what Triton specializes on (dtype, block shape, shared layout), and
 the compiled kernel's launcher encodes it at every launch, as on Triton's path. A miss, or a call it cannot key (an
 argument of another type; a callable grid; launch or stage hooks, pre-run hooks, debug or instrumentation knobs set)
 goes through ``JITFunction.run``, which compiles where needed; the compiled kernel it returns is kept for the
-fingerprint.
+key (``MAX_KEYS`` keys per kernel, then the table starts over: a model run at many lengths).
 
 ``FLEXSPARSE_TRITON_LAUNCH=triton`` (read at import) keeps every launch on Triton's own path.
 """
@@ -29,32 +30,38 @@ except ImportError:                                             # a Triton witho
     GluonDescriptor = None
 
 ENABLED = os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast") != "triton"
+MAX_KEYS = 4096                     # compiled-kernel entries per kernel before the table starts over
 _UNKEYED = object()
 _NO_KEY = None, None, None
-_I32_MIN, _I32_MAX, _U64_MIN = -2**31, 2**31 - 1, 2**63
+_SCALARS = frozenset((int, bool, float, type(None)))
 
 
 def fingerprint(value):
-    """``(key, launch value)`` of one non-constexpr argument. The key is hashable and determines Triton's
-    specialization of the argument: dtype, 16-byte alignment and device type of a tensor, ``== 1``, divisibility by
-    16 and integer width of an int, the value of a bool, the class of a float or None, the base dtype, block shape,
-    shared layout and padding of a Gluon TMA descriptor (its shape and strides are launch arguments); ``_UNKEYED``
-    for anything else. The launch value is the argument itself, or a tensor's address (an int: the launcher then
-    skips its per-pointer driver query; a CPU tensor has another key, so it misses and gets Triton's error)."""
+    """``(key, launch value)`` of one non-constexpr argument. Within one tuple of argument types (``FastLaunch``
+    keys those too: ``True``, ``1`` and ``1.0`` are equal keys) the key determines Triton's specialization of the
+    argument: an int, bool, float or None is its own key; a tensor's is its dtype, 16-byte alignment and device type;
+    a Gluon TMA descriptor's its base dtype, block shape, shared layout and padding (its shape and strides are launch
+    arguments); ``_UNKEYED`` for anything else. The launch value is the argument itself, or a tensor's address (an
+    int: the launcher then skips its per-pointer driver query; a CPU tensor has another key, so it misses and gets
+    Triton's error)."""
     cls = value.__class__
-    if cls is int:
-        return (1 if value == 1 else (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN)), value
+    if cls in _SCALARS:
+        return value, value
     if isinstance(value, torch.Tensor):
-        address = value.data_ptr()
-        return (value.dtype, address & 15 == 0, value.is_cuda), address
-    if cls is bool or value is None:
-        return (value, cls), value
-    if cls is float:
-        return float, value
+        return _tensor_key(value)
     if cls is GluonDescriptor:
-        return (cls, value.base.dtype, tuple(value.block_shape), value.layout, value.padding,
-                getattr(value, "round_f32_to_tf32", False)), value
+        return _descriptor_key(value), value
     return _UNKEYED, value
+
+
+def _tensor_key(tensor: torch.Tensor):
+    address = tensor.data_ptr()
+    return (tensor.dtype, address & 15 == 0, tensor.is_cuda), address
+
+
+def _descriptor_key(descriptor) -> tuple:
+    return (descriptor.base.dtype, tuple(descriptor.block_shape), descriptor.layout, descriptor.padding,
+            getattr(descriptor, "round_f32_to_tf32", False))
 
 
 class FastLaunch:
@@ -66,6 +73,7 @@ class FastLaunch:
         self.constexpr = tuple(p.is_constexpr for p in kernel.params)
         self.defaults = tuple(p.default for p in kernel.params)
         self.compiled: dict = {}
+        self.plans: dict = {}
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -81,6 +89,8 @@ class FastLaunch:
         if compiled is None:
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if key is not None and compiled is not None:
+                if len(self.compiled) >= MAX_KEYS:
+                    self.compiled.clear()
                 self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
             return compiled
         stream = driver.active.get_current_stream(device)
@@ -90,8 +100,9 @@ class FastLaunch:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict):
-        """``(key, every parameter's launch value in order (``fingerprint``), device)``; a None key where the call
-        cannot be keyed."""
+        """``(key, every parameter's launch value in order, device)``; a None key where the call cannot be keyed.
+        The key: the device, the arguments' types, each argument's ``fingerprint`` key (a constexpr's value) and
+        the options. The positions of tensors and descriptors are planned once per tuple of types (``_plan``)."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
@@ -99,21 +110,40 @@ class FastLaunch:
             return _NO_KEY
         values = list(args)
         options = kwargs
-        if len(values) < len(self.names):
+        given = len(values)
+        if given < len(self.names):
             options = dict(kwargs)
-            for name, default in zip(self.names[len(values):], self.defaults[len(values):]):
-                values.append(options.pop(name) if name in options else default)
-        parts = []
-        for i, constexpr in enumerate(self.constexpr):
-            if constexpr:
-                parts.append(values[i])
-                continue
-            part, values[i] = fingerprint(values[i])
-            if part is _UNKEYED:
-                return _NO_KEY
-            parts.append(part)
+            pop = options.pop
+            values += [pop(name, default) for name, default in zip(self.names[given:], self.defaults[given:])]
+        types = tuple(map(type, values))
+        plan = self.plans.get(types)
+        if plan is None:
+            plan = self.plans[types] = self._plan(types)
+        if plan is _UNKEYED:
+            return _NO_KEY
+        tensors, descriptors = plan
+        parts = values.copy()
+        for i in tensors:
+            parts[i], values[i] = _tensor_key(values[i])
+        for i in descriptors:
+            parts[i] = _descriptor_key(values[i])
         device = driver.active.get_current_device()
-        return (device, tuple(parts), tuple(options.items())), values, device
+        return (device, types, tuple(parts), tuple(options.items())), values, device
+
+    def _plan(self, types: tuple):
+        """``(tensor positions, descriptor positions)`` among the non-constexpr parameters of arguments of
+        ``types``, or ``_UNKEYED`` where one has a type ``fingerprint`` cannot key."""
+        tensors, descriptors = [], []
+        for i, (cls, constexpr) in enumerate(zip(types, self.constexpr)):
+            if constexpr or cls in _SCALARS:
+                continue
+            if issubclass(cls, torch.Tensor):
+                tensors.append(i)
+            elif cls is GluonDescriptor:
+                descriptors.append(i)
+            else:
+                return _UNKEYED
+        return tuple(tensors), tuple(descriptors)
 
 
 def _empty(hook) -> bool:
