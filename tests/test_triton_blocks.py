@@ -240,8 +240,9 @@ def test_dkv_program_order_is_head_major_longest_first():
 
 @gpu
 def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms():
-    """Where every dK/dV program runs at once the order cannot matter and is the identity; else longest first,
-    and always longest first in a graph traced for any length (no guard on the length)."""
+    """Where every dK/dV program runs at once the order cannot matter and is the identity (kept for eager calls,
+    built inside a CUDA graph capture); else longest first, and always longest first in a graph traced for any length
+    (no guard on the length)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from flexsparse.triton.block_sparse.bwd import longest_first, program_order, sm_count
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
@@ -249,7 +250,14 @@ def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms(
     offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets.cuda()
     items = 2 * 2 * 19
     fits = sm_count(offsets.device) // items
-    assert torch.equal(program_order(offsets, 2, fits), torch.arange(items).int().cuda())
+    identity = program_order(offsets, 2, fits)
+    assert torch.equal(identity, torch.arange(items).int().cuda())
+    assert program_order(offsets, 2, fits) is identity                 # kept: the next eager call runs no op
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):                                       # a capture records its own fill
+        captured = program_order(offsets, 2, fits)
+    graph.replay()
+    assert captured is not identity and torch.equal(captured, identity)
     sorted_order = longest_first(offsets, 2)
     assert not torch.equal(sorted_order, torch.arange(items).int().cuda())
     assert torch.equal(program_order(offsets, 2, fits + 1), sorted_order)

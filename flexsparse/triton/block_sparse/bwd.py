@@ -172,12 +172,28 @@ def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Tensor:
     """The dK/dV programs' order (``split`` programs per key block): ``longest_first``, or the identity where the
-    whole grid fits the device's SMs at once, so that the order cannot matter (one op where the sort is seven).
-    A symbolic grid takes the sort (``sizes.static``)."""
+    whole grid fits the device's SMs at once, so that the order cannot matter (``identity_order``: no op in an eager
+    call, where the sort is seven). A symbolic grid takes the sort (``sizes.static``)."""
     items = offsets.shape[0] * kv_heads * (offsets.shape[2] - 1)
     if offsets.is_cuda and static(items) and items * split <= sm_count(offsets.device):
-        return torch.arange(items, dtype=torch.int32, device=offsets.device)
+        return identity_order(items, offsets)
     return longest_first(offsets, kv_heads)
+
+
+_IDENTITY: dict = {}
+
+
+def identity_order(items: int, like: torch.Tensor) -> torch.Tensor:
+    """``arange(items)`` int32 on ``like``'s device, kept per size and device for plain tensors in eager calls
+    outside a CUDA graph capture (a capture would only record its fill), so an eager backward launches no op for it;
+    shared, read only."""
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return torch.arange(items, dtype=torch.int32, device=like.device)
+    key = (items, like.device)
+    order = _IDENTITY.get(key)
+    if order is None:
+        order = _IDENTITY[key] = torch.arange(items, dtype=torch.int32, device=like.device)
+    return order
 
 
 @functools.lru_cache(maxsize=None)
