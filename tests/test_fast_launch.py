@@ -81,6 +81,30 @@ def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE:
     tl.store(OUT + offs, y, mask=ok)
 
 
+@ts.cpu_parent
+def test_launch_key_separates_types_values_and_tensor_specializations(monkeypatch):
+    """The eager key: equal for equal arguments (tensors of one dtype and alignment at other addresses), apart for
+    equal scalars of other types, other int values, misaligned tensors and other constexprs; tensors launch as
+    their addresses."""
+    from types import SimpleNamespace
+    from flexsparse.triton._runtime import fast_launch
+    monkeypatch.setattr(fast_launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    fast = FastLaunch(_scaled_copy_kernel)
+    x, out = torch.empty(64), torch.empty(64)
+
+    def key(*args, **kwargs):
+        return fast._key((1,), args, {"BLOCK": 128, "ADD_ONE": False, "num_warps": 4, **kwargs})
+
+    base, values, _ = key(x, out, 16, 1, 0.5)
+    assert values == [x.data_ptr(), out.data_ptr(), 16, 1, 0.5, 128, False]
+    assert key(torch.empty(64), torch.empty(64), 16, 1, 0.5)[0] == base
+    others = [key(x, out, 16, 1, 1)[0], key(x, out, 16, 1, 1.0)[0], key(x, out, 16, 1, True)[0],
+              key(x, out, 16, True, 0.5)[0], key(x, out, 32, 1, 0.5)[0], key(x[1:], out, 16, 1, 0.5)[0],
+              key(x.double(), out, 16, 1, 0.5)[0], key(x, out, 16, 1, 0.5, ADD_ONE=True)[0]]
+    assert len({base, *others}) == 1 + len(others)
+    assert key(x, out, 16, 1, object())[0] is None                     # a type it cannot key: Triton's path
+
+
 @ts.gpu
 @pytest.mark.parametrize("n", [1, 16, 17, 4099])
 @pytest.mark.parametrize("offset", [0, 1, 4])
