@@ -2,7 +2,8 @@
 ``python -m flexsparse`` case: the runner times calls on the device, this times what the host spends issuing them.
 
 Per method (its example config, parameters moved off their initial values as the runner does): the ``no_grad``
-forward and forward+backward (gradients of q, k, v for a fixed upstream gradient) at B1 H1 D64 bf16, where the GPU
+forward and forward+backward (gradients of q, k, v for a fixed upstream gradient), the latter also with the backward
+on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), at B1 H1 D64 bf16, where the GPU
 work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
 (the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
 median, and the least with every launch through Triton's own path, in rounds alternating with the others.
@@ -97,7 +98,9 @@ def launch_us(call) -> dict[str, float]:
 
 
 def calls(fn, n: int):
-    """``{"fwd": ..., "fwd+bwd": ...}`` calls of ``fn(q, k, v)`` on fresh ``(1, 1, n, 64)`` bf16 leaves."""
+    """``{"fwd": ..., "fwd+bwd": ..., "fwd+bwd, one thread": ...}`` calls of ``fn(q, k, v)`` on fresh
+    ``(1, 1, n, 64)`` bf16 leaves; the last runs the backward on the calling thread
+    (``torch.autograd.set_multithreading_enabled(False)``) instead of the autograd engine's device thread."""
     q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
     grad = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
 
@@ -105,7 +108,12 @@ def calls(fn, n: int):
         with torch.no_grad():
             fn(q, k, v)
 
-    return {"fwd": forward, "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)}
+    def one_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            return torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+
+    return {"fwd": forward, "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad),
+            "fwd+bwd, one thread": one_thread}
 
 
 def main() -> None:
