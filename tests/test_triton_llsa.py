@@ -426,6 +426,21 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 
 
 @gpu
+def test_gpu_level_constants_are_built_not_kept_inside_a_cuda_graph_capture():
+    """A level constant asked for inside a capture is built there (a kept one would hold only the capture's
+    record of its fill); the next eager call builds and keeps its own."""
+    levels = level_table(4099, 16, (4, 2))                   # a table no other test asks for
+    like = torch.empty(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = levels.log2_counts(like)
+    graph.replay()
+    eager = levels.log2_counts(like)
+    assert captured is not eager and torch.equal(captured, eager)
+    assert levels.log2_counts(like) is eager
+
+
+@gpu
 @pytest.mark.parametrize("n,heads,kv_heads,d,topk,dtype", [
     (16384, 4, 2, 64, (8, 8), torch.bfloat16), (9000, 2, 2, 128, (8, 8), torch.bfloat16),
     (8192, 2, 2, 128, (8, 8), torch.bfloat16),

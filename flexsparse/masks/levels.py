@@ -74,8 +74,10 @@ class Levels:
     def constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
         """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
         tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
-        compile) build it in the graph. The cached tensor is shared: callers only read it."""
-        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+        compile) and calls inside a CUDA graph capture (which would only record the build) build it in the graph.
+        The cached tensor is shared: callers only read it."""
+        if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
+                or (like.is_cuda and torch.cuda.is_current_stream_capturing())):
             return build(like.device)
         key = (name, self.rows, str(like.device))
         if key not in _META:
