@@ -240,9 +240,8 @@ def test_dkv_program_order_is_head_major_longest_first():
 
 @gpu
 def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms():
-    """Where every dK/dV program runs at once the order cannot matter and is the identity (kept for eager calls,
-    built inside a CUDA graph capture); else longest first, and always longest first in a graph traced for any length
-    (no guard on the length)."""
+    """Where every dK/dV program runs at once the order cannot matter and is the identity (kept for eager calls);
+    else longest first, and always longest first in a graph traced for any length (no guard on the length)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from flexsparse.triton.block_sparse.bwd import longest_first, program_order, sm_count
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
@@ -253,16 +252,27 @@ def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms(
     identity = program_order(offsets, 2, fits)
     assert torch.equal(identity, torch.arange(items).int().cuda())
     assert program_order(offsets, 2, fits) is identity                 # kept: the next eager call runs no op
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):                                       # a capture records its own fill
-        captured = program_order(offsets, 2, fits)
-    graph.replay()
-    assert captured is not identity and torch.equal(captured, identity)
     sorted_order = longest_first(offsets, 2)
     assert not torch.equal(sorted_order, torch.arange(items).int().cuda())
     assert torch.equal(program_order(offsets, 2, fits + 1), sorted_order)
     traced = make_fx(lambda offsets: program_order(offsets, 2, fits), tracing_mode="symbolic")(offsets)
     assert torch.equal(traced(offsets), sorted_order)
+
+
+@gpu
+def test_gpu_identity_order_is_built_not_kept_inside_a_cuda_graph_capture():
+    """The identity order asked for first inside a capture is built there and not kept (the capture only records
+    its fill); an eager call keeps its own, which later captures read."""
+    from flexsparse.triton.block_sparse.bwd import identity_order
+    like = torch.empty(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = identity_order(77, like)                             # a size no other test asks for
+    graph.replay()
+    eager = identity_order(77, like)
+    assert captured is not eager and torch.equal(captured, torch.arange(77).int().cuda())
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert identity_order(77, like) is eager
 
 
 @cpu_parent

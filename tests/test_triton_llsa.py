@@ -427,8 +427,8 @@ def _gpu_inputs(n, heads, kv_heads, d, dtype=torch.bfloat16):
 
 @gpu
 def test_gpu_level_constants_are_built_not_kept_inside_a_cuda_graph_capture():
-    """A level constant asked for inside a capture is built there (a kept one would hold only the capture's
-    record of its fill); the next eager call builds and keeps its own."""
+    """A level constant asked for first inside a capture is built there and not kept (it would hold only the
+    capture's record of its fill); the next eager call builds and keeps its own, which later captures read."""
     levels = level_table(4099, 16, (4, 2))                   # a table no other test asks for
     like = torch.empty(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -438,6 +438,8 @@ def test_gpu_level_constants_are_built_not_kept_inside_a_cuda_graph_capture():
     eager = levels.log2_counts(like)
     assert captured is not eager and torch.equal(captured, eager)
     assert levels.log2_counts(like) is eager
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert levels.log2_counts(like) is eager
 
 
 @gpu

@@ -74,15 +74,18 @@ class Levels:
     def constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
         """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
         tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
-        compile) and calls inside a CUDA graph capture (which would only record the build) build it in the graph.
-        The cached tensor is shared: callers only read it."""
-        if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
-                or (like.is_cuda and torch.cuda.is_current_stream_capturing())):
+        compile) build it in the graph. Inside a CUDA graph capture the cached tensor is read where an eager call
+        built it (the warm-up before a capture does), else it is built and not kept (the capture only records its
+        fill). The cached tensor is shared: callers only read it."""
+        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
             return build(like.device)
         key = (name, self.rows, str(like.device))
-        if key not in _META:
-            _META[key] = build(like.device)
-        return _META[key]
+        cached = _META.get(key)
+        if cached is None:
+            cached = build(like.device)
+            if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+                _META[key] = cached
+        return cached
 
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
         """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""

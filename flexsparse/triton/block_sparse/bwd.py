@@ -184,15 +184,18 @@ _IDENTITY: dict = {}
 
 
 def identity_order(items: int, like: torch.Tensor) -> torch.Tensor:
-    """``arange(items)`` int32 on ``like``'s device, kept per size and device for plain tensors in eager calls
-    outside a CUDA graph capture (a capture would only record its fill), so an eager backward launches no op for it;
-    shared, read only."""
-    if type(like) is not torch.Tensor or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    """``arange(items)`` int32 on ``like``'s device, kept per size and device for plain tensors, so an eager backward
+    launches no op for it; shared, read only. Traced calls build it in the graph; inside a CUDA graph capture the
+    kept one is read where an eager call built it, else it is built and not kept (the capture only records its
+    fill)."""
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling():
         return torch.arange(items, dtype=torch.int32, device=like.device)
     key = (items, like.device)
     order = _IDENTITY.get(key)
     if order is None:
-        order = _IDENTITY[key] = torch.arange(items, dtype=torch.int32, device=like.device)
+        order = torch.arange(items, dtype=torch.int32, device=like.device)
+        if not torch.cuda.is_current_stream_capturing():
+            _IDENTITY[key] = order
     return order
 
 
