@@ -141,3 +141,21 @@ def test_keep_map_zeros_the_skipped_blocks_eager_and_compiled(skipped_per_row, d
     for fn in (keep_map, torch.compile(keep_map, fullgraph=True)):
         got = fn(skipped, tk, dtype)
         assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_kept_constant_is_built_once_per_key_and_device_and_again_in_a_trace():
+    """An eager call reads the tensor the first one built; a trace (fake tensors) builds its own in the graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from flexsparse.masks.constants import kept_constant
+    builds = []
+
+    def build(device):
+        builds.append(device)
+        return torch.arange(3, device=device)
+
+    key, like = ("test", object()), torch.empty(3)
+    first = kept_constant(key, like, build)
+    assert kept_constant(key, like, build) is first and builds == [like.device]
+    assert kept_constant(("test", object()), like, build) is not first and len(builds) == 2
+    traced = make_fx(lambda x: kept_constant(key, x, build) + x, tracing_mode="fake")(like)
+    assert len(builds) == 3 and torch.equal(traced(torch.ones(3)), torch.arange(3) + 1.0)

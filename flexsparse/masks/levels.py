@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import kept_constant
 from .geometry import level_span, num_blocks
 from .selection import LLSASelection
 
 T, KV_OFF, TOPK, SEL_OFF, CSC_OFF, SPAN = range(6)
 INT32_MAX = 2**31 - 1
-_META: dict = {}
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,8 @@ class Levels:
         return torch.cat(parts)
 
     def constant(self, name: str, like: torch.Tensor, build) -> torch.Tensor:
-        """``build(device)`` for ``like``'s device, cached for plain tensors in eager mode (building a CUDA
-        tensor from host data copies, and waits, on every call); traced calls (fake or functional tensors,
-        compile) build it in the graph. Inside a CUDA graph capture the cached tensor is read where an eager call
-        built it (the warm-up before a capture does), else it is built and not kept (the capture only records its
-        fill). The cached tensor is shared: callers only read it."""
-        if type(like) is not torch.Tensor or torch.compiler.is_compiling():
-            return build(like.device)
-        key = (name, self.rows, str(like.device))
-        cached = _META.get(key)
-        if cached is None:
-            cached = build(like.device)
-            if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-                _META[key] = cached
-        return cached
+        """``build(device)`` for ``like``'s device, kept per table and device (``constants.kept_constant``)."""
+        return kept_constant((name, self.rows), like, build)
 
     def split_pyramid(self, pyramid: torch.Tensor) -> list[torch.Tensor]:
         """``(B, H, T_1 + ... + T_L, D)`` -> levels 1..L, ``(B, H, T_l, D)`` each (views)."""

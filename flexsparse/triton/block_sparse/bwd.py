@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...masks.constants import kept_constant
 from .fwd import chunk_rows, geometry, list_rows, list_steps
 from .._runtime.registry import launcher
 from ..common.jit import LOG2E, load_tile, mm, store_tile
@@ -180,23 +181,11 @@ def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Ten
     return longest_first(offsets, kv_heads)
 
 
-_IDENTITY: dict = {}
-
-
 def identity_order(items: int, like: torch.Tensor) -> torch.Tensor:
-    """``arange(items)`` int32 on ``like``'s device, kept per size and device for plain tensors, so an eager backward
-    launches no op for it; shared, read only. Traced calls build it in the graph; inside a CUDA graph capture the
-    kept one is read where an eager call built it, else it is built and not kept (the capture only records its
-    fill)."""
-    if type(like) is not torch.Tensor or torch.compiler.is_compiling():
-        return torch.arange(items, dtype=torch.int32, device=like.device)
-    key = (items, like.device)
-    order = _IDENTITY.get(key)
-    if order is None:
-        order = torch.arange(items, dtype=torch.int32, device=like.device)
-        if not torch.cuda.is_current_stream_capturing():
-            _IDENTITY[key] = order
-    return order
+    """``arange(items)`` int32 on ``like``'s device, kept per size and device (``masks.kept_constant``), so an eager
+    backward launches no op for it."""
+    return kept_constant(("identity_order", items), like,
+                         lambda device: torch.arange(items, dtype=torch.int32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
