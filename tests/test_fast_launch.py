@@ -1,4 +1,4 @@
-"""The eager launch path (``flexsparse.triton._runtime.fast_launch``): its argument fingerprint refines Triton's
+"""The eager launch path (``flexsparse.triton._runtime.fast_launch``): its launch key refines Triton's
 specialization (CPU, Triton's own binder for an sm_90 target), and on a GPU it launches the kernel Triton's own path
 picks for every specialization (alignment, ``== 1``, divisibility by 16, integer width), with the same results."""
 from __future__ import annotations
@@ -12,17 +12,27 @@ import triton
 import triton.language as tl
 
 import triton_support as ts
-from flexsparse.triton._runtime.fast_launch import FastLaunch, fingerprint
+from flexsparse.triton._runtime import fast_launch
+from flexsparse.triton._runtime.fast_launch import FastLaunch
 
 
 def _one_argument(x):
     pass
 
 
+_one_argument_kernel = triton.jit(_one_argument)
+
+
+def _stub_driver(monkeypatch):
+    """A driver stand-in for the keys on CPU (device 0)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(fast_launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+
+
 @ts.cpu_parent
-def test_fingerprint_refines_triton_specialization():
-    """Arguments of one type and one fingerprint get one specialization from Triton's binder (the other way round
-    need not hold: a fingerprint may split what Triton keeps together)."""
+def test_launch_key_refines_triton_specialization(monkeypatch):
+    """Arguments of one launch key get one specialization from Triton's binder (the other way round need not hold:
+    a key may split what Triton keeps together)."""
     base = torch.empty(64, dtype=torch.float32)
     draws = torch.randint(-2**40, 2**40, (40,)).tolist()
     values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**32, 2**63 - 1,
@@ -30,29 +40,30 @@ def test_fingerprint_refines_triton_specialization():
               base, base[1:], base[2:], base[4:], base[5:], torch.empty(8, dtype=torch.bfloat16),
               torch.empty(9, dtype=torch.bfloat16)[1:], torch.empty(8, dtype=torch.float16),
               torch.empty(3, dtype=torch.int32), torch.empty(3, dtype=torch.int64)[1:]]
-    groups = _specializations(values)
+    groups = _specializations(values, monkeypatch)
     assert not {key: specs for key, specs in groups.items() if len(specs) > 1}
     assert len(groups) >= 12
 
 
-def _specializations(values) -> dict:
-    """``{(type, fingerprint): {Triton's specialization}}`` of each value as the one argument of a kernel for sm_90
-    (``FastLaunch`` keys the arguments' types beside their fingerprints)."""
+def _specializations(values, monkeypatch) -> dict:
+    """``{FastLaunch's key: {Triton's specialization}}`` of each value as the one argument of a kernel for sm_90."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import KernelParam, create_function_from_signature
     signature = inspect.signature(_one_argument)
     params = [KernelParam(0, signature.parameters["x"], False, False)]
     binder = create_function_from_signature(signature, params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    _stub_driver(monkeypatch)
+    fast = FastLaunch(_one_argument_kernel)
     groups = collections.defaultdict(set)
     for value in values:
-        groups[value.__class__, fingerprint(value)[0]].add(repr(binder(value)[1]))
+        groups[fast._key((1,), (value,), {})[0]].add(repr(binder(value)[1]))
     return groups
 
 
 @ts.cpu_parent
-def test_fingerprint_refines_triton_specialization_of_gluon_descriptors():
-    """Gluon TMA descriptors over tensors of other shapes, strides and base addresses share a fingerprint (and a
+def test_launch_key_refines_triton_specialization_of_gluon_descriptors(monkeypatch):
+    """Gluon TMA descriptors over tensors of other shapes, strides and base addresses share a launch key (and a
     specialization) when their dtype, block shape and layout agree; those that differ in any of them split."""
     gl = pytest.importorskip("triton.experimental.gluon.language")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -65,7 +76,7 @@ def test_fingerprint_refines_triton_specialization_of_gluon_descriptors():
                     base = torch.empty(n + 8, 128, dtype=dtype)
                     for tensor in (base[:n], base[8:], base[:n, :cols], base[:n, 64:64 + cols]):
                         values.append(TensorDescriptor.from_tensor(tensor, [rows, cols], layout))
-    groups = _specializations(values)
+    groups = _specializations(values, monkeypatch)
     assert not {key: specs for key, specs in groups.items() if len(specs) > 1}
     assert len(groups) == 12
 
@@ -86,9 +97,7 @@ def test_launch_key_separates_types_values_and_tensor_specializations(monkeypatc
     """The eager key: equal for equal arguments (tensors of one dtype and alignment at other addresses), apart for
     equal scalars of other types, other int values, misaligned tensors and other constexprs; tensors launch as
     their addresses."""
-    from types import SimpleNamespace
-    from flexsparse.triton._runtime import fast_launch
-    monkeypatch.setattr(fast_launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    _stub_driver(monkeypatch)
     fast = FastLaunch(_scaled_copy_kernel)
     x, out = torch.empty(64), torch.empty(64)
 
@@ -150,7 +159,6 @@ def test_gpu_fast_launch_runs_gluon_kernels_as_triton_does(monkeypatch, method, 
     bf16 tolerance."""
     ts.skip_unless_sm90()
     import flexsparse
-    from flexsparse.triton._runtime import fast_launch
     from flexsparse.triton.block_sparse import bwd_ws, fwd_ws
     from flexsparse.triton.linear import mix_ws
     kernels = {"topk": [fwd_ws._ws_fwd_kernel, bwd_ws._ws_dq_kernel if d == 128 else bwd_ws._ws_dkv_kernel],

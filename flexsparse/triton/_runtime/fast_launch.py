@@ -3,10 +3,11 @@
 ``JITFunction.run`` binds every argument, specializes each one (dtype and 16-byte alignment of a pointer,
 ``== 1`` and divisibility by 16 of an int), builds a cache key from the result and options, checks the kernel's
 globals and builds launch metadata: 25-60 us of host time per launch of a flexsparse kernel (8-45 arguments) on an
-H200 host, where the compiled kernel's own ``run`` costs a few. ``FastLaunch`` keys the compiled kernel by the
-arguments' types and a fingerprint of each that refines Triton's specialization (two calls with one key specialize
-alike; ``fingerprint``: scalars are their own keys, so the key takes few Python steps; a tensor's position is
-planned once per tuple of types), and calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
+H200 host, where the compiled kernel's own ``run`` costs a few. ``FastLaunch`` keys the compiled kernel by a key
+that refines Triton's specialization (two calls with one key specialize alike): the arguments' types; ints, bools,
+floats and None as they are (within one tuple of types ``True``, ``1`` and ``1.0`` never meet, and the key takes no
+Python step per scalar); a tensor's dtype, 16-byte alignment and device type, at positions planned once per tuple of
+types; the constexprs and options. It calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
 the same path: a host TMA descriptor is keyed by what Triton specializes on (dtype, block shape, shared layout), and
 the compiled kernel's launcher encodes it at every launch, as on Triton's path. A miss, or a call it cannot key (an
 argument of another type; a callable grid; launch or stage hooks, pre-run hooks, debug or instrumentation knobs set)
@@ -36,30 +37,17 @@ _NO_KEY = None, None, None
 _SCALARS = frozenset((int, bool, float, type(None)))
 
 
-def fingerprint(value):
-    """``(key, launch value)`` of one non-constexpr argument. Within one tuple of argument types (``FastLaunch``
-    keys those too: ``True``, ``1`` and ``1.0`` are equal keys) the key determines Triton's specialization of the
-    argument: an int, bool, float or None is its own key; a tensor's is its dtype, 16-byte alignment and device type;
-    a Gluon TMA descriptor's its base dtype, block shape, shared layout and padding (its shape and strides are launch
-    arguments); ``_UNKEYED`` for anything else. The launch value is the argument itself, or a tensor's address (an
-    int: the launcher then skips its per-pointer driver query; a CPU tensor has another key, so it misses and gets
-    Triton's error)."""
-    cls = value.__class__
-    if cls in _SCALARS:
-        return value, value
-    if isinstance(value, torch.Tensor):
-        return _tensor_key(value)
-    if cls is GluonDescriptor:
-        return _descriptor_key(value), value
-    return _UNKEYED, value
-
-
 def _tensor_key(tensor: torch.Tensor):
+    """``(key, launch value)`` of a tensor argument: its dtype, 16-byte alignment and device type, and its address
+    (an int: the launcher then skips its per-pointer driver query; a CPU tensor has another key, so it misses and
+    gets Triton's error)."""
     address = tensor.data_ptr()
     return (tensor.dtype, address & 15 == 0, tensor.is_cuda), address
 
 
 def _descriptor_key(descriptor) -> tuple:
+    """The key of a Gluon TMA descriptor argument: its base dtype, block shape, shared layout and padding (its shape
+    and strides are launch arguments)."""
     return (descriptor.base.dtype, tuple(descriptor.block_shape), descriptor.layout, descriptor.padding,
             getattr(descriptor, "round_f32_to_tf32", False))
 
@@ -79,8 +67,8 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        """Launch on ``grid`` (a tuple of up to three ints): the compiled kernel of the arguments' fingerprint, or
-        Triton's path on a miss."""
+        """Launch on ``grid`` (a tuple of up to three ints): the compiled kernel of the arguments' key, or Triton's
+        path on a miss."""
         key, values, device = self._key(grid, args, kwargs)
         try:
             compiled = None if key is None else self.compiled.get(key)
@@ -101,8 +89,9 @@ class FastLaunch:
 
     def _key(self, grid, args: tuple, kwargs: dict):
         """``(key, every parameter's launch value in order, device)``; a None key where the call cannot be keyed.
-        The key: the device, the arguments' types, each argument's ``fingerprint`` key (a constexpr's value) and
-        the options. The positions of tensors and descriptors are planned once per tuple of types (``_plan``)."""
+        The key: the device, the arguments' types, their values with tensors and descriptors replaced by their keys
+        (``_tensor_key``, ``_descriptor_key``) and the options. The positions of tensors and descriptors are planned
+        once per tuple of types (``_plan``)."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
@@ -132,7 +121,7 @@ class FastLaunch:
 
     def _plan(self, types: tuple):
         """``(tensor positions, descriptor positions)`` among the non-constexpr parameters of arguments of
-        ``types``, or ``_UNKEYED`` where one has a type ``fingerprint`` cannot key."""
+        ``types``, or ``_UNKEYED`` where one has another type than those and the scalars."""
         tensors, descriptors = [], []
         for i, (cls, constexpr) in enumerate(zip(types, self.constexpr)):
             if constexpr or cls in _SCALARS:
