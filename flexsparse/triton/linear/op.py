@@ -158,9 +158,10 @@ def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Opt
         raise RuntimeError("the linear branch was mixed with store_linear=False; pass True when gradients are needed")
     d_weight = d_bias = d_alpha = None
     if weight is not None:                          # out = o_s + O_l W^T + b
+        from .dense import matmul
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
         flat = dout.flatten(0, 2)
-        d_weight = (flat.T @ o_l.flatten(0, 2)).to(weight.dtype)
+        d_weight = matmul(flat.T.unsqueeze(0), o_l.flatten(0, 2).unsqueeze(0), weight.dtype)[0]  # one rounding
         d_bias = None if bias_dtype is None else flat.sum(0, dtype=bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
         d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha, block_q)
