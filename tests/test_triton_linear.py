@@ -575,7 +575,40 @@ def test_keep_rows_kernel_equals_keep_map(b, h, tq, tk, width, repeat, dtype):
     _check_keep_rows(b, h, tq, tk, width, repeat, dtype)
 
 
+# (C, M, K, D, transposed map, dtype): ragged tiles, the backward's keep^T (a transposed view), one row and column
+SUMS_CASES = [(2, 5, 7, 16, False, torch.float32), (3, 70, 40, 24, True, torch.float16),
+              (1, 1, 1, 16, False, torch.float32)]
+ROUNDING = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def _check_block_sums(c, m, k, d, transposed, dtype, device="cpu"):
+    """``dense.block_sums``' one-launch kernel against fp64 matmuls of the same 0/1 map and states: ``a @ h`` rounded
+    once to h's dtype, ``a @ z`` in fp32."""
+    from flexsparse.triton.linear.dense import SMALL_SUMS, block_sums
+    assert c * m * k * (d * d + d) <= SMALL_SUMS      # the kernel's size, not cuBLAS's
+    a = (torch.rand((c, k, m) if transposed else (c, m, k), device=device) > 0.5).to(dtype)
+    a = a.transpose(1, 2) if transposed else a
+    h, z = (torch.randn(c, k, width, device=device).to(dtype) for width in (d * d, d))
+    got_h, got_z = block_sums(a, h, z)
+    assert got_h.dtype == dtype and got_z.dtype == torch.float32
+    assert ts.rel_err(got_h, a.double() @ h.double()) < ROUNDING[dtype]
+    assert ts.rel_err(got_z, a.double() @ z.double()) < 1e-6
+
+
+@cpu_only
+@pytest.mark.parametrize("c,m,k,d,transposed,dtype", SUMS_CASES)
+def test_block_sums_kernel_matches_matmuls(c, m, k, d, transposed, dtype):
+    _check_block_sums(c, m, k, d, transposed, dtype)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("c,m,k,d,transposed,dtype", SUMS_CASES + [(16, 64, 64, 64, False, torch.bfloat16),
+                                                                   (2, 128, 64, 128, True, torch.bfloat16)])
+def test_gpu_block_sums_kernel_matches_matmuls(c, m, k, d, transposed, dtype):
+    _check_block_sums(c, m, k, d, transposed, dtype, "cuda")
 
 
 @gpu

@@ -10,7 +10,9 @@ subtraction), with fp32 accumulation (``keep`` is exact in bf16).
 
 The matmuls are ``torch.bmm`` (cuBLAS on GPUs: 0.43 ms at B2 H16 Tq=Tk=512 D=128 on an H200, where a Triton
 matmul with 128 x 128 x 64 tiles takes 0.93 ms writing fp32); the query heads of a KV head are folded into the rows,
-so GQA needs no copy, and ``keep^T`` is a transposed view. Sums of ``h`` come out in the states' dtype (bf16 for bf16
+so GQA needs no copy, and ``keep^T`` is a transposed view. Small sums (``SMALL_SUMS`` products at most, where the
+call's host time exceeds its GPU work) take one Triton launch for both (``_sums_kernel``): each cuBLAS ``bmm`` costs
+~30-40 us of host time on an H200 host, a launch through ``fast_launch`` ~10-20. Sums of ``h`` come out in the states' dtype (bf16 for bf16
 inputs: every kernel that reads them rounds them to bf16 for its tensor-core products anyway), sums of ``z`` in
 fp32 (the normaliser is an fp32 dot). The 0/1 map comes from one kernel (``keep_rows``: a fill and a scatter,
 with the backward's repeated rows), where ``masks.keep_map`` and ``sizes.repeat_rows`` take four or five ATen ops.
@@ -22,7 +24,10 @@ import triton
 import triton.language as tl
 
 from .._runtime.registry import launcher
-from .._runtime.sizes import pow2
+from .._runtime.sizes import cdiv, pow2
+from ..common.inputs import use_kernels
+
+SMALL_SUMS = 1 << 29   # multiply-adds of both sums up to which they take _sums_kernel rather than two cuBLAS bmm
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,9 +52,8 @@ def query_sums(keep: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor) -> tuple[
     ``(B, Hk, Tk, D)`` (the KV head of each query head), contiguous."""
     bsz, heads, tq = keep.shape[:3]
     kv_heads, tk, d = hs.shape[1], hs.shape[2], hs.shape[-1]
-    a = _folded_keep(keep, kv_heads)
-    rows_h = matmul(a, hs.view(bsz * kv_heads, tk, d * d), hs.dtype)
-    rows_z = matmul(a, zs.view(bsz * kv_heads, tk, d), torch.float32)
+    rows_h, rows_z = block_sums(_folded_keep(keep, kv_heads), hs.view(bsz * kv_heads, tk, d * d),
+                                zs.view(bsz * kv_heads, tk, d))
     return rows_h.view(bsz, heads, tq, d, d), rows_z.view(bsz, heads, tq, d)
 
 
@@ -62,9 +66,63 @@ def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_head
     d = d_hq.shape[-1]
     a = _folded_keep(keep, kv_heads).transpose(1, 2)                                 # (B Hk, Tk, G Tq)
     rows = heads // kv_heads * tq
-    d_h = matmul(a, d_hq.view(bsz * kv_heads, rows, d * d), d_hq.dtype)
-    d_z = matmul(a, d_zq.view(bsz * kv_heads, rows, d), torch.float32)
+    d_h, d_z = block_sums(a, d_hq.view(bsz * kv_heads, rows, d * d), d_zq.view(bsz * kv_heads, rows, d))
     return d_h.view(bsz, kv_heads, tk, d, d), d_z.view(bsz, kv_heads, tk, d)
+
+
+def block_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a @ h in h's dtype, a @ z fp32)``, fp32 accumulation (fp64 for fp64). a ``(C, M, K)`` (any strides), h
+    ``(C, K, D^2)`` and z ``(C, K, D)`` contiguous, one dtype. One ``_sums_kernel`` launch up to ``SMALL_SUMS``
+    products where the kernels run, else ``matmul`` twice."""
+    c, m, k = a.shape
+    d = z.shape[-1]
+    if not use_kernels(a) or c * m * k * (h.shape[-1] + d) > SMALL_SUMS:
+        return matmul(a, h, h.dtype), matmul(a, z, torch.float32)
+    out_h = h.new_empty(c, m, h.shape[-1])
+    out_z = z.new_empty(c, m, d, dtype=torch.float32)
+    bm, bn, bk = 64, 128, 32
+    h_tiles = cdiv(h.shape[-1], bn)
+    launcher(_sums_kernel)[(cdiv(m, bm), h_tiles + cdiv(d, bn), c)](
+        a, h, z, out_h, out_z, m, k, a.stride(0), a.stride(1), a.stride(2), DD=h.shape[-1], D=d, H_TILES=h_tiles,
+        BM=bm, BN=bn, BK=bk, IEEE=a.dtype == torch.float32, num_warps=4)
+    return out_h, out_z
+
+
+@triton.jit
+def _tile_sum(a_ptr, b_ptr, out_ptr, rows, cols, M, K, WIDTH, stride_am, stride_ak, BK: tl.constexpr,
+              IEEE: tl.constexpr):
+    """``out[rows, cols] = a[rows, :] @ b[:, cols]`` for ``b``, ``out`` of ``WIDTH`` columns (row-major), fp32
+    accumulation (IEEE fp32 products for fp32 inputs), one rounding to out's dtype."""
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * WIDTH + cols[None, :], mask=(ks[:, None] < K) & (cols[None, :] < WIDTH),
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < WIDTH))
+
+
+@triton.jit
+def _sums_kernel(A, H, Z, OUT_H, OUT_Z, M, K, stride_ab, stride_am, stride_ak, DD: tl.constexpr, D: tl.constexpr,
+                 H_TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Column tile ``program_id(1)`` of ``a @ h`` (the first ``H_TILES``) or of ``a @ z`` (the rest), rows tile
+    ``program_id(0)``, batch ``program_id(2)`` (``block_sums``)."""
+    pid_n = tl.program_id(1)
+    c = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    a_ptr = A + c * stride_ab
+    if pid_n < H_TILES:
+        _tile_sum(a_ptr, H + c * K * DD, OUT_H + c * M * DD, rows, pid_n * BN + tl.arange(0, BN), M, K, DD,
+                  stride_am, stride_ak, BK, IEEE)
+    else:
+        _tile_sum(a_ptr, Z + c * K * D, OUT_Z + c * M * D, rows, (pid_n - H_TILES) * BN + tl.arange(0, BN), M, K,
+                  D, stride_am, stride_ak, BK, IEEE)
 
 
 @triton.jit
