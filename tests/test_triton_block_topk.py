@@ -263,7 +263,45 @@ def test_pair_means_cpu_fallback_and_opcheck():
         torch.library.opcheck(block_means_pair.op, (q.requires_grad_(), k.requires_grad_(), 16, 32))
 
 
+# (B, H, Hk, Tq, Tk, D, projections' dtype): ragged tiles, GQA, D not a power of two, a bf16-cast module, one row
+PROJECTION_CASES = [(1, 2, 1, 37, 45, 64, torch.float32), (2, 4, 2, 9, 70, 24, torch.float32),
+                    (1, 1, 1, 1, 1, 16, torch.bfloat16)]
+
+
+def _check_router_projections(b, h, hk, tq, tk, d, proj_dtype, device="cpu"):
+    """``flexsparse::router_projections`` (one kernel for both) against fp64 matmuls of the same values, within fp32
+    rounding of D-term sums."""
+    q_bar, k_bar = torch.randn(b, h, tq, d, device=device), torch.randn(b, hk, tk, d, device=device)
+    proj_q, proj_k = (torch.randn(d, d, device=device).div(d**0.5).to(proj_dtype) for _ in range(2))
+    got = selection_op.router_projections(q_bar, k_bar, proj_q, proj_k)
+    for x, p, out in zip((q_bar, k_bar), (proj_q, proj_k), got):
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        assert ts.rel_err(out, x.double() @ p.double().T) < 1e-6
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,tq,tk,d,proj_dtype", PROJECTION_CASES)
+def test_router_projections_kernel_matches_matmuls(b, h, hk, tq, tk, d, proj_dtype):
+    _check_router_projections(b, h, hk, tq, tk, d, proj_dtype)
+
+
+@cpu_parent
+def test_router_projections_cpu_fallback_and_opcheck():
+    b, h, hk, tq, tk, d, proj_dtype = PROJECTION_CASES[1]
+    with ts.interpreter_env(False):
+        _check_router_projections(b, h, hk, tq, tk, d, proj_dtype)
+        torch.library.opcheck(selection_op.router_projections.op,
+                              (torch.randn(1, 2, 5, 8), torch.randn(1, 1, 7, 8), torch.eye(8), torch.eye(8)))
+
+
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("b,h,hk,tq,tk,d,proj_dtype", PROJECTION_CASES + [(2, 8, 8, 64, 64, 128, torch.float32),
+                                                                         (2, 16, 4, 512, 256, 64, torch.float32)])
+def test_gpu_router_projections_kernel_matches_matmuls(b, h, hk, tq, tk, d, proj_dtype):
+    _check_router_projections(b, h, hk, tq, tk, d, proj_dtype, "cuda")
 
 
 @gpu

@@ -96,6 +96,12 @@ class Backend:
         q_means, k_means, _ = self.block_pooling(q, k, block_q, block_k) if pooled is None else pooled
         return q_means, k_means
 
+    def router_projections(self, q_bar: torch.Tensor, k_bar: torch.Tensor, proj_q: torch.Tensor,
+                           proj_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """SLA2's projected router inputs ``(q_bar P_q^T, k_bar P_k^T)`` in q_bar's dtype (``router_inputs``' means,
+        projections ``(D, D)``); differentiable."""
+        return q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+
     def block_topk(self, q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int,
                    bottomk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Top-K (and bottom-K) key blocks per query block by raw-dot scores: ``(B, H, Tq, topk)`` and

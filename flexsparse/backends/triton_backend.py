@@ -88,6 +88,13 @@ class TritonBackend(Backend):
         top, bottom = selection_op.block_topk(q_pooled, k_pooled, topk, bottomk)
         return top, (bottom if bottomk else None)
 
+    def router_projections(self, q_bar, k_bar, proj_q, proj_k):
+        """One op (``selection.op.router_projections``: one launch) in eager calls that record no gradient."""
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+                x.requires_grad for x in (q_bar, k_bar, proj_q, proj_k))):
+            return super().router_projections(q_bar, k_bar, proj_q, proj_k)
+        return selection_op.router_projections(q_bar, k_bar, proj_q, proj_k)
+
     def block_pooling(self, q, k, block_q: int, block_k: int):
         """One op in eager calls (``pooling.op.block_means_pair``: one launch where the call is small)."""
         if torch.compiler.is_compiling():

@@ -21,7 +21,7 @@ def route(q: torch.Tensor, k: torch.Tensor, cfg, backend, proj_q: torch.Tensor, 
     soft = cfg.router == "soft"
     with torch.set_grad_enabled(soft and torch.is_grad_enabled()):
         q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k, pooled)
-        q_bar, k_bar = q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+        q_bar, k_bar = backend.router_projections(q_bar, k_bar, proj_q, proj_k)
         if not soft:
             top, _ = backend.block_topk(q_bar, k_bar, count)
             return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2])

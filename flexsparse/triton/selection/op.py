@@ -1,10 +1,12 @@
 """``torch.library`` ops of the selection kernels (namespace ``flexsparse``): ``block_topk`` (the block routers'
-single-level top-K and bottom-K, kernels ``block_topk``) and ``llsa_select`` (LLSA's hierarchical top-K from pooled
-pyramids, kernels ``hierarchy``). Where the kernels do not run the bodies run ``naive``; the selections are equal
+single-level top-K and bottom-K, kernels ``block_topk``), ``llsa_select`` (LLSA's hierarchical top-K from pooled
+pyramids, kernels ``hierarchy``) and ``router_projections`` (SLA2's projected router inputs, kernel
+``projection``). Where the kernels do not run the bodies run ``naive``; the selections are equal
 wherever the fp32 scores are (exactly on the tests' grid values).
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ...masks import level_table, pack
@@ -33,3 +35,14 @@ def llsa_select(q_pyr: Tensor, k_pyr: Tensor, n: int, block: int, topk: list[int
         return pack(sel)
     from .hierarchy import hierarchical_topk as select_kernel
     return select_kernel(q_pyr.contiguous(), k_pyr.contiguous(), levels)
+
+
+@triton_op("flexsparse::router_projections")
+def router_projections(q_bar: Tensor, k_bar: Tensor, proj_q: Tensor, proj_k: Tensor) -> tuple[Tensor, Tensor]:
+    """SLA2's projected router inputs ``(q_bar P_q^T, k_bar P_k^T)`` in q_bar's dtype, without gradients: q_bar
+    ``(B, H, Tq, D)``, k_bar ``(B, Hk, Tk, D)`` (one float dtype), projections ``(D, D)``. fp32 inputs with D up to
+    ``projection.MAX_KERNEL_D`` take one launch (``projection``), others two matmuls."""
+    from .projection import MAX_KERNEL_D, project_pair
+    if use_kernels(q_bar) and q_bar.dtype == torch.float32 and q_bar.shape[-1] <= MAX_KERNEL_D:
+        return project_pair(*(x.contiguous() for x in (q_bar, k_bar, proj_q, proj_k)))
+    return q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
