@@ -2,9 +2,9 @@
 
 Two fp32 matmuls of a few hundred rows by a ``D x D`` map, where the call is small: two cuBLAS ``mm`` took ~28 us of
 host time each at B1 H1 N4096 on an H200 host (``torch.profiler``), the one launch 20-35 us through ``fast_launch``.
-A program maps ``BM`` rows of one of the two (``program_id(0)`` below ``q_tiles``: q's rows, else k's) with fp32 FMA products
-(``input_precision="ieee"``, as cuBLAS's fp32 GEMM; the order of the sums differs, so the scores may differ from
-the PyTorch path's in the last bits).
+A program maps ``BM`` rows of one of the two (``program_id(0)`` below ``q_tiles``: q's rows, else k's) with fp32
+FMA products (``input_precision="ieee"``, as cuBLAS's fp32 GEMM; the order of the sums differs, so the scores may
+differ from the PyTorch path's in the last bits).
 """
 from __future__ import annotations
 
