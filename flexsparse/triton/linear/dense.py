@@ -13,10 +13,11 @@ matmul with 128 x 128 x 64 tiles takes 0.93 ms writing fp32); the query heads of
 so GQA needs no copy, and ``keep^T`` is a transposed view. Small sums (``SMALL_SUMS`` products at most, where the
 call's host time exceeds its GPU work) take one Triton launch for both (``_sums_kernel``): bf16 on an H200, host
 22 us per call against 27-31 for the two ``bmm``, GPU 5.5-9.3 us against 9.5-15 up to 2.7e8 products (B2 H8 N4096
-D64), 17 against 19 at 1.1e9, 34 against 31 at 4.4e9 (``do_bench`` medians of ``block_sums`` both ways). Sums of ``h`` come out in the
-states' dtype (bf16 for bf16 inputs: every kernel that reads them rounds them to bf16 for its tensor-core products
-anyway), sums of ``z`` in fp32 (the normaliser is an fp32 dot). The 0/1 map comes from one kernel (``keep_rows``: a fill and a scatter,
-with the backward's repeated rows), where ``masks.keep_map`` and ``sizes.repeat_rows`` take four or five ATen ops.
+D64), 17 against 19 at 1.1e9, 34 against 31 at 4.4e9 (``do_bench`` medians of ``block_sums`` both ways). Sums of
+``h`` come out in the states' dtype (bf16 for bf16 inputs: every kernel that reads them rounds them to bf16 for its
+tensor-core products anyway), sums of ``z`` in fp32 (the normaliser is an fp32 dot). The 0/1 map comes from one
+kernel (``keep_rows``: a fill and a scatter, with the backward's repeated rows), where ``masks.keep_map`` and
+``sizes.repeat_rows`` take four or five ATen ops.
 """
 from __future__ import annotations
 
