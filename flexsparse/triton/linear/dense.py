@@ -75,10 +75,10 @@ def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_head
 def block_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a @ h in h's dtype, a @ z fp32)``, fp32 accumulation (fp64 for fp64). a ``(C, M, K)`` (any strides), h
     ``(C, K, D^2)`` and z ``(C, K, D)`` contiguous, one dtype. One ``_sums_kernel`` launch up to ``SMALL_SUMS``
-    products where the kernels run, else ``matmul`` twice."""
+    products (and 65535 batches) where the kernels run, else ``matmul`` twice."""
     c, m, k = a.shape
     d = z.shape[-1]
-    if not use_kernels(a) or c * m * k * (h.shape[-1] + d) > SMALL_SUMS:
+    if not use_kernels(a) or c > 65535 or c * m * k * (h.shape[-1] + d) > SMALL_SUMS:   # c: the grid's z
         return matmul(a, h, h.dtype), matmul(a, z, torch.float32)
     out_h = h.new_empty(c, m, h.shape[-1])
     out_z = z.new_empty(c, m, d, dtype=torch.float32)
