@@ -80,7 +80,8 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
     blocks = tuple(getattr(fitted, name) for name in ("block_q", "block_k", "block_size") if hasattr(fitted, name))
     needs_lse = return_lse or ring is not None or joint is not None
     chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=needs_lse, dtype=q.dtype,
-                              blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None))
+                              blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None),
+                              batch_heads=q.shape[0] * q.shape[1])
     q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
     with _without_autocast(q.device.type):
         params = method.check_params(cfg, q, params)

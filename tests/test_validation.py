@@ -144,6 +144,22 @@ def test_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
     assert fs.attention(q, k, v, LLSA).shape == q.shape     # "auto" takes a backend that runs
 
 
+def test_triton_refuses_more_batch_heads_than_a_cuda_grid_row_count():
+    """Every Triton kernel puts q's B * H (or B * Hk) on CUDA's grid y axis: past 65535 the triton backend says so,
+    on the CUDA device only (the interpreter has no such bound), and "auto" takes another backend."""
+    topk, cuda = fs.METHODS["topk"], torch.device("cuda")
+    triton = fs.backends.BACKENDS["triton"]
+    for batch_heads in (1, 65535):
+        assert triton.unsupported(cuda, torch.bfloat16, True, False, (64,), 64, batch_heads) is None
+        assert fs.backends.resolve("auto", topk, cuda, True, batch_heads=batch_heads).name == "triton"
+    with pytest.raises(ValueError, match=r"backend 'triton' cannot run this call.*q has B \* H = 65536; split"):
+        fs.backends.resolve("triton", topk, cuda, True, batch_heads=65536)
+    assert not fs.backends.runs_on("triton", cuda, True, batch_heads=65536)
+    assert fs.backends.resolve("auto", topk, cuda, True, batch_heads=65536).name != "triton"
+    with ts.interpreter_env(True):
+        assert fs.backends.runs_on("triton", torch.device("cpu"), True, batch_heads=65536)
+
+
 def test_module_checks_heads_and_dim():
     attn = fs.SparseAttention(LLSA, head_dim=8, num_heads=2)
     q, k, v = qkv(heads=4, n=32, d=8)

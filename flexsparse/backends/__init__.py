@@ -23,14 +23,15 @@ AUTO_ORDER = ("triton", "flex", "torch")
 
 def resolve(backend: str, method, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
             dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None,
-            quant: QuantConfig | None = None) -> Backend:
+            quant: QuantConfig | None = None, batch_heads: int = 1) -> Backend:
     """The backend that runs ``method`` (a ``flexsparse.methods.Method``) for this call. ``"auto"`` takes the first of
     triton, flex, torch that the method supports and that can run the call (else the reference); a named backend
     that cannot raises a ``ValueError`` saying why. ``blocks``: the config's block sizes;
-    ``head_dim``: q's D; ``quant``: the config's ``QuantConfig``, which not every backend runs."""
+    ``head_dim``: q's D; ``quant``: the config's ``QuantConfig``, which not every backend runs; ``batch_heads``:
+    q's B * H."""
     if backend not in NAMES:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {list(NAMES)}")
-    call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks, head_dim=head_dim)
+    call = dict(needs_lse=needs_lse, dtype=dtype, blocks=blocks, head_dim=head_dim, batch_heads=batch_heads)
     if backend == "auto":
         for name in AUTO_ORDER:
             candidate = BACKENDS[name]
@@ -45,17 +46,19 @@ def resolve(backend: str, method, device: torch.device, needs_grad: bool, *, nee
     reason = chosen.quant_unsupported(quant, method.sparse_branch)
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run method {method.name!r} with config key 'quant': {reason}")
-    reason = chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim)
+    reason = chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads)
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run this call for method {method.name!r}: {reason}")
     return chosen
 
 
 def runs_on(backend: str, device: torch.device, needs_grad: bool, *, needs_lse: bool = False,
-            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None) -> bool:
+            dtype: torch.dtype = torch.float32, blocks: tuple[int, ...] = (), head_dim: int | None = None,
+            batch_heads: int = 1) -> bool:
     """Whether ``backend`` can run a call on ``device`` (forward, backward if ``needs_grad``, LSE if ``needs_lse``)."""
     chosen = BACKENDS.get(backend)
-    return chosen is not None and chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim) is None
+    return chosen is not None and chosen.unsupported(device, dtype, needs_grad, needs_lse, blocks, head_dim,
+                                                     batch_heads) is None
 
 
 __all__ = ["Backend", "BACKENDS", "NAMES", "resolve", "runs_on"]

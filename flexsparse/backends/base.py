@@ -42,9 +42,9 @@ class Backend:
         return method.attend(q, k, v, selection, cfg, self, **kwargs)
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, needs_grad: bool, needs_lse: bool,
-                    blocks: tuple[int, ...], head_dim: int | None) -> str | None:
+                    blocks: tuple[int, ...], head_dim: int | None, batch_heads: int = 1) -> str | None:
         """Why this backend cannot run a call (forward, backward if ``needs_grad``, LSE if ``needs_lse``, the
-        config's block sizes ``blocks``, q's head dim), or ``None`` when it can."""
+        config's block sizes ``blocks``, q's head dim, q's batch times query heads), or ``None`` when it can."""
         return None
 
     def quant_unsupported(self, quant: QuantConfig | None, branch: str | None) -> str | None:

@@ -253,7 +253,7 @@ class FlexBackend(Backend):
 
     name = "flex"
 
-    def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim):
+    def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         return unsupported_reason(device, dtype, needs_grad, needs_lse, blocks, head_dim)
 
     def quant_unsupported(self, quant: QuantConfig | None, branch: str | None) -> str | None:

@@ -23,6 +23,7 @@ from ..triton.pooling import op as pooling_op
 from ..triton.selection import op as selection_op
 from .base import Backend
 
+MAX_GRID_ROWS = 65535   # CUDA's grid y (and z) size, where the kernels put B * H (or B * Hk)
 HAS_TRITON = importlib.util.find_spec("triton") is not None   # read once: dynamo does not trace find_spec
 # the quant config the FP8 kernel runs (flexsparse/triton/block_sparse/fwd_fp8.py), field by field
 FP8_KERNEL_QUANT = {"qk_dtype": ("fp8_e4m3", "e4m3 Q and K"), "qk": ("per_block", "Q and K scales per block"),
@@ -49,9 +50,12 @@ class TritonBackend(Backend):
 
     name = "triton"
 
-    def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim):
+    def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         if not HAS_TRITON:
             return "triton is not installed (pip install 'flexsparse[triton]')"
+        if device.type == "cuda" and batch_heads > MAX_GRID_ROWS:
+            return (f"its kernels run a row of programs per (batch, head) of q on CUDA's grid y axis, at most "
+                    f"{MAX_GRID_ROWS} rows: q has B * H = {batch_heads}; split the batch")
         if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             return None
         return (f"the Triton kernels run on CUDA (or on CPU with TRITON_INTERPRET=1 set before import), got device "
