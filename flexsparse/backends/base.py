@@ -100,7 +100,7 @@ class Backend:
                            proj_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SLA2's projected router inputs ``(q_bar P_q^T, k_bar P_k^T)`` in q_bar's dtype (``router_inputs``' means,
         projections ``(D, D)``); differentiable."""
-        return q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+        return selection_naive.router_projections(q_bar, k_bar, proj_q, proj_k)
 
     def block_topk(self, q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int,
                    bottomk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

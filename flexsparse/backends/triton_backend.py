@@ -15,6 +15,7 @@ import torch
 from ..config import QuantConfig
 from ..masks import BlockSelection, Levels, LLSASelection, accumulation_dtype, level_table, pack
 from ..triton.block_sparse import op as block_op
+from ..triton._runtime.sizes import MAX_GRID_YZ
 from ..triton.common.inputs import contiguous_rows, use_kernels
 from ..triton.linear import naive as linear_naive
 from ..triton.linear import op as linear_op
@@ -23,7 +24,6 @@ from ..triton.pooling import op as pooling_op
 from ..triton.selection import op as selection_op
 from .base import Backend
 
-MAX_GRID_ROWS = 65535   # CUDA's grid y (and z) size, where the kernels put B * H (or B * Hk)
 HAS_TRITON = importlib.util.find_spec("triton") is not None   # read once: dynamo does not trace find_spec
 # the quant config the FP8 kernel runs (flexsparse/triton/block_sparse/fwd_fp8.py), field by field
 FP8_KERNEL_QUANT = {"qk_dtype": ("fp8_e4m3", "e4m3 Q and K"), "qk": ("per_block", "Q and K scales per block"),
@@ -53,9 +53,9 @@ class TritonBackend(Backend):
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         if not HAS_TRITON:
             return "triton is not installed (pip install 'flexsparse[triton]')"
-        if device.type == "cuda" and batch_heads > MAX_GRID_ROWS:
+        if device.type == "cuda" and batch_heads > MAX_GRID_YZ:
             return (f"its kernels run a row of programs per (batch, head) of q on CUDA's grid y axis, at most "
-                    f"{MAX_GRID_ROWS} rows: q has B * H = {batch_heads}; split the batch")
+                    f"{MAX_GRID_YZ} rows: q has B * H = {batch_heads}; split the batch")
         if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             return None
         return (f"the Triton kernels run on CUDA (or on CPU with TRITON_INTERPRET=1 set before import), got device "

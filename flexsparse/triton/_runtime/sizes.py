@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_GRID_YZ = 65535   # CUDA's grid size on its y and z axes (the kernels put batch x heads there)
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ints."""

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._runtime.registry import launcher
-from .._runtime.sizes import cdiv, pow2
+from .._runtime.sizes import MAX_GRID_YZ, cdiv, pow2
 from ..common.inputs import use_kernels
 
 SMALL_SUMS = 1 << 29   # multiply-adds of both sums up to which they take _sums_kernel rather than two cuBLAS bmm
@@ -75,10 +75,10 @@ def key_sums(keep: torch.Tensor, d_hq: torch.Tensor, d_zq: torch.Tensor, kv_head
 def block_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a @ h in h's dtype, a @ z fp32)``, fp32 accumulation (fp64 for fp64). a ``(C, M, K)`` (any strides), h
     ``(C, K, D^2)`` and z ``(C, K, D)`` contiguous, one dtype. One ``_sums_kernel`` launch up to ``SMALL_SUMS``
-    products (and 65535 batches) where the kernels run, else ``matmul`` twice."""
+    products (and ``MAX_GRID_YZ`` batches) where the kernels run, else ``matmul`` twice."""
     c, m, k = a.shape
     d = z.shape[-1]
-    if not use_kernels(a) or c > 65535 or c * m * k * (h.shape[-1] + d) > SMALL_SUMS:   # c: the grid's z
+    if not use_kernels(a) or c > MAX_GRID_YZ or c * m * k * (h.shape[-1] + d) > SMALL_SUMS:   # c: the grid's z
         return matmul(a, h, h.dtype), matmul(a, z, torch.float32)
     out_h = h.new_empty(c, m, h.shape[-1])
     out_z = z.new_empty(c, m, d, dtype=torch.float32)

@@ -26,6 +26,12 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def router_projections(q_bar: torch.Tensor, k_bar: torch.Tensor, proj_q: torch.Tensor,
+                       proj_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SLA2's projected router inputs ``(q_bar P_q^T, k_bar P_k^T)`` in q_bar's dtype; differentiable."""
+    return q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+
+
 def grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Raw dot products with GQA: q ``(B, H, M, D)``, k ``(B, Hk, N, D)`` -> ``(B, H, M, N)``."""
     b, h, m, d = q.shape

@@ -41,8 +41,8 @@ def llsa_select(q_pyr: Tensor, k_pyr: Tensor, n: int, block: int, topk: list[int
 def router_projections(q_bar: Tensor, k_bar: Tensor, proj_q: Tensor, proj_k: Tensor) -> tuple[Tensor, Tensor]:
     """SLA2's projected router inputs ``(q_bar P_q^T, k_bar P_k^T)`` in q_bar's dtype, without gradients: q_bar
     ``(B, H, Tq, D)``, k_bar ``(B, Hk, Tk, D)`` (one float dtype), projections ``(D, D)``. fp32 inputs with D up to
-    ``projection.MAX_KERNEL_D`` take one launch (``projection``), others two matmuls."""
+    ``projection.MAX_KERNEL_D`` take one launch (``projection``), others ``naive``'s two matmuls."""
     from .projection import MAX_KERNEL_D, project_pair
     if use_kernels(q_bar) and q_bar.dtype == torch.float32 and q_bar.shape[-1] <= MAX_KERNEL_D:
         return project_pair(*(x.contiguous() for x in (q_bar, k_bar, proj_q, proj_k)))
-    return q_bar @ proj_q.to(q_bar.dtype).T, k_bar @ proj_k.to(k_bar.dtype).T
+    return naive.router_projections(q_bar, k_bar, proj_q, proj_k)
