@@ -65,10 +65,30 @@ def _check(qp, kp, topk, bottomk, **kwargs):
 
 @cpu_only
 @pytest.mark.parametrize("b,h,hk,tq,tk,d,topk,bottomk,row_limit,scratch", CASES)
-def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit, scratch):
+def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit, scratch, monkeypatch):
     from flexsparse.triton.selection.block_topk import ROW_LIMIT, SCRATCH
+    if scratch:   # row chunks of the scratch: the two-kernel path, which these short rows skip by default
+        _two_kernel_path(monkeypatch)
     qp, kp = _pooled(b, h, hk, tq, tk, d)
     _check(qp, kp, topk, bottomk, row_limit=row_limit or ROW_LIMIT, scratch=scratch or SCRATCH)
+
+
+def _two_kernel_path(monkeypatch):
+    """Rows of every length through the score scratch and the selection kernel (no fused score-and-select)."""
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", '{"block_topk": {"FUSED_KEYS": 0}}')
+
+
+@cpu_only
+def test_both_paths_equal_sorted_topk(monkeypatch):
+    """Short rows score and select in one kernel, or (FUSED_KEYS = 0) through the scratch and the selection kernel:
+    the same sets as the sort, on ragged GQA inputs with a bottom set and on random inputs."""
+    gen = torch.Generator().manual_seed(2)
+    random = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 19, 8, generator=gen)
+    for fused in (True, False):
+        if not fused:
+            _two_kernel_path(monkeypatch)
+        _check(*_pooled(2, 4, 2, 21, 37, 24), 6, 5)
+        _check(*random, 4, 3)
 
 
 @cpu_only
@@ -318,7 +338,8 @@ def test_gpu_pair_means_equal_pooling(b, h, hk, nq, nk, d, block_q, block_k, dty
 @pytest.mark.parametrize("h,hk,tq,tk,d,topk,bottomk", [
     (8, 8, 1024, 1024, 64, 51, 102), (8, 2, 1024, 1024, 128, 32, 0), (4, 4, 512, 512, 64, 32, 51),
     (4, 2, 300, 777, 64, 38, 77), (2, 1, 64, 5000, 64, 8, 16), (2, 2, 40, 16384, 64, 819, 1),
-    (2, 2, 256, 257, 64, 1, 256), (2, 1, 33, 17000, 64, 8, 16)])    # the last one streams (Tk > 16384)
+    (2, 2, 256, 257, 64, 1, 256), (2, 1, 33, 17000, 64, 8, 16),    # this one streams (Tk > 16384)
+    (8, 8, 64, 64, 64, 3, 0), (8, 2, 256, 256, 128, 12, 25), (4, 4, 300, 200, 64, 10, 20), (2, 1, 5, 1, 64, 1, 0)])
 def test_gpu_equals_sorted_topk(h, hk, tq, tk, d, topk, bottomk):
     qp, kp = (x.cuda() for x in _pooled(2, h, hk, tq, tk, d))
     top, bottom = TRITON.block_topk(qp, kp, topk, bottomk)
