@@ -9,13 +9,14 @@ with and without excluded blocks, GQA, odd N, block_q != block_k, head dims that
 three feature maps, no skipped block (= full linear attention) and all but one skipped; all blocks skipped
 gives exactly 0; opcheck of both ops; ``mixed_linear_output`` (op ``masked_linear_mix``: SLA's projection and SLA2's
 alpha lerp in the output kernel) against the branch combined in PyTorch (outputs and the gradients of q, k, v,
-o_s, weight, bias, alpha); SLA2's one-pass kernels ``lerp_mix_bwd`` (the lerp's backward) and ``center_tokens``
+o_s, weight, bias, alpha's logit); SLA2's one-pass kernels ``lerp_mix_bwd`` (the lerp's backward) and ``center_tokens``
 (smoothed keys) against their PyTorch paths. They run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_suite``).
 GPU (``pytest -m gpu``): bf16 and fp32 at realistic sizes (D 64 / 96 / 128, GQA, ragged N), both strategies,
 against the PyTorch path (fp64); the default strategy against the torch backend, eager and
 ``torch.compile(fullgraph=True)``; opcheck; bitwise reproducible gradients; ``mixed_linear_output`` in bf16 against the
-unfused combine, eager and compiled; ``lerp_mix_bwd`` and ``center_tokens`` in bf16 (bitwise against PyTorch); on
+unfused combine, eager and compiled; ``lerp_mix_bwd`` (rounded once) and ``center_tokens`` (bitwise against
+PyTorch) in bf16; on
 sm_90 the Gluon forward that mixes the branch in its epilogue (``linear.mix_ws``) against the two ops.
 """
 from __future__ import annotations
@@ -297,22 +298,24 @@ MIXES = ["proj", "alpha_shared", "alpha_per_head"]
 
 
 def _mix_params(kind: str, heads: int, tq: int, d: int, device="cpu") -> dict:
-    """Random (never zero) mixing parameters of ``kind``, fp32: SLA's weight and bias or SLA2's alpha."""
+    """Random (never zero) mixing parameters of ``kind``, fp32: SLA's weight and bias or SLA2's alpha logits, on a
+    grid of 1/32 in (-4, 4) (exact in bf16 and fp16: every float dtype of them gives the same alpha)."""
     gen = torch.Generator().manual_seed(1)
     if kind == "proj":
         return {"weight": torch.randn(d, d, generator=gen).div(d**0.5).to(device),
                 "bias": torch.randn(d, generator=gen).to(device)}
     rows = heads if kind == "alpha_per_head" else 1
-    return {"alpha": torch.rand(rows, tq, generator=gen).mul(0.8).add(0.1).to(device)}
+    logit = torch.randn(rows, tq, generator=gen).mul(32).round().clamp(-127, 127).div(32)
+    return {"alpha_logit": logit.to(device)}
 
 
-def _unfused(q, k, v, selection, o_s, fmap, weight=None, bias=None, alpha=None):
+def _unfused(q, k, v, selection, o_s, fmap, weight=None, bias=None, alpha_logit=None):
     """The branch (``masked_linear_attention``) combined in PyTorch as the methods do without the fused kernel."""
     o_l = TRITON.masked_linear_attention(q, k, v, selection, feature_map=fmap, eps=1e-5)
     if weight is not None:
         return o_s + torch.nn.functional.linear(o_l, weight.to(q.dtype), bias.to(q.dtype))
     tokens = torch.arange(q.shape[2], device=q.device) // selection.block_q
-    return torch.lerp(o_l, o_s, alpha.to(q.dtype)[:, tokens].unsqueeze(-1))
+    return torch.lerp(o_l, o_s, torch.sigmoid(alpha_logit).to(q.dtype)[:, tokens].unsqueeze(-1))
 
 
 def _mix_run(fn, q, k, v, selection, o_s, params, fmap):
@@ -334,7 +337,7 @@ def _fused(q, k, v, selection, o_s, fmap, **params):
 @pytest.mark.parametrize("b,h,hk,nq,nk,d,bq,bk,ratio,negligible,fmap", CASES[:3])
 def test_mixed_output_matches_unfused(kind, b, h, hk, nq, nk, d, bq, bk, ratio, negligible, fmap, strategy):
     """The combine in the output kernel (fp32, interpreter) equals the branch combined in PyTorch: output and the
-    gradients of q, k, v, o_s and weight / bias / alpha (GQA, odd N, block_q != block_k, excluded blocks)."""
+    gradients of q, k, v, o_s and weight / bias / alpha's logits (GQA, odd N, block_q != block_k, excluded blocks)."""
     q, k, v = _inputs(b, h, hk, nq, nk, d)
     o_s = torch.randn_like(q)
     selection = _selection(q, k, bq, bk, ratio, negligible)
@@ -350,7 +353,8 @@ def test_mixed_output_matches_unfused(kind, b, h, hk, nq, nk, d, bq, bk, ratio, 
 @cpu_only
 def test_mixed_output_inference_all_skipped_and_opcheck():
     """Without gradients O_l is not stored (same output as with it); every block skipped gives None (O_l = 0:
-    the methods combine in PyTorch); opcheck of ``masked_linear_mix``; weight together with alpha is refused."""
+    the methods combine in PyTorch); opcheck of ``masked_linear_mix``; weight together with alpha's logits is
+    refused."""
     q, k, v = _inputs(1, 4, 2, 50, 50, 16)
     o_s = torch.randn_like(q)
     selection = _selection(q, k, 16, 16, 0.25, 0.0)
@@ -367,7 +371,7 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
             params["weight"].requires_grad_(), params["bias"].requires_grad_(), None, 16, 16, "elu", 1e-5, True)
     torch.library.opcheck(linear_op.masked_linear_mix.op, args,
                           test_utils=("test_schema", "test_autograd_registration"))
-    with pytest.raises(ValueError, match="either weight"):
+    with pytest.raises(ValueError, match="either weight .* or alpha_logit"):
         linear_op.masked_linear_mix(q, k, v, skipped, o_s, params["weight"], None, torch.ones(1, 4), 16, 16, "elu",
                                   1e-5, False)
 
@@ -375,9 +379,10 @@ def test_mixed_output_inference_all_skipped_and_opcheck():
 @cpu_only
 @pytest.mark.parametrize("kind", MIXES)
 def test_mixed_output_rounds_fp32_parameters_in_kernel(kind):
-    """fp16 inputs with SLA's bias or SLA2's alpha in fp32 (as the methods pass them, uncast): the output kernel
-    rounds them to fp16, so the output is bitwise the one of the parameters cast beforehand; the lerp's backward
-    likewise, on the kernel and on the PyTorch path."""
+    """fp16 inputs with SLA's bias or SLA2's alpha logits in fp32 (as the methods pass them, uncast): the output
+    kernel rounds the bias, and alpha (the logits' fp32 sigmoid), to fp16, so the output is bitwise the one of the
+    parameters cast beforehand (logits exact in fp16: the same alpha); the lerp's backward likewise, on the kernel
+    and on the PyTorch path."""
     q, k, v = _inputs(1, 2, 1, 37, 37, 16, torch.float16)
     o_s = torch.randn_like(q)
     selection = _selection(q, k, 8, 8, 0.3, 0.0)
@@ -389,8 +394,8 @@ def test_mixed_output_rounds_fp32_parameters_in_kernel(kind):
         dout, o_l = torch.randn_like(q), torch.randn_like(q)
         for interpreted in (True, False):
             with ts.interpreter_env(interpreted):
-                got = linear_op.lerp_mix_bwd(dout, o_s, o_l, params["alpha"], 8)
-                want = linear_op.lerp_mix_bwd(dout, o_s, o_l, cast["alpha"], 8)
+                got = linear_op.lerp_mix_bwd(dout, o_s, o_l, params["alpha_logit"], 8)
+                want = linear_op.lerp_mix_bwd(dout, o_s, o_l, cast["alpha_logit"], 8)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -424,7 +429,7 @@ def _two_ops(q, k, v, selection, fmap, quant=None, **params):
 def test_sparse_linear_output_matches_two_ops(kind, b, h, hk, nq, nk, d, bq, bk, ratio, negligible, fmap):
     """Both branches and the combine in one op (``flexsparse::sparse_linear_mix``, whose linear kernels add their
     dq, dk, dv to the sparse branch's) equal the two ops (fp32, interpreter): output, LSE and the gradients of q,
-    k, v (GQA: summed over the group in both) and weight / bias / alpha, with a gradient on the LSE as well."""
+    k, v (GQA: summed over the group in both) and weight / bias / alpha's logits, with a gradient on the LSE as well."""
     q, k, v = _inputs(b, h, hk, nq, nk, d)
     selection = _selection(q, k, bq, bk, ratio, negligible)
     params = _mix_params(kind, h, selection.num_q_blocks, d)
@@ -471,25 +476,33 @@ def test_sparse_linear_mix_opcheck_and_inference():
                                 excluded=torch.arange(1, 4, dtype=torch.int32).expand(1, 4, 4, 3).contiguous())
     assert _one_op(q, k, v, everything, "relu", **params) is None
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), selection.indices.contiguous(),
-            skipped_blocks(selection), None, None, params["alpha"].requires_grad_(), 16, 16, 0.25, False, "relu",
+            skipped_blocks(selection), None, None, params["alpha_logit"].requires_grad_(), 16, 16, 0.25, False, "relu",
             1e-5, True)
     for fp8 in (False, True):
         torch.library.opcheck(linear_op.sparse_linear_mix.op, (*args, fp8),
                               test_utils=("test_schema", "test_autograd_registration"))
 
 
-def _assert_rounded_once(d_ol, dout, alpha, block_q):
-    """``d_ol`` is ``(1 - alpha) dout`` rounded once (half a unit in the last place, a hair more for the fp32
-    product rounded again; no cancellation error)."""
+def _assert_rounded_once(grads, dout, alpha_logit, block_q):
+    """``grads = (d o_s, d O_l)`` are ``alpha dout`` and ``(1 - alpha) dout`` rounded once (half a unit in the last
+    place, a hair more for the fp32 product rounded again; no cancellation error), alpha the logits' sigmoid rounded
+    to dout's dtype. An fp32 sigmoid may differ from the exact one by a few units in fp32's last place, so alpha may
+    round to either neighbour of the exact value in bf16 / fp16 (in fp32: lie within a few units of it, and
+    ``1 - alpha`` rounds once more): the bound allows that much of ``dout``."""
     tokens = torch.arange(dout.shape[2], device=dout.device) // block_q
-    exact = dout.double() * (1 - alpha.double()[:, tokens, None])
-    bound = 0.51 * torch.finfo(dout.dtype).eps * exact.abs() + torch.finfo(dout.dtype).smallest_normal
-    assert ((d_ol.double() - exact).abs() <= bound).all()
+    exact = torch.sigmoid(alpha_logit.double())[:, tokens, None]
+    eps = torch.finfo(dout.dtype).eps
+    spread = 4 * eps if dout.dtype == torch.float32 else eps * exact
+    for grad, weight in zip(grads, (exact, 1 - exact)):
+        want = dout.double() * weight
+        bound = 0.51 * eps * want.abs() + dout.double().abs() * spread + torch.finfo(dout.dtype).smallest_normal
+        assert ((grad.double() - want).abs() <= bound).all()
 
 
 def _lerp_inputs(b, h, n, d, bq, rows, dtype, device="cpu"):
+    """dout, o_s, o_l ``(b, h, n, d)`` and alpha's logits ``(rows, Tq)`` in ``dtype``."""
     dout, o_s, o_l = (torch.randn(b, h, n, d).to(device=device, dtype=dtype) for _ in range(3))
-    return dout, o_s, o_l, torch.rand(rows, num_blocks(n, bq)).to(device=device, dtype=dtype)
+    return dout, o_s, o_l, torch.randn(rows, num_blocks(n, bq)).mul(2).to(device=device, dtype=dtype)
 
 
 LERP_CASES = [(2, 3, 37, 8, 16, 3), (1, 2, 300, 64, 128, 1), (1, 1, 20, 12, 64, 1), (2, 2, 64, 16, 32, 2)]
@@ -499,27 +512,29 @@ LERP_CASES = [(2, 3, 37, 8, 16, 3), (1, 2, 300, 64, 128, 1), (1, 1, 20, 12, 64, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,h,n,d,bq,rows", LERP_CASES)
 def test_lerp_mix_bwd_kernel_matches_pytorch_path(b, h, n, d, bq, rows, dtype):
-    """SLA2's combine backward in one kernel pass (interpreter) equals the PyTorch path: d o_s and d O_l exactly
-    (fp32 products rounded once: d O_l within half a unit in the last place of (1 - alpha) dout), d alpha to fp32
-    rounding of its sum; ragged last blocks, blocks of several chunks, one alpha row or one per head, head dims that
-    are not powers of two."""
+    """SLA2's combine backward in one kernel pass (interpreter) and the PyTorch path: d o_s and d O_l the fp32
+    products rounded once (``_assert_rounded_once``: within half a unit in the last place), alpha's logits'
+    gradient to fp32 rounding of its sum times the sigmoid's derivative; ragged last blocks, blocks of several chunks,
+    one logit row or one per head, head dims that are not powers of two."""
     args = _lerp_inputs(b, h, n, d, bq, rows, dtype)
     got = linear_op.lerp_mix_bwd(*args, bq)
     with ts.interpreter_env(False):
         want = linear_op.lerp_mix_bwd(*args, bq)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    _assert_rounded_once(got[1], args[0], args[3], bq)
+    _assert_rounded_once(got[:2], args[0], args[3], bq)
+    _assert_rounded_once(want[:2], args[0], args[3], bq)
     assert got[2].shape == (rows, num_blocks(n, bq)) and got[2].dtype == torch.float32
     terms = (args[0].double() * (args[1] - args[2]).double()).flatten(-2)
     terms = torch.nn.functional.pad(terms, (0, num_blocks(n, bq) * bq * d - n * d)).unflatten(-1, (-1, bq * d))
+    alpha = torch.sigmoid(args[3].double())
+    slope = alpha * (1 - alpha)
 
-    def per_alpha(x):
-        return x.sum((0, -1)) if rows > 1 else x.sum((0, 1, -1)).unsqueeze(0)
+    def per_logit(x):
+        return (x.sum((0, -1)) if rows > 1 else x.sum((0, 1, -1)).unsqueeze(0)) * slope
 
     # an fp32 sum's error scales with the sum of |terms|, not with the sum itself, which can cancel (a seed gave
     # |sum| = 0.084 and a 1.2e-5 relative error against a 1e-5 bound)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert ((got[2].double() - per_alpha(terms)).abs() <= tol * per_alpha(terms.abs())).all()
+    assert ((got[2].double() - per_logit(terms)).abs() <= tol * per_logit(terms.abs())).all()
     torch.library.opcheck(linear_op.lerp_mix_bwd.op, (*args, bq), test_utils=("test_schema",))  # fake: on the GPU
 
 
@@ -546,8 +561,8 @@ def test_mixed_output_leaves_other_cases_to_pytorch():
     with ts.interpreter_env(False):
         assert _fused(q, k, v, selection, torch.randn_like(q), "elu", **params) is None
         with pytest.raises(ValueError, match="Triton kernels only"):
-            linear_op.masked_linear_mix(q, k, v, skipped_blocks(selection), q, None, None, params["alpha"], 8, 8, "elu",
-                                      1e-5, False)
+            linear_op.masked_linear_mix(q, k, v, skipped_blocks(selection), q, None, None, params["alpha_logit"], 8, 8,
+                                        "elu", 1e-5, False)
     with ts.interpreter_env(True):
         assert _fused(q.double(), k.double(), v.double(), selection, q.double(), "elu", **params) is None
 
@@ -706,13 +721,12 @@ def test_gpu_center_tokens_bf16(n, d):
 @gpu
 @pytest.mark.parametrize("b,h,n,d,bq,rows", LERP_CASES + [(2, 8, 65536, 64, 128, 1)])
 def test_gpu_lerp_mix_bwd_bf16(b, h, n, d, bq, rows):
-    """The kernel in bf16 on the GPU: d o_s and d O_l bitwise equal to the PyTorch path (d O_l rounded once),
-    d alpha to fp32 rounding (the PyTorch path rounds each block's dot to bf16)."""
+    """The kernel in bf16 on the GPU: d o_s and d O_l rounded once (``_assert_rounded_once``), alpha's logits' gradient
+    to fp32 rounding (the PyTorch path rounds each block's dot to bf16)."""
     args = _lerp_inputs(b, h, n, d, bq, rows, torch.bfloat16, "cuda")
     got = linear_op.lerp_mix_bwd(*args, bq)
     want = linear_op.lerp_mix_bwd(*[x.cpu() for x in args], bq)
-    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
-    _assert_rounded_once(got[1], args[0], args[3], bq)
+    _assert_rounded_once(got[:2], args[0], args[3], bq)
     assert ts.rel_err(got[2].cpu(), want[2]) < 1e-2
     if n < 1000:
         torch.library.opcheck(linear_op.lerp_mix_bwd.op, (*args, bq))
@@ -786,8 +800,9 @@ def test_gpu_linear_branch_in_sparse_epilogue_for_strided_inputs(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("quant", [False, True])
 def test_gpu_sparse_epilogue_rounds_fp32_parameters(kind, d, quant):
-    """bf16: the one op (the Gluon epilogue on sm_90, with ``quant`` the FP8 one at D=128) mixes fp32 bias and
-    alpha rounded to bf16 in the kernel: bitwise the output and LSE of the parameters cast beforehand."""
+    """bf16: the one op (the Gluon epilogue on sm_90, with ``quant`` the FP8 one at D=128) mixes the fp32 bias
+    rounded to bf16 in the kernel, and alpha of fp32 logits as of the same logits in bf16: bitwise the output and LSE
+    of the parameters cast beforehand."""
     quant_config = None
     if quant:
         pytest.importorskip("torchao")
@@ -836,7 +851,7 @@ def test_gpu_linear_branch_in_sparse_epilogue(h, hk, n, d, bq, negligible, fmap,
         tq = selection.num_q_blocks
         states = (torch.randn(1, h, tq, d, d, device="cuda").bfloat16(), torch.rand(1, h, tq, d, device="cuda"))
         mix = ((params["weight"].T.bfloat16().contiguous(), params["bias"].bfloat16(), None) if kind == "proj"
-               else (None, None, params["alpha"].bfloat16()))
+               else (None, None, params["alpha_logit"].bfloat16()))
         assert skipped.shape[-1] > 0
         torch.library.opcheck(sparse_linear_ws.sparse_linear_ws, (q, k, v, selection.indices.contiguous(), *states,
                                                                   *mix, bq, 64, 0.3, fmap, 1e-5, True))

@@ -217,14 +217,14 @@ class Backend:
         return linear_naive.masked_linear_attention(q, k, v, selection, feature_map=feature_map, eps=eps)
 
     def mixed_linear_output(self, q, k, v, selection: BlockSelection, o_s, *, feature_map: str, eps: float,
-                            weight=None, bias=None, alpha=None) -> torch.Tensor | None:
+                            weight=None, bias=None, alpha_logit=None) -> torch.Tensor | None:
         """The masked linear branch with SLA's or SLA2's combine fused into it, or ``None`` where the backend has no
         such kernel (the method combines then)."""
         return None
 
     def sparse_linear_output(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool,
                              quant: QuantConfig | None, feature_map: str, eps: float, weight=None, bias=None,
-                             alpha=None):
+                             alpha_logit=None):
         """Both branches and the combine in one op, ``(out, lse)``, or ``None`` where the backend has none."""
         return None
 

@@ -178,21 +178,21 @@ class TritonBackend(Backend):
         return out
 
     def mixed_linear_output(self, q, k, v, selection: BlockSelection, o_s, *, feature_map: str, eps: float,
-                            weight=None, bias=None, alpha=None):
-        """SLA's ``o_s + O_l W^T + b`` or SLA2's ``O_l + alpha (o_s - O_l)`` mixed in the linear branch's output
-        kernel (one pass instead of O_l, a projection and a sum); ``None`` where the linear kernels do not run on q
-        or every block is skipped (O_l = 0)."""
+                            weight=None, bias=None, alpha_logit=None):
+        """SLA's ``o_s + O_l W^T + b`` or SLA2's ``O_l + alpha (o_s - O_l)`` (``alpha = sigmoid(alpha_logit)``, in
+        the kernel) mixed in the linear branch's output kernel (one pass instead of O_l, a projection and a sum);
+        ``None`` where the linear kernels do not run on q or every block is skipped (O_l = 0)."""
         skipped = _kernel_skips(q, selection)
         if skipped is None:
             return None
-        out, _, _, _ = linear_op.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha, selection.block_q,
-                                                   selection.block_k, feature_map, eps,
-                                                   _grad_needed(q, k, v, o_s, weight, bias, alpha))
+        out, _, _, _ = linear_op.masked_linear_mix(q, k, v, skipped, o_s, weight, bias, alpha_logit,
+                                                   selection.block_q, selection.block_k, feature_map, eps,
+                                                   _grad_needed(q, k, v, o_s, weight, bias, alpha_logit))
         return out
 
     def sparse_linear_output(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool,
                              quant: QuantConfig | None, feature_map: str, eps: float, weight=None, bias=None,
-                             alpha=None):
+                             alpha_logit=None):
         """The sparse branch and ``mixed_linear_output`` in one op (``flexsparse::sparse_linear_mix``: same values,
         gradients with one rounding of the summed dq, dk, dv); with ``quant`` the sparse branch is the FP8 forward
         (``block_sparse_attention``'s, and its QAT gradients). ``None`` where ``mixed_linear_output`` is, or for a
@@ -204,9 +204,9 @@ class TritonBackend(Backend):
             return None
         out, lse, _, _, _, _ = linear_op.sparse_linear_mix(q, k.to(q.dtype), v.to(q.dtype),
                                                            checked_indices(q, k, selection), skipped, weight, bias,
-                                                           alpha, selection.block_q, selection.block_k, scale,
+                                                           alpha_logit, selection.block_q, selection.block_k, scale,
                                                            deterministic, feature_map, eps,
-                                                           _grad_needed(q, k, v, weight, bias, alpha),
+                                                           _grad_needed(q, k, v, weight, bias, alpha_logit),
                                                            quant is not None)
         return out, lse
 

@@ -12,8 +12,9 @@ attend: softmax attention over the selected blocks and linear attention over the
 ``softmax(S + log M)`` over all keys and linear attention weighted by ``1 - M`` (soft); ``quant`` (hard
 router only) fake-quantizes the sparse branch's forward in FP8.
 combine: ``O = alpha * O_s + (1 - alpha) * O_l`` (``torch.lerp`` in the input dtype), ``alpha =
-sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); a backend may fuse it into the
-linear branch (``mixed_linear_output``) or run both branches and the combine in one op (``sparse_linear_output``).
+sigmoid(alpha_logit)`` per query block (and per head with ``alpha_per_head``); a backend may fuse it, sigmoid
+included, into the linear branch (``mixed_linear_output``) or run both branches and the combine in one op
+(``sparse_linear_output``): both take the logits.
 The returned LSE is the sparse branch's.
 lengths: ``alpha_logit`` holds ``T`` stored blocks (``seq_len``'s); a call with another number of query blocks ``Tq``
 runs on ``alpha_logits_at``'s linear interpolation of them, made once in ``check_params``, so every backend and the
@@ -97,24 +98,25 @@ class SLA2(Method):
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         mask, k = selection
-        alpha = torch.sigmoid(params["alpha_logit"].to(accumulation_dtype(q.dtype)))          # (rows, Tq)
+        logit = params["alpha_logit"].to(accumulation_dtype(q.dtype))                               # (rows, Tq)
         linear = dict(feature_map=cfg.feature_map, eps=cfg.eps)
         if isinstance(mask, SoftBlockMask):            # calibration: soft weights on every block
             o_s, lse = backend.soft_block_attention(q, k, v, F.logsigmoid(mask.logits), mask.block_q, mask.block_k,
                                                     scale)
             o_l = backend.weighted_linear_attention(q, k, v, torch.sigmoid(-mask.logits), mask.block_q,
                                                     mask.block_k, **linear)
-            return combine(o_s, o_l, alpha, cfg.block_q), lse
+            return combine(o_s, o_l, torch.sigmoid(logit), cfg.block_q), lse
         both = backend.sparse_linear_output(q, k, v, mask, scale, deterministic=cfg.deterministic, quant=cfg.quant,
-                                            alpha=alpha, **linear)
+                                            alpha_logit=logit, **linear)
         if both is not None:
             return both
         o_s, lse = backend.block_sparse_attention(q, k, v, mask, scale, deterministic=cfg.deterministic,
                                                   quant=cfg.quant)
-        mixed = backend.mixed_linear_output(q, k, v, mask, o_s, alpha=alpha, **linear)
+        mixed = backend.mixed_linear_output(q, k, v, mask, o_s, alpha_logit=logit, **linear)
         if mixed is not None:
             return mixed, lse
-        return combine(o_s, backend.masked_linear_attention(q, k, v, mask, **linear), alpha, cfg.block_q), lse
+        o_l = backend.masked_linear_attention(q, k, v, mask, **linear)
+        return combine(o_s, o_l, torch.sigmoid(logit), cfg.block_q), lse
 
     def reference(self, q, k, v, selection, cfg, *, scale, params):
         return reference.sla2_dense(q, selection.keys, v, selection.mask, scale, feature_map=cfg.feature_map,

@@ -103,13 +103,14 @@ def _states_kernel(K, V, HS, ZS, NK, TK, D: tl.constexpr, BD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, ALPHA, alpha_h, EPS: tl.constexpr,
+def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, LOGIT, logit_h, EPS: tl.constexpr,
                     NQ, TQ, TK, S, H, GROUP, D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     TILE: tl.constexpr, SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
                     GATHER: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr, STORE_LINEAR: tl.constexpr):
     """O_l of query block ``program_id(0)``; ``MIX`` 0: O = O_l; 1 (SLA): O = O_s + O_l W^T + bias; 2 (SLA2):
-    O = O_l + alpha (O_s - O_l), alpha = ``ALPHA[h * alpha_h + i]``. With ``MIX`` the O_l rounded to q's dtype
-    is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores it to ``OL``."""
+    O = O_l + alpha (O_s - O_l), alpha = sigmoid(``LOGIT[h * logit_h + i]``) in fp32 rounded to q's dtype. With
+    ``MIX`` the O_l rounded to q's dtype is what mixes (as in the unfused methods) and ``STORE_LINEAR`` also stores
+    it to ``OL``."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     dim = tl.arange(0, BD)
@@ -141,7 +142,8 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, 
         w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
         bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(O.dtype.element_ty).to(tl.float32)
     if MIX == 2:
-        alpha = tl.load(ALPHA + (bh % H) * alpha_h + i).to(O.dtype.element_ty).to(tl.float32)
+        alpha = tl.sigmoid(tl.load(LOGIT + (bh % H) * logit_h + i).to(tl.float32)).to(O.dtype.element_ty)
+        alpha = alpha.to(tl.float32)
     base = bh.to(tl.int64) * NQ * D
     for c in range(SPLIT):
         rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
@@ -240,13 +242,14 @@ def key_states(k: torch.Tensor, v: torch.Tensor, block_k: int, feature_map: str,
 class Mix(NamedTuple):
     """What the output kernel mixes into O_l (``linear_forward``'s ``mix``): ``o_s (B, H, Nq, D)`` contiguous,
     and either ``weight (D, D)`` (``nn.Linear`` layout) and ``bias (D,)`` (SLA: ``O_s + O_l W^T + b``) or
-    ``alpha (1 or H, Tq)`` (SLA2: ``O_l + alpha (O_s - O_l)``), all contiguous, weight in q's dtype, bias and alpha
-    in any float dtype (the kernel rounds them to q's); ``store_linear``: also return the O_l that was mixed."""
+    ``alpha_logit (1 or H, Tq)`` (SLA2: ``O_l + alpha (O_s - O_l)``, ``alpha = sigmoid(alpha_logit)``), all
+    contiguous, weight in q's dtype, bias and alpha_logit in any float dtype (the kernel rounds the bias and alpha,
+    an fp32 sigmoid, to q's); ``store_linear``: also return the O_l that was mixed."""
 
     o_s: torch.Tensor
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    alpha: torch.Tensor | None = None
+    alpha_logit: torch.Tensor | None = None
     store_linear: bool = True
 
 
@@ -295,8 +298,8 @@ def linear_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: t
     unused = q  # the pointer of the slots the kernel leaves unused: an input (_runtime.registry.launcher)
     extra = (unused,) * 5 + (0,) if mix is None else (
         mix.o_s, unused if o_l is None else o_l, mix.weight if code == 1 else unused,
-        mix.bias if code == 1 else unused, mix.alpha if code == 2 else unused,
-        tq if code == 2 and mix.alpha.shape[0] > 1 else 0)
+        mix.bias if code == 1 else unused, mix.alpha_logit if code == 2 else unused,
+        tq if code == 2 and mix.alpha_logit.shape[0] > 1 else 0)
     launcher(_forward_kernel)[(tq, bsz * heads)](
         q, hs, zs, ht, zt, skipped, o, rows_h, rows_z, *extra, float(eps), nq, tq, hs.shape[2], width, heads,
         heads // k.shape[1],

@@ -6,7 +6,8 @@ states ``H_i``, ``Z_i`` of the dense strategy (``fwd.dense_query_states``). Afte
 the producer loads ``H_i`` (and SLA's ``W^T``) by TMA into the K (and V) slots of the ring, which the loop has
 released; the consumer computes phi(Q) from the Q tile still in shared memory,
 ``O_l = phi(Q) H_i / (eps + phi(Q) . Z_i)`` rounded to q's dtype, and SLA's ``O_s + O_l W^T + b`` or SLA2's
-``O_l + alpha (O_s - O_l)`` with ``O_s`` rounded to q's dtype, as the separate kernels do. So O_s makes no round
+``O_l + alpha (O_s - O_l)`` (alpha = sigmoid of its logit) with ``O_s`` rounded to q's dtype, as the separate
+kernels do. So O_s makes no round
 trip through HBM and q is read once; without gradients only O and the LSE are stored. No shared memory beyond
 the sparse kernel's (its occupancy is unchanged).
 
@@ -76,10 +77,11 @@ def _mix_producer(q_desc, k_desc, v_desc, h_desc, w_desc, q_smem, k_bufs, v_bufs
 
 
 @gluon.jit
-def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, alpha_ptr, q_row, q_first, NQ,
+def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, logit_ptr, q_row, q_first, NQ,
                     EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr):
     """O_s (stored with ``STORE``); O_l from the Q tile ``q_tile`` and ``H_i`` (``h_tile``, shared memory, q's
-    dtype) (stored with ``STORE``); the combined O with SLA's ``W^T`` (``w_tile``) or SLA2's alpha. ``o_s``:
+    dtype) (stored with ``STORE``); the combined O with SLA's ``W^T`` (``w_tile``) or SLA2's alpha (the sigmoid of
+    the fp32 logit at ``logit_ptr``, rounded to q's dtype). ``o_s``:
     ``(BM, D)`` in q's dtype on the wgmma accumulator layout."""
     BM: gl.constexpr = q_tile.type.shape[0]
     D: gl.constexpr = q_tile.type.shape[1]
@@ -103,13 +105,14 @@ def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, b
         out = o_s.to(gl.float32) + out + gl.expand_dims(gl.load(bias_ptr + cols).to(dtype).to(gl.float32), 0)
     else:
         lin = o_l.to(gl.float32)
-        out = lin + gl.load(alpha_ptr).to(dtype).to(gl.float32) * (o_s.to(gl.float32) - lin)
+        alpha = (1.0 / (1.0 + gl.exp(-gl.load(logit_ptr).to(gl.float32)))).to(dtype).to(gl.float32)
+        out = lin + alpha * (o_s.to(gl.float32) - lin)
     store_rows(o_ptr, out.to(dtype), q_row, q_first, NQ)
 
 
 @gluon.jit
 def _mix_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr,
-                  alpha_ptr, idx_ptr, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr,
+                  logit_ptr, idx_ptr, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr,
                   SCALE2: gl.constexpr, EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr,
                   num_warps: gl.constexpr):
     """``attend``; the LSE; then ``linear_epilogue`` with ``H_i`` in the K slots (and ``W^T`` in the V slots)."""
@@ -118,13 +121,13 @@ def _mix_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, o
     store_lse(lse_ptr, m_i, l_i, q_row, q_first, NQ)
     o_s = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout)), 1)).to(q_smem.dtype)
     mbarrier.wait(q_bar, 1)                       # H_i (and W^T) in the released slots
-    linear_epilogue(q_smem, _square(k_bufs), _square(v_bufs), o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, alpha_ptr,
+    linear_epilogue(q_smem, _square(k_bufs), _square(v_bufs), o_s, o_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr, logit_ptr,
                     q_row, q_first, NQ, EPS, FMAP, MIX, STORE)
 
 
 @gluon.jit
 def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr, bias_ptr,
-                   alpha_ptr, idx_ptr, H, GROUP, NQ, NK, TQ, TOPK, alpha_h, BLOCK_Q: gl.constexpr,
+                   logit_ptr, idx_ptr, H, GROUP, NQ, NK, TQ, TOPK, logit_h, BLOCK_Q: gl.constexpr,
                    BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr,
                    FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr, STAGES: gl.constexpr,
                    num_warps: gl.constexpr):
@@ -137,7 +140,7 @@ def _ws_mix_kernel(q_desc, k_desc, v_desc, h_desc, w_desc, o_ptr, lse_ptr, os_pt
 
     gl.warp_specialize([
         (_mix_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr,
-                         z_ptr + state * D, bias_ptr, alpha_ptr + h * alpha_h + qblk, idx, q_row, q_first, NQ, NK,
+                         z_ptr + state * D, bias_ptr, logit_ptr + h * logit_h + qblk, idx, q_row, q_first, NQ, NK,
                          TOPK, BLOCK_K, SCALE2, EPS, FMAP, MIX, STORE, num_warps)),
         (_mix_producer, (q_desc, k_desc, v_desc, h_desc, w_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx,
                          q_row, kv_row, (bh * TQ + qblk) * D, TOPK, BLOCK_K, MIX)),  # int32: a TMA row
@@ -157,13 +160,14 @@ def linear_operands(q, rows_h, weight_t, gl_dtype, store: bool):
     return h_desc, w_desc, mix, torch.empty_like(q), q.new_empty(bsz, heads, nq, dtype=torch.float32), o_s, o_l
 
 
-def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q: int, block_k: int,
-                             scale: float, feature_map: str, eps: float, store: bool):
+def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
+                             block_k: int, scale: float, feature_map: str, eps: float, store: bool):
     """``(out, lse, o_s, o_l)``: the sparse branch over ``indices`` (``block_sparse.fwd_ws.ws_block_forward``)
     mixed with the masked linear branch of the query-block states ``rows_h (B, H, Tq, D, D)`` (q's dtype) and
     ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` contiguous in q's
-    dtype, ``bias (D,)`` contiguous, alpha None) or SLA2's ``O_l + alpha (O_s - O_l)`` (``alpha (1 or H, Tq)``
-    contiguous; weight_t and bias None); bias and alpha in any float dtype, rounded to q's in the kernel. o_s and
+    dtype, ``bias (D,)`` contiguous, alpha_logit None) or SLA2's ``O_l + alpha (O_s - O_l)`` with ``alpha =
+    sigmoid(alpha_logit)`` (``alpha_logit (1 or H, Tq)`` contiguous; weight_t and bias None); bias and alpha in any
+    float dtype, rounded to q's in the kernel (alpha after an fp32 sigmoid). o_s and
     o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them), else empty. Takes the bf16 calls
     ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's first slots at both head dims)."""
     bsz, heads, nq, d = q.shape
@@ -173,8 +177,8 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     h_desc, w_desc, mix, out, lse, o_s, o_l = linear_operands(q, rows_h, weight_t, gl_dtype, store)
     launcher(_ws_mix_kernel)[(tq * (block_q // tiles["bm"]), bsz * heads)](
         q_desc, k_desc, v_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
-        q if bias is None else bias, q if alpha is None else alpha, indices, heads, heads // k.shape[1], nq,
-        k.shape[2], tq, topk, tq if alpha is not None and alpha.shape[0] > 1 else 0, BLOCK_Q=block_q,
+        q if bias is None else bias, q if alpha_logit is None else alpha_logit, indices, heads, heads // k.shape[1],
+        nq, k.shape[2], tq, topk, tq if alpha_logit is not None and alpha_logit.shape[0] > 1 else 0, BLOCK_Q=block_q,
         BLOCK_K=block_k, Q_SPLIT=block_q // tiles["bm"], SCALE2=float(scale * LOG2E), EPS=float(eps),
         FMAP=feature_code(feature_map), MIX=mix, STORE=store, STAGES=tiles["stages"], num_warps=tiles["bm"] // 16,
         maxnreg=tiles["maxnreg"])
@@ -184,16 +188,16 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
 @torch.library.custom_op("flexsparse::sparse_linear_ws", mutates_args=())
 def sparse_linear_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, rows_h: torch.Tensor,
                      rows_z: torch.Tensor, weight_t: torch.Tensor | None, bias: torch.Tensor | None,
-                     alpha: torch.Tensor | None, block_q: int, block_k: int, scale: float, feature_map: str,
+                     alpha_logit: torch.Tensor | None, block_q: int, block_k: int, scale: float, feature_map: str,
                      eps: float, store: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ws_sparse_linear_forward`` as an opaque custom op (its kernel is launched directly, not traced by
     ``torch.compile``: ``wrap_triton`` does not take Gluon kernels)."""
-    return ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q, block_k, scale,
-                                    feature_map, eps, store)
+    return ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
+                                    scale, feature_map, eps, store)
 
 
 @sparse_linear_ws.register_fake
-def _sparse_linear_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q, block_k, scale,
+def _sparse_linear_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
                            feature_map, eps, store):
     side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side

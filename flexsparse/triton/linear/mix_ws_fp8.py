@@ -52,7 +52,7 @@ def _mix_producer(q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, q_smem, qb_s
 
 @gluon.jit
 def _mix_consumer(q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr,
-                  bias_ptr, alpha_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, NK, n_steps,
+                  bias_ptr, logit_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, NK, n_steps,
                   BLOCK_K: gl.constexpr, SCALE: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr,
                   FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr, FRESH_ACC: gl.constexpr,
                   num_warps: gl.constexpr):
@@ -66,13 +66,13 @@ def _mix_consumer(q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, l
     o_s = gl.convert_layout(o_s.to(dtype), block_fwd_ws.mma_layout(num_warps, D))
     mbarrier.wait(q_bar, 1)                       # Q in q's dtype, H_i (and W^T) in the released slots
     linear_epilogue(qb_smem, _as_square(k_bufs, dtype, D), _as_square(v_bufs, dtype, D), o_s, o_ptr, os_ptr, ol_ptr,
-                    z_ptr, bias_ptr, alpha_ptr, q_row, q_first, NQ, EPS, FMAP, MIX, STORE)
+                    z_ptr, bias_ptr, logit_ptr, q_row, q_first, NQ, EPS, FMAP, MIX, STORE)
 
 
 @gluon.jit
 def _ws_mix_fp8_kernel(q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, o_ptr, lse_ptr, os_ptr, ol_ptr, z_ptr,
-                       bias_ptr, alpha_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP, NQ, NK, TQ, TK, TOPK,
-                       alpha_h, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
+                       bias_ptr, logit_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP, NQ, NK, TQ, TK, TOPK,
+                       logit_h, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr, FMAP: gl.constexpr,
                        MIX: gl.constexpr, STORE: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
                        num_warps: gl.constexpr):
@@ -88,7 +88,7 @@ def _ws_mix_fp8_kernel(q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, o_ptr, 
 
     gl.warp_specialize([
         (_mix_consumer, (q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr,
-                         z_ptr + state * D, bias_ptr, alpha_ptr + h * alpha_h + qblk, idx, kd_ptr + hk * TK,
+                         z_ptr + state * D, bias_ptr, logit_ptr + h * logit_h + qblk, idx, kd_ptr + hk * TK,
                          vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE,
                          SCALE2, EPS, FMAP, MIX, STORE, FRESH_ACC, num_warps)),
         (_mix_producer, (q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, q_smem, qb_smem, k_bufs, v_bufs, q_bar,
@@ -117,8 +117,8 @@ def supported(q: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: int
     return q.shape[3] == 128 and block_k == 64 and block_q % 64 == 0 and indices.shape[3] > 0
 
 
-def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q: int, block_k: int,
-                                 scale: float, feature_map: str, eps: float, store: bool):
+def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
+                                 block_k: int, scale: float, feature_map: str, eps: float, store: bool):
     """``mix_ws.ws_sparse_linear_forward`` with the FP8 sparse branch (``fp8_quant.quantize_qkv``'s pre-pass, then
     one kernel): ``(out, lse, o_s, o_l)``, o_s the FP8 branch's output in q's dtype. Arguments and ``store`` as
     there (see ``supported``)."""
@@ -132,9 +132,9 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
     h_desc, w_desc, mix, out, lse, o_s, o_l = linear_operands(q, rows_h, weight_t, gl.bfloat16, store)
     launcher(_ws_mix_fp8_kernel)[(tq * (block_q // fwd_ws_fp8.BM), bsz * heads)](
         q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
-        q if bias is None else bias, q if alpha is None else alpha, indices, q_scales, 1.0 / k_scales, v_scales,
-        k_mean, heads, heads // k.shape[1], nq, k.shape[2], tq, k_scales.shape[2], topk,
-        tq if alpha is not None and alpha.shape[0] > 1 else 0, BLOCK_Q=block_q, BLOCK_K=block_k,
+        q if bias is None else bias, q if alpha_logit is None else alpha_logit, indices, q_scales, 1.0 / k_scales,
+        v_scales, k_mean, heads, heads // k.shape[1], nq, k.shape[2], tq, k_scales.shape[2], topk,
+        tq if alpha_logit is not None and alpha_logit.shape[0] > 1 else 0, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // fwd_ws_fp8.BM, SCALE=float(scale), SCALE2=float(scale * block_fwd_ws.LOG2E),
         EPS=float(eps), FMAP=feature_code(feature_map), MIX=mix, STORE=store, STAGES=ring_stages(d),
         FRESH_ACC=tiles["fresh_acc"], num_warps=fwd_ws_fp8.BM // 16, maxnreg=registers(d))
@@ -144,16 +144,16 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
 @torch.library.custom_op("flexsparse::sparse_linear_fp8_ws", mutates_args=())
 def sparse_linear_fp8_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                          rows_h: torch.Tensor, rows_z: torch.Tensor, weight_t: torch.Tensor | None,
-                         bias: torch.Tensor | None, alpha: torch.Tensor | None, block_q: int, block_k: int,
+                         bias: torch.Tensor | None, alpha_logit: torch.Tensor | None, block_q: int, block_k: int,
                          scale: float, feature_map: str, eps: float,
                          store: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ws_sparse_linear_forward_fp8`` as an opaque custom op (``wrap_triton`` does not take Gluon kernels)."""
-    return ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q, block_k,
+    return ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
                                         scale, feature_map, eps, store)
 
 
 @sparse_linear_fp8_ws.register_fake
-def _sparse_linear_fp8_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha, block_q, block_k, scale,
+def _sparse_linear_fp8_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
                                feature_map, eps, store):
     side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side

@@ -219,19 +219,20 @@ def masked_linear_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped:
     return dq.to(q.dtype), dk.to(k.dtype), dv.flatten(2, 3)[:, :, :nk].to(v.dtype)
 
 
-def lerp_mix_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, alpha: torch.Tensor,
+def lerp_mix_backward(dout: torch.Tensor, o_s: torch.Tensor, o_l: torch.Tensor, alpha_logit: torch.Tensor,
                       block_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, partial (B, H, Tq))``, the
-    partial fp32 per batch element and head (``flexsparse::lerp_mix_bwd``'s CPU branch; the op sums it to d alpha).
-    dout, o_s, o_l ``(B, H, Nq, D)``; alpha ``(1 or H, Tq)``, any float dtype, rounded to dout's (the forward's
-    mixing value)."""
+    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``, ``alpha = sigmoid(alpha_logit)``: ``(d o_s,
+    d O_l, partial (B, H, Tq))``, the partial of the logit's gradient fp32 per batch element and head
+    (``flexsparse::lerp_mix_bwd``'s CPU branch; the op sums it). dout, o_s, o_l ``(B, H, Nq, D)``; alpha_logit
+    ``(1 or H, Tq)``, any float dtype (alpha, its fp32 sigmoid, rounded to dout's: the forward's mixing value)."""
     bsz, heads, n, d = dout.shape
-    tq = alpha.shape[-1]
-    alpha = alpha.to(dout.dtype)
-    a = alpha[:, torch.arange(n, device=dout.device) // block_q].unsqueeze(-1).to(accumulation_dtype(dout.dtype))
+    tq = alpha_logit.shape[-1]
+    alpha = torch.sigmoid(alpha_logit.float())
+    a = alpha.to(dout.dtype)[:, torch.arange(n, device=dout.device) // block_q].unsqueeze(-1)
+    a = a.to(accumulation_dtype(dout.dtype))
     d_os, d_ol = (dout * a).to(dout.dtype), (dout * (1 - a)).to(dout.dtype)
     diff = o_s - o_l
     if tq * block_q != n:                       # ragged last block: zero padded tokens
         dout, diff = (F.pad(x, (0, 0, 0, tq * block_q - n)) for x in (dout, diff))
     dots = torch.bmm(dout.reshape(-1, 1, block_q * d), diff.reshape(-1, block_q * d, 1))   # (B H Tq, 1, 1)
-    return d_os, d_ol, dots.view(bsz, heads, tq).float()
+    return d_os, d_ol, dots.view(bsz, heads, tq).float() * (alpha * (1 - alpha)).unsqueeze(0)

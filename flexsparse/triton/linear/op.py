@@ -7,7 +7,8 @@
 key-major dk / dv over the CSC of ``skipped``), or with many skipped blocks the sums as block matmuls
 (``dense``, ``fwd.dense``); phi and its gradient run in-kernel. ``masked_linear_mix``
 (differentiable, kernels only): the branch with the methods' combine in its output kernel (SLA's
-``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp, whose backward is ``lerp_mix_bwd``: kernel ``lerp_bwd``).
+``O_s + O_l W^T + b``, SLA2's ``alpha`` lerp from alpha's logits, whose backward is ``lerp_mix_bwd``: kernel
+``lerp_bwd``).
 
 Memory: the op returns the query-block states ``H_i (B, H, Tq, D, D)`` and ``Z_i (B, H, Tq, D)`` (saved for
 backward; H_i bf16 for bf16 inputs on the kernels, about ``D / block_q`` times the size of q, else fp32; Z_i
@@ -95,40 +96,42 @@ masked_linear.register_autograd(_backward, setup_context=_setup)
 
 @triton_op("flexsparse::masked_linear_mix")
 def masked_linear_mix(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, o_s: Tensor, weight: Optional[Tensor],
-                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, feature_map: str,
-                      eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      bias: Optional[Tensor], alpha_logit: Optional[Tensor], block_q: int, block_k: int,
+                      feature_map: str, eps: float, store_linear: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The masked linear branch O_l (``masked_linear``) combined with the sparse output ``o_s (B, H, Nq, D)`` in
-    the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``, alpha
-    None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha (1 or H, Tq)`` per query block; weight and bias
-    None). weight is cast to q's dtype, bias and alpha are rounded to it in the kernel, O_l is rounded to it before
-    mixing (as the unfused methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when
+    the branch's output kernel: ``out = o_s + O_l W^T + bias`` (SLA: ``weight (D, D)``, ``bias (D,)``,
+    alpha_logit None) or ``out = O_l + alpha (o_s - O_l)`` (SLA2: ``alpha = sigmoid(alpha_logit)``, ``alpha_logit
+    (1 or H, Tq)`` per query block; weight and bias None). weight is cast to q's dtype; bias and alpha (an fp32
+    sigmoid in the kernel) are rounded to it in the kernel, O_l is rounded to it before mixing (as the unfused
+    methods do). Returns ``(out, o_l, rows_h, rows_z)``: o_l ``(B, H, Nq, D)`` when
     ``store_linear`` (the backward needs it) else empty, and the query-block states (``masked_linear``). Runs the
     kernels only (``linear_kernels(q)``)."""
     if not linear_kernels(q):
         raise ValueError("flexsparse::masked_linear_mix runs the Triton kernels only (CUDA, or CPU with "
                          f"TRITON_INTERPRET=1; fp16 / bf16 / fp32; D <= {MAX_KERNEL_D}), got {q.dtype} q of head dim "
                          f"{q.shape[-1]} on {q.device.type}; use masked_linear and combine in PyTorch")
-    if (weight is None) == (alpha is None):
-        raise ValueError("masked_linear_mix takes either weight (and bias) or alpha")
+    if (weight is None) == (alpha_logit is None):
+        raise ValueError("masked_linear_mix takes either weight (and bias) or alpha_logit")
     from .fwd import Mix, linear_forward
     weight = None if weight is None else weight.to(q.dtype).contiguous()
-    bias, alpha = _mix_scalars(q, weight, bias, alpha)
+    bias, alpha_logit = _mix_scalars(q, weight, bias, alpha_logit)
     out, rows_h, rows_z, o_l = linear_forward(*contiguous(q, k, v, skipped), block_q, block_k, feature_map, eps,
-                                              mix=Mix(o_s.contiguous(), weight, bias, alpha, store_linear))
+                                              mix=Mix(o_s.contiguous(), weight, bias, alpha_logit, store_linear))
     return out, (q.new_empty(0) if o_l is None else o_l), rows_h, rows_z
 
 
-def _mix_scalars(q: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha: Optional[Tensor]):
-    """``(bias, alpha)`` as the mix kernels take them: contiguous, uncast (the kernels round them to q's dtype);
-    SLA's missing bias as zeros, None where the mix has none."""
+def _mix_scalars(q: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha_logit: Optional[Tensor]):
+    """``(bias, alpha_logit)`` as the mix kernels take them: contiguous, uncast (the kernels round the bias and
+    alpha to q's dtype); SLA's missing bias as zeros, None where the mix has none."""
     bias = None if weight is None else q.new_zeros(q.shape[-1]) if bias is None else bias.contiguous()
-    return bias, None if alpha is None else alpha.contiguous()
+    return bias, None if alpha_logit is None else alpha_logit.contiguous()
 
 
 def _mix_setup(ctx, inputs, output):
-    q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k, feature_map, eps, _ = inputs
+    q, k, v, skipped, o_s, weight, bias, alpha_logit, block_q, block_k, feature_map, eps, _ = inputs
     _, o_l, rows_h, rows_z = output
-    ctx.save_for_backward(q, k, v, skipped, rows_h, rows_z, o_l, o_s if alpha is not None else None, weight, alpha)
+    ctx.save_for_backward(q, k, v, skipped, rows_h, rows_z, o_l, o_s if alpha_logit is not None else None, weight,
+                          alpha_logit)
     ctx.mark_non_differentiable(o_l, rows_h, rows_z)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of o_l and the query-block states
     ctx.args = (block_q, block_k, feature_map, eps)
@@ -136,27 +139,28 @@ def _mix_setup(ctx, inputs, output):
 
 
 @triton_op("flexsparse::lerp_mix_bwd")
-def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha: Tensor,
+def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha_logit: Tensor,
                  block_q: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``: ``(d o_s, d O_l, d alpha)``. dout, o_s, o_l
-    ``(B, H, Nq, D)`` one dtype; alpha ``(1 or H, Tq)`` in any float dtype, rounded to theirs (as the forward
-    mixed); ``d o_s = alpha dout`` and ``d O_l = (1 - alpha) dout`` in fp32, rounded once; d alpha fp32, summed
-    over each query block's tokens and the head dim, then the batch (and the heads for one alpha row). Kernel
-    ``lerp_bwd`` (one pass); the PyTorch path is the same math in several passes."""
+    """Gradients of SLA2's combine ``out = O_l + alpha (o_s - O_l)``, ``alpha = sigmoid(alpha_logit)``: ``(d o_s,
+    d O_l, d alpha_logit)``. dout, o_s, o_l ``(B, H, Nq, D)`` one dtype; alpha_logit ``(1 or H, Tq)`` in any float
+    dtype (alpha, its fp32 sigmoid, rounded to theirs as the forward mixed); ``d o_s = alpha dout`` and ``d O_l =
+    (1 - alpha) dout`` in fp32, rounded once; d alpha_logit fp32: ``dout . (o_s - O_l)`` summed over each query
+    block's tokens and the head dim, times ``alpha (1 - alpha)``, then summed over the batch (and the heads for one
+    logit row). Kernel ``lerp_bwd`` (one pass); the PyTorch path is the same math in several passes."""
     if use_kernels(dout):
         from .lerp_bwd import lerp_backward
-        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha), block_q)
+        d_os, d_ol, part = lerp_backward(*contiguous(dout, o_s, o_l, alpha_logit), block_q)
     else:
-        d_os, d_ol, part = naive.lerp_mix_backward(dout, o_s, o_l, alpha, block_q)
-    return d_os, d_ol, part.sum(0) if alpha.shape[0] > 1 else part.sum((0, 1)).unsqueeze(0)   # part (B, H, Tq)
+        d_os, d_ol, part = naive.lerp_mix_backward(dout, o_s, o_l, alpha_logit, block_q)
+    return d_os, d_ol, part.sum(0) if alpha_logit.shape[0] > 1 else part.sum((0, 1)).unsqueeze(0)   # part (B, H, Tq)
 
 
 def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
-                   alpha: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
-    """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha)`` (None where absent)."""
+                   alpha_logit: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
+    """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha_logit)`` (None where absent)."""
     if o_l.numel() == 0:
         raise RuntimeError("the linear branch was mixed with store_linear=False; pass True when gradients are needed")
-    d_weight = d_bias = d_alpha = None
+    d_weight = d_bias = d_logit = None
     if weight is not None:                          # out = o_s + O_l W^T + b
         from .dense import matmul
         d_os, d_ol = dout, dout @ weight.to(dout.dtype)
@@ -164,16 +168,17 @@ def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Opt
         d_weight = matmul(flat.T.unsqueeze(0), o_l.flatten(0, 2).unsqueeze(0), weight.dtype)[0]  # one rounding
         d_bias = None if bias_dtype is None else flat.sum(0, dtype=bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
-        d_os, d_ol, d_alpha = lerp_mix_bwd(dout, o_s, o_l, alpha, block_q)
-        d_alpha = d_alpha.to(alpha.dtype)
-    return d_os, d_ol, d_weight, d_bias, d_alpha
+        d_os, d_ol, d_logit = lerp_mix_bwd(dout, o_s, o_l, alpha_logit, block_q)
+        d_logit = d_logit.to(alpha_logit.dtype)
+    return d_os, d_ol, d_weight, d_bias, d_logit
 
 
 def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
-    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha = ctx.saved_tensors
-    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, ctx.args[0], ctx.bias_dtype)
+    q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha_logit = ctx.saved_tensors
+    d_os, d_ol, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, ctx.args[0],
+                                                           ctx.bias_dtype)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
-    return dq, dk, dv, None, d_os, d_weight, d_bias, d_alpha, None, None, None, None, None
+    return dq, dk, dv, None, d_os, d_weight, d_bias, d_logit, None, None, None, None, None
 
 
 masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
@@ -181,7 +186,7 @@ masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
 
 @triton_op("flexsparse::sparse_linear_mix")
 def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped: Tensor, weight: Optional[Tensor],
-                      bias: Optional[Tensor], alpha: Optional[Tensor], block_q: int, block_k: int, scale: float,
+                      bias: Optional[Tensor], alpha_logit: Optional[Tensor], block_q: int, block_k: int, scale: float,
                       deterministic: bool, feature_map: str, eps: float, store_linear: bool,
                       fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE
@@ -194,7 +199,7 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``)."""
     from ..block_sparse.op import block_attn, block_attn_fp8
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
-    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale,
+    mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
                                       feature_map, eps, store_linear, fp8)
     if mixed is not None:
         return mixed
@@ -202,13 +207,13 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
         o_s, lse = block_attn_fp8.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     else:
         o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
-    out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha, block_q, block_k,
-                                                      feature_map, eps, store_linear)
+    out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha_logit, block_q,
+                                                      block_k, feature_map, eps, store_linear)
     return out, lse, o_s, o_l, rows_h, rows_z
 
 
-def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, block_q, block_k, scale, feature_map,
-                              eps, store_linear, fp8=False):
+def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
+                              feature_map, eps, store_linear, fp8=False):
     """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
     epilogue (``mix_ws``, or with ``fp8`` ``mix_ws_fp8`` on the FP8 sparse forward; O_s is not stored without
     ``store_linear``), or ``None`` where it does not run: where the sparse forward would not run its Gluon kernel
@@ -229,21 +234,21 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha, bl
     if states is None:
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
-    bias, alpha = _mix_scalars(q, weight, bias, alpha)
+    bias, alpha_logit = _mix_scalars(q, weight, bias, alpha_logit)
     if fp8:
         run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
     else:
         run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
-    out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha, block_q, block_k, scale, feature_map,
-                             eps, store_linear)
+    out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha_logit, block_q, block_k, scale,
+                             feature_map, eps, store_linear)
     return out, lse, o_s, o_l, *states
 
 
 def _sparse_mix_setup(ctx, inputs, output):
-    q, k, v, indices, skipped, weight, bias, alpha = inputs[:8]
+    q, k, v, indices, skipped, weight, bias, alpha_logit = inputs[:8]
     block_q, block_k, scale, deterministic, feature_map, eps = inputs[8:14]
     _, lse, o_s, o_l, rows_h, rows_z = output
-    ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha)
+    ctx.save_for_backward(q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha_logit)
     ctx.mark_non_differentiable(o_s, o_l, rows_h, rows_z)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of the internal outputs
     ctx.args = (block_q, block_k, scale, deterministic, feature_map, eps)
@@ -252,15 +257,16 @@ def _sparse_mix_setup(ctx, inputs, output):
 
 def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
     from ..block_sparse.op import block_attn_bwd
-    q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha = ctx.saved_tensors
+    q, k, v, indices, skipped, rows_h, rows_z, o_s, lse, o_l, weight, alpha_logit = ctx.saved_tensors
     block_q, block_k, scale, deterministic, feature_map, eps = ctx.args
     if dout is None:                                # only the LSE reaches the loss
         dout = torch.zeros_like(o_s)
-    d_os, d_ol, d_weight, d_bias, d_alpha = _combine_grads(dout, o_s, o_l, weight, alpha, block_q, ctx.bias_dtype)
+    d_os, d_ol, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, block_q,
+                                                           ctx.bias_dtype)
     dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
     dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
                                    dv, o_l)
-    return (dq, dk, dv, None, None, d_weight, d_bias, d_alpha) + (None,) * 8
+    return (dq, dk, dv, None, None, d_weight, d_bias, d_logit) + (None,) * 8
 
 
 sparse_linear_mix.register_autograd(_sparse_mix_backward, setup_context=_sparse_mix_setup)
