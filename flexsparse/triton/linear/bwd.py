@@ -2,7 +2,9 @@
 
 With ``y = phi(Q_i) [H_i | Z_i] = [num | den]`` and ``O = num / (eps + den)``:
 
-* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``:
+* ``_query_grad_kernel``: one program per (query block i, batch x query head), from the saved ``H_i``, ``Z_i``
+  (with ``PROJ``, SLA's combine ``out = O_s + O W^T + b``: ``dO = d out W`` first, rounded to q's dtype as one
+  matmul would round it):
   ``dy = [dO, -rowsum(dO . O)] / (eps + den)`` (O: the forward's output in q's dtype when given, ``SAVED``;
   else recomputed in fp32), ``dphi(Q_i) = dy [H_i | Z_i]^T`` -> dq
   through phi's gradient, and ``d[H_i | Z_i] = phi(Q_i)^T dy`` (stored in ``fwd.state_dtype``). Q is also
@@ -32,10 +34,10 @@ from .._runtime.registry import launching_directly
 
 
 @triton.jit
-def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ, D: tl.constexpr,
-                       BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                       FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr, SAVED: tl.constexpr,
-                       PARTS: tl.constexpr):
+def _query_grad_kernel(Q, DO, W, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.constexpr, NQ, TQ,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+                       SPLIT: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr,
+                       SAVED: tl.constexpr, PROJ: tl.constexpr, PARTS: tl.constexpr):
     part = tl.program_id(0)                        # PARTS programs per query block, SPLIT // PARTS tiles each
     i = part // PARTS
     TILES: tl.constexpr = SPLIT // PARTS
@@ -64,7 +66,11 @@ def _query_grad_kernel(Q, DO, ROWS_H, ROWS_Z, OL, DQ_ADD, DQ, DHQ, DZQ, EPS: tl.
             out = tl.load(OL + ptr, mask=mask, other=0.0).to(tl.float32)
         else:
             out = dot(phi, state_h, BF16) / den[:, None]
-        g = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DO + ptr, mask=mask, other=0.0)
+        if PROJ:                                   # W (D_out, D_in) in q's dtype, loaded per tile: live briefly
+            w = tl.load(W + dim[:, None] * D + dim[None, :], mask=hmask, other=0.0).to(DQ.dtype.element_ty)
+            g = dot(g, w, BF16).to(DQ.dtype.element_ty)
+        g = g.to(tl.float32)
         dy_num = g / den[:, None]
         dy_den = -tl.sum(g * out, axis=1) / den
         dphi = dot(dy_num, tl.trans(state_h), BF16) + dy_den[:, None] * state_z[None, :]
@@ -138,13 +144,16 @@ def register_cap(tiles: dict, kernel: str, n_split: int) -> dict:
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
                     rows_h: torch.Tensor, rows_z: torch.Tensor, block_q: int, block_k: int, feature_map: str,
-                    eps: float, tiles: dict | None = None, add: tuple | None = None, o_l: torch.Tensor | None = None):
+                    eps: float, tiles: dict | None = None, add: tuple | None = None, o_l: torch.Tensor | None = None,
+                    weight: torch.Tensor | None = None):
     """``(dq, dk, dv)`` of ``fwd.linear_forward`` from ``do (B, H, Nq, D)`` and its saved query-block states
     ``rows_h (B, H, Tq, D, D)``, ``rows_z (B, H, Tq, D)``. Shapes and dtypes as ``linear_forward``; all
     contiguous. ``add``: ``(dq, dk, dv)`` of another branch (shapes and dtypes of q, k, v, contiguous), added in
     fp32 before the one rounding of the stores (one pass over each instead of a separate sum). ``o_l``: the
     forward's O_l ``(B, H, Nq, D)`` in q's dtype, contiguous; the query-gradient kernel reads it instead of
-    recomputing ``phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` (one matrix product fewer per tile)."""
+    recomputing ``phi(Q_i) H_i / (eps + phi(Q_i) . Z_i)`` (one matrix product fewer per tile). ``weight``: SLA's
+    ``W (D, D)`` (any float dtype, contiguous): ``do`` is then the gradient of ``O_s + O_l W^T + b``, and the
+    branch's own, ``do W`` in q's dtype, is made in the query-gradient kernel."""
     bsz, heads, nq, d = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     tq, tk = skipped.shape[2], cdiv(nk, block_k)
@@ -158,9 +167,10 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d_hq = q.new_empty(bsz, heads, tq * parts, d, d, dtype=dt)
     d_zq = q.new_empty(bsz, heads, tq * parts, d, dtype=dt)
     launcher(_query_grad_kernel)[(tq * parts, bsz * heads)](
-        q, do, rows_h, rows_z, q if o_l is None else o_l, dq if add is None else add[0], dq, d_hq, d_zq, float(eps),
-        nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile, SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None,
-        SAVED=o_l is not None, PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
+        q, do, q if weight is None else weight, rows_h, rows_z, q if o_l is None else o_l,
+        dq if add is None else add[0], dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
+        SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None, SAVED=o_l is not None, PROJ=weight is not None,
+        PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
         from .dense import keep_rows, key_sums
         d_ht, d_zt = key_sums(keep_rows(skipped, tk, dt, parts), d_hq, d_zq, kv_heads)

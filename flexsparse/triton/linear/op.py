@@ -57,11 +57,13 @@ def masked_linear(q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, block_q: int
 def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tensor, rows_h: Tensor, rows_z: Tensor,
                       block_q: int, block_k: int, feature_map: str, eps: float, dq_add: Optional[Tensor] = None,
                       dk_add: Optional[Tensor] = None, dv_add: Optional[Tensor] = None,
-                      o_l: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                      o_l: Optional[Tensor] = None, weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``masked_linear`` from ``do`` and its saved query-block states ``rows_h``,
     ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
     all three or none; the kernels add them before their one rounding). ``o_l``: the forward's output O_l (q's
-    dtype), which the kernels read instead of recomputing it (the PyTorch path recomputes it).
+    dtype), which the kernels read instead of recomputing it (the PyTorch path recomputes it). ``weight``: SLA's
+    ``W (D, D)``; ``do`` is then the gradient of the combine ``O_s + O_l W^T + b`` and the branch's, ``do W`` in q's
+    dtype, is made in the query-gradient kernel (a cast and a matmul fewer).
 
     With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
@@ -72,7 +74,10 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
         from .bwd import linear_backward
         return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
                                eps, add=None if adds is None else contiguous(*adds),
-                               o_l=None if o_l is None else o_l.contiguous())
+                               o_l=None if o_l is None else o_l.contiguous(),
+                               weight=None if weight is None else weight.contiguous())
+    if weight is not None:
+        do = do @ weight.to(do.dtype)
     grads = naive.masked_linear_backward(do, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps)
     return grads if adds is None else tuple(g + a for g, a in zip(grads, adds))
 
@@ -157,27 +162,29 @@ def lerp_mix_bwd(dout: Tensor, o_s: Tensor, o_l: Tensor, alpha_logit: Tensor,
 
 def _combine_grads(dout: Tensor, o_s: Optional[Tensor], o_l: Tensor, weight: Optional[Tensor],
                    alpha_logit: Optional[Tensor], block_q: int, bias_dtype: Optional[torch.dtype]):
-    """Gradients of the combine: ``(d o_s, d O_l, d weight, d bias, d alpha_logit)`` (None where absent)."""
+    """Gradients of the combine: ``(d o_s, upstream, d weight, d bias, d alpha_logit)`` (None where absent),
+    ``upstream`` the linear branch's gradient as ``masked_linear_bwd`` takes it with the combine's ``weight``: SLA's
+    ``dout`` (its kernel makes ``d O_l = dout W``), SLA2's ``d O_l``."""
     if o_l.numel() == 0:
         raise RuntimeError("the linear branch was mixed with store_linear=False; pass True when gradients are needed")
     d_weight = d_bias = d_logit = None
     if weight is not None:                          # out = o_s + O_l W^T + b
         from .dense import matmul
-        d_os, d_ol = dout, dout @ weight.to(dout.dtype)
+        d_os, upstream = dout, dout
         flat = dout.flatten(0, 2)
         d_weight = matmul(flat.T.unsqueeze(0), o_l.flatten(0, 2).unsqueeze(0), weight.dtype)[0]  # one rounding
         d_bias = None if bias_dtype is None else flat.sum(0, dtype=bias_dtype)
     else:                                           # out = O_l + alpha (o_s - O_l)
-        d_os, d_ol, d_logit = lerp_mix_bwd(dout, o_s, o_l, alpha_logit, block_q)
+        d_os, upstream, d_logit = lerp_mix_bwd(dout, o_s, o_l, alpha_logit, block_q)
         d_logit = d_logit.to(alpha_logit.dtype)
-    return d_os, d_ol, d_weight, d_bias, d_logit
+    return d_os, upstream, d_weight, d_bias, d_logit
 
 
 def _mix_backward(ctx, dout, _do_l, _drows_h, _drows_z):
     q, k, v, skipped, rows_h, rows_z, o_l, o_s, weight, alpha_logit = ctx.saved_tensors
-    d_os, d_ol, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, ctx.args[0],
-                                                           ctx.bias_dtype)
-    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l)
+    d_os, upstream, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, ctx.args[0],
+                                                               ctx.bias_dtype)
+    dq, dk, dv = masked_linear_bwd(upstream, q, k, v, skipped, rows_h, rows_z, *ctx.args, o_l=o_l, weight=weight)
     return dq, dk, dv, None, d_os, d_weight, d_bias, d_logit, None, None, None, None, None
 
 
@@ -261,11 +268,11 @@ def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
     block_q, block_k, scale, deterministic, feature_map, eps = ctx.args
     if dout is None:                                # only the LSE reaches the loss
         dout = torch.zeros_like(o_s)
-    d_os, d_ol, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, block_q,
-                                                           ctx.bias_dtype)
+    d_os, upstream, d_weight, d_bias, d_logit = _combine_grads(dout, o_s, o_l, weight, alpha_logit, block_q,
+                                                               ctx.bias_dtype)
     dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
-    dq, dk, dv = masked_linear_bwd(d_ol, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq, dk,
-                                   dv, o_l)
+    dq, dk, dv = masked_linear_bwd(upstream, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq,
+                                   dk, dv, o_l, weight)
     return (dq, dk, dv, None, None, d_weight, d_bias, d_logit) + (None,) * 8
 
 
