@@ -75,12 +75,12 @@ def test_kernel_equals_sorted_topk(b, h, hk, tq, tk, d, topk, bottomk, row_limit
 
 def _two_kernel_path(monkeypatch):
     """Rows of every length through the score scratch and the selection kernel (no fused score-and-select)."""
-    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", '{"block_topk": {"FUSED_KEYS": 0}}')
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", '{"block_topk": {"FUSED_TILE": 0}}')
 
 
 @cpu_only
 def test_both_paths_equal_sorted_topk(monkeypatch):
-    """Short rows score and select in one kernel, or (FUSED_KEYS = 0) through the scratch and the selection kernel:
+    """Short rows score and select in one kernel, or (FUSED_TILE = 0) through the scratch and the selection kernel:
     the same sets as the sort, on ragged GQA inputs with a bottom set and on random inputs."""
     gen = torch.Generator().manual_seed(2)
     random = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 19, 8, generator=gen)

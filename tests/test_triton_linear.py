@@ -638,7 +638,47 @@ def test_block_sums_kernel_matches_matmuls(c, m, k, d, transposed, dtype):
     _check_block_sums(c, m, k, d, transposed, dtype)
 
 
+# (B, H, Hk, Tq, Tk, S, repeat, D, dtype): GQA, ragged tiles, the backward's repeated rows, one skipped block
+SKIPPED_SUMS_CASES = [(2, 4, 2, 5, 37, 3, 1, 8, torch.float32), (1, 2, 1, 40, 9, 1, 2, 16, torch.float16)]
+
+
+def _check_skipped_sums(b, h, hk, tq, tk, width, repeat, d, dtype, device="cpu"):
+    """``dense.query_sums`` and ``key_sums`` from skipped lists, on the sums kernel (the map's tiles made in it)
+    and on the ``keep_rows`` + ``block_sums`` path (``SMALL_SUMS = 0``), against fp64 matmuls of ``masks.keep_map``."""
+    from flexsparse.masks import keep_map
+    from flexsparse.triton._runtime.sizes import repeat_rows
+    from flexsparse.triton.linear import dense
+    skipped = ts.random_selection(b, h, tq, tk, 1, 1, width, device).indices
+    group = h // hk
+    keep = keep_map(skipped, tk, torch.float64).view(b, hk, group * tq, tk)
+    hs, zs = (torch.randn(b, hk, tk, *shape, device=device).to(dtype) for shape in ((d, d), (d,)))
+    d_hq, d_zq = (torch.randn(b, h, tq * repeat, *shape, device=device).to(dtype) for shape in ((d, d), (d,)))
+    back = repeat_rows(keep.view(b, h, tq, tk), repeat).view(b, hk, group * tq * repeat, tk).transpose(-1, -2)
+    want = (keep @ hs.double().flatten(-2), keep @ zs.double(),
+            back @ d_hq.double().view(b, hk, -1, d * d), back @ d_zq.double().view(b, hk, -1, d))
+    for small in (dense.SMALL_SUMS, 0):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dense, "SMALL_SUMS", small)
+            got = (*dense.query_sums(skipped, hs, zs), *dense.key_sums(skipped, d_hq, d_zq, hk, tk, repeat))
+        for name, g, w in zip(("H", "Z", "dh", "dz"), got, want):
+            assert g.dtype == (dtype if name in ("H", "dh") else torch.float32), name
+            assert ts.rel_err(g.double().reshape(w.shape), w) < ROUNDING[dtype], (name, small)
+
+
+@cpu_only
+@pytest.mark.parametrize("b,h,hk,tq,tk,width,repeat,d,dtype", SKIPPED_SUMS_CASES)
+def test_sums_from_skipped_lists_match_keep_map(b, h, hk, tq, tk, width, repeat, d, dtype):
+    _check_skipped_sums(b, h, hk, tq, tk, width, repeat, d, dtype)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("b,h,hk,tq,tk,width,repeat,d,dtype", SKIPPED_SUMS_CASES + [
+    (2, 8, 8, 64, 64, 3, 1, 64, torch.bfloat16), (1, 8, 2, 128, 256, 13, 2, 128, torch.bfloat16)])
+def test_gpu_sums_from_skipped_lists_match_keep_map(b, h, hk, tq, tk, width, repeat, d, dtype):
+    _check_skipped_sums(b, h, hk, tq, tk, width, repeat, d, dtype, "cuda")
 
 
 @gpu

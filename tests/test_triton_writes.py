@@ -158,7 +158,7 @@ def record(out: str) -> None:
         o.square().sum().backward()
     from flexsparse.masks.levels import level_table
     from flexsparse.triton.common.inputs import contiguous_rows
-    from flexsparse.triton.linear.dense import block_sums, keep_rows
+    from flexsparse.triton.linear.dense import block_sums, keep_rows, key_sums, query_sums
     from flexsparse.triton.pooling.op import center_tokens
     from flexsparse.triton.selection import hierarchy
     from flexsparse.triton.selection.op import block_topk
@@ -170,8 +170,10 @@ def record(out: str) -> None:
         levels = level_table(n, block, [2, 2])
         hierarchy.hierarchical_topk(*(torch.randn(1, 1, levels.pyramid_tokens, d) for _ in range(2)), levels)
     contiguous_rows(torch.randn(1, 40, 3, 2, 16).permute(2, 0, 3, 1, 4)[0])  # q of a fused projection
-    keep = keep_rows(torch.randint(0, 9, (1, 2, 5, 3), dtype=torch.int32), 9, torch.float32, 2)  # dense strategy
-    block_sums(keep.view(2, 10, 9), torch.randn(2, 9, 256), torch.randn(2, 9, 16))             # (GPU only)
+    skipped = torch.randint(0, 9, (1, 2, 5, 3), dtype=torch.int32)        # the dense strategy (GPU only)
+    block_sums(keep_rows(skipped, 9, torch.float32, 2).view(2, 10, 9), torch.randn(2, 9, 256), torch.randn(2, 9, 16))
+    query_sums(skipped, torch.randn(1, 1, 9, 16, 16), torch.randn(1, 1, 9, 16))
+    key_sums(skipped, torch.randn(1, 2, 10, 16, 16), torch.randn(1, 2, 10, 16), 1, 9, 2)
     with open(out, "wb") as f:
         pickle.dump(LAUNCHES, f)
 

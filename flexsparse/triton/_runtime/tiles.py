@@ -6,7 +6,8 @@ Kinds and their keys (modules under ``flexsparse/triton/``): ``fwd`` / ``bwd`` (
 ``linear`` (SLA's masked linear branch, forward and backward: ``linear.fwd.linear_tiles``, keys ``TQ``, ``TK``,
 ``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg``),
 ``block_topk`` (``selection.block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score
-tiles, ``SELECT_WARPS`` per row, ``FUSED_KEYS``, ``FUSED_ROWS``, ``FUSED_WARPS`` of the one-kernel path of short rows),
+tiles, ``SELECT_WARPS`` per row, ``FUSED_TILE``, ``FUSED_SCORES``, ``FUSED_ROWS``, ``FUSED_WARPS`` of the one-kernel
+path of small calls),
 ``block_fwd_fp8`` (the FP8 forward: ``block_sparse.fwd_fp8.forward_tiles``, ``block_fwd``'s keys and ``fresh_acc``),
 ``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``,
 ``bucket``; ``selection.hierarchy``'s module docstring),

@@ -172,8 +172,8 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None, SAVED=o_l is not None, PROJ=weight is not None,
         PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
-        from .dense import keep_rows, key_sums
-        d_ht, d_zt = key_sums(keep_rows(skipped, tk, dt, parts), d_hq, d_zq, kv_heads)
+        from .dense import key_sums
+        d_ht, d_zt = key_sums(skipped, d_hq, d_zq, kv_heads, tk, parts)
         offsets = lists = skipped                          # not read without GATHER
     else:
         d_ht = d_hq.unflatten(1, (kv_heads, group)).sum((2, 3), dtype=torch.float32)  # over the group and Tq

@@ -255,8 +255,8 @@ class Mix(NamedTuple):
 
 def _dense_sums(skipped: torch.Tensor, hs: torch.Tensor, zs: torch.Tensor):
     """The dense strategy's query-block states ``(H_i, Z_i)`` from the key-block states (``dense.py``)."""
-    from .dense import keep_rows, query_sums
-    return query_sums(keep_rows(skipped, hs.shape[2], hs.dtype), hs, zs)
+    from .dense import query_sums
+    return query_sums(skipped, hs, zs)
 
 
 def dense_query_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor, block_k: int,

@@ -7,12 +7,17 @@ last ``bottomk``, so they never overlap. Output rows are ascending. Given the sa
 equals a stable descending sort bit for bit (``naive.sorted_block_topk``; NaN counts as the largest value, as
 in ``torch.sort``).
 
-Rows of up to ``FUSED_KEYS`` keys (``topk_tiles``; 256, padded to a power of two: the sequences of up to 16K
-tokens in 64-blocks, where an eager call is bound by its host time) take one kernel, ``_scored_select_kernel``:
-16 query rows per program scored against every key in registers as in 1. below, then selected as in 2. (one
-launch and no scratch instead of two launches). Longer rows, up to ``ROW_LIMIT`` keys, take two kernels per row
-chunk of at most ``SCRATCH`` scores (32 MB, so that the second kernel reads the scores from L2 rather than HBM;
-whole rows, at least one row per head):
+Small calls take one kernel, ``_scored_select_kernel``: 16 query rows per program scored against every key in
+registers as in 1. below, then selected as in 2. (one launch and no scratch instead of two launches). Small: at most
+``FUSED_TILE`` key elements per program (the keys and the head dim, each padded to a power of two), and
+``FUSED_SCORES`` scores per call (``topk_tiles``; up to 16K tokens in 64-blocks at D = 64, where an eager call is
+bound by its host time). Measured on an H200 (``do_bench``, GPU us, one kernel against two; host us per call 31-53
+against 52-90): B1 H1 Tq = Tk = 64 D64 10 against 27, B2 H8 at 64 / 128 / 256 keys 36 / 30 / 31 against 74 / 76 /
+78; over the bounds it loses (B2 H16 Tk 256 D128 118 against 49, B4 H24 Tk 256 D64 99 against 64; even at B2 H8 Tk
+512).
+
+Other rows, up to ``ROW_LIMIT`` keys, take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so that
+the second kernel reads the scores from L2 rather than HBM; whole rows, at least one row per head):
 
 1. ``_scores_kernel``: ``BM x BN`` tiles of ``q k^T`` by ``tl.dot(input_precision="tf32x3")`` over ``BK``-wide
    slices of D (each operand split into a TF32 head and a TF32 remainder, three products; the error is that of
@@ -57,12 +62,18 @@ _STREAM_ROWS, _STREAM_CHUNK = 16, 128
 
 
 @triton.jit
-def _score_tile(Q, K, bh, H, GROUP, TQ, TK, ROW0, rows, row_ok, cols, col_ok,
-                D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """fp32 scores ``(BM, BN)`` of query rows ``ROW0 + rows`` of head ``bh`` against key ``cols`` (0 where masked);
-    q ``(B, H, TQ, D)``, k ``(B, Hk, TK, D)`` contiguous, any float dtype, converted to fp32; D in ``BK``-wide
-    slices, tf32x3."""
+def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
+                   D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Scores of query rows ``[ROW0, ROW0 + ROWS)`` into ``S (B H, ROWS, TK)`` fp32; q ``(B, H, TQ, D)``,
+    k ``(B, Hk, TK, D)`` contiguous, any float dtype, converted to fp32; D in ``BK``-wide slices, tf32x3."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
     kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < ROWS
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < TK
     q_ptr = Q + bh.to(tl.int64) * TQ * D + (ROW0 + rows).to(tl.int64)[:, None] * D
     k_ptr = K + kv.to(tl.int64) * TK * D + cols.to(tl.int64)[:, None] * D
     s = tl.zeros([BM, BN], tl.float32)
@@ -71,21 +82,6 @@ def _score_tile(Q, K, bh, H, GROUP, TQ, TK, ROW0, rows, row_ok, cols, col_ok,
         q = tl.load(q_ptr + dim[None, :], mask=row_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
         k = tl.load(k_ptr + dim[None, :], mask=col_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), s, input_precision="tf32x3")
-    return s
-
-
-@triton.jit
-def _scores_kernel(Q, K, S, H, GROUP, TQ, TK, ROW0, ROWS,
-                   D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Scores of query rows ``[ROW0, ROW0 + ROWS)`` into ``S (B H, ROWS, TK)`` fp32 (``_score_tile``)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    bh = tl.program_id(2)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < ROWS
-    cols = pid_n * BN + tl.arange(0, BN)
-    col_ok = cols < TK
-    s = _score_tile(Q, K, bh, H, GROUP, TQ, TK, ROW0, rows, row_ok, cols, col_ok, D, BK, BM, BN)
     tl.store(S + (bh.to(tl.int64) * ROWS + rows)[:, None] * TK + cols[None, :], s,
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -119,13 +115,24 @@ def _select_kernel(S, TOP, BOTTOM, TQ, TK, ROW0, ROWS, KTOP, KBOT, BT: tl.conste
 def _scored_select_kernel(Q, K, TOP, BOTTOM, H, GROUP, TQ, TK, KTOP, KBOT, D: tl.constexpr, BK: tl.constexpr,
                           BM: tl.constexpr, BT: tl.constexpr, HAS_BOTTOM: tl.constexpr):
     """``_scores_kernel`` and ``_select_kernel`` in one pass for rows of at most ``BT`` keys: ``BM`` query rows
-    of head ``program_id(1)`` scored against every key in registers, then selected."""
+    of head ``program_id(1)`` scored against every key in registers, then selected. The scores are computed here,
+    not in a helper shared with ``_scores_kernel``: torch's write analysis takes a helper's results as derived from
+    its pointer operands, and the selection's store addresses derive from the scores (q and k would count as
+    written)."""
     bh = tl.program_id(1)
+    kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < TQ
     cols = tl.arange(0, BT)
     col_ok = cols < TK
-    s = _score_tile(Q, K, bh, H, GROUP, TQ, TK, 0, rows, row_ok, cols, col_ok, D, BK, BM, BT)
+    q_ptr = Q + bh.to(tl.int64) * TQ * D + rows.to(tl.int64)[:, None] * D
+    k_ptr = K + kv.to(tl.int64) * TK * D + cols.to(tl.int64)[:, None] * D
+    s = tl.zeros([BM, BT], tl.float32)
+    for d0 in range(0, D, BK):
+        dim = d0 + tl.arange(0, BK)
+        q = tl.load(q_ptr + dim[None, :], mask=row_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + dim[None, :], mask=col_ok[:, None] & (dim[None, :] < D), other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), s, input_precision="tf32x3")
     key = tl.where(col_ok[None, :], ordered_key(s), INT_MIN)
     _store_selection(key, bh.to(tl.int64) * TQ + rows, row_ok, TOP, BOTTOM, TK, KTOP, KBOT, BT, HAS_BOTTOM)
 
@@ -210,13 +217,13 @@ def _stream_topk_kernel(QP, KT, TOP, BOTTOM, H, GROUP, TQ, TK,
 
 def topk_tiles(tk: int) -> dict:
     """Launch sizes for rows of ``tk`` keys: score tiles ``BM x BN`` (D in ``BK`` slices) on ``WARPS`` warps and
-    ``STAGES`` pipeline stages, ``SELECT_WARPS`` per row; rows of up to ``FUSED_KEYS`` keys (padded to a power of
-    two) score and select in one kernel, ``FUSED_ROWS`` rows per program on ``FUSED_WARPS`` warps (overrides: kind
-    ``block_topk`` of ``tiles``)."""
+    ``STAGES`` pipeline stages, ``SELECT_WARPS`` per row; calls of at most ``FUSED_TILE`` key elements (keys times
+    head dim, padded) and ``FUSED_SCORES`` scores score and select in one kernel, ``FUSED_ROWS`` rows
+    per program on ``FUSED_WARPS`` warps (module docstring; overrides: kind ``block_topk`` of ``tiles``)."""
     bt = pow2(tk, 16)
     tiles = {"BM": 64, "BN": 64, "BK": 64, "WARPS": 4, "STAGES": 3,
              "SELECT_WARPS": max(1, min(16, bt // _KEYS_PER_WARP)),
-             "FUSED_KEYS": 256, "FUSED_ROWS": 16, "FUSED_WARPS": 4}
+             "FUSED_TILE": 256 * 64, "FUSED_SCORES": 1 << 21, "FUSED_ROWS": 16, "FUSED_WARPS": 4}
     tiles.update(overrides("block_topk"))
     return tiles
 
@@ -239,9 +246,9 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, bottom
                row_limit: int = ROW_LIMIT, scratch: int = SCRATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top (B, H, Tq, topk), bottom (B, H, Tq, bottomk))`` int32 ascending, from pooled q ``(B, H, Tq, D)``
     and k ``(B, Hk, Tk, D)`` (fp16 / bf16 / fp32; scored in fp32). ``1 <= topk``, ``topk + bottomk <= Tk``.
-    Rows longer than ``row_limit`` keys take the streaming kernel, rows of up to ``topk_tiles``' ``FUSED_KEYS`` the
-    fused one; others go through an fp32 score scratch of at most ``scratch`` elements (whole rows, at least one row
-    per head)."""
+    Rows longer than ``row_limit`` keys take the streaming kernel, small calls (``topk_tiles``' ``FUSED_TILE``,
+    ``FUSED_SCORES``) the fused one; others go through an fp32 score scratch of at most ``scratch`` elements (whole
+    rows, at least one row per head)."""
     bsz, heads, tq, d = q_pooled.shape
     kv_heads, tk = k_pooled.shape[1], k_pooled.shape[2]
     top = q_pooled.new_empty(bsz, heads, tq, topk, dtype=torch.int32)
@@ -257,10 +264,11 @@ def block_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, topk: int, bottom
     qp, kp = q_pooled.contiguous(), k_pooled.contiguous()
     tiles = topk_tiles(tk)
     bk = min(tiles["BK"], pow2(d, 16))
-    if pow2(tk, 16) <= tiles["FUSED_KEYS"]:
+    bt = pow2(tk, 16)
+    if bt * pow2(d, 16) <= tiles["FUSED_TILE"] and bsz * heads * tq * bt <= tiles["FUSED_SCORES"]:
         launcher(_scored_select_kernel)[(cdiv(tq, tiles["FUSED_ROWS"]), bsz * heads)](
             qp, kp, top, bottom if bottomk else qp, heads, group, tq, tk, topk, bottomk, D=d, BK=bk,
-            BM=tiles["FUSED_ROWS"], BT=pow2(tk, 16), HAS_BOTTOM=bottomk > 0, num_warps=tiles["FUSED_WARPS"])
+            BM=tiles["FUSED_ROWS"], BT=bt, HAS_BOTTOM=bottomk > 0, num_warps=tiles["FUSED_WARPS"])
         return top, bottom
     chunk = min(tq, max(1, scratch // (bsz * heads * tk)))
     for row0 in range(0, tq, chunk):
