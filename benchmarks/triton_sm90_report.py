@@ -190,16 +190,17 @@ def main():
          lt["warps"], 1),
         ("linear fwd", linear_fwd._forward_kernel,
          dict(Q=q, HS=state, ZS=state, HT="*fp32", ZT="*fp32", IDS="*i32", O=q, ROWS_H=state, ROWS_Z="*fp32", OS=q,
-              OL=q, W=q, BIAS=q, ALPHA=q),
+              OL=q, W=q, BIAS=q, LOGIT=q),
          dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, STAGES=lt["stages"], MIX=1, STORE_LINEAR=True,
               **{**lin, "GATHER": False}),
          lt["warps"], lt["stages"]),
-        *[(f"linear dq{' (O saved)' if saved else ''}{' per tile' if parts > 1 else ''}",
+        *[(f"linear dq{' (O saved)' if saved else ''}{' (W)' if proj else ''}{' per tile' if parts > 1 else ''}",
            linear_bwd._query_grad_kernel,
-           dict(Q=q, DO=q, ROWS_H=state, ROWS_Z="*fp32", OL=q, DQ_ADD=q, DQ=q, DHQ=state, DZQ=state),
-           dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, ADD=True, SAVED=saved, PARTS=parts,
-                **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
-           lt["warps"], 3) for saved, parts in ((False, 1), (True, 1), (True, split_q))
+           dict(Q=q, DO=q, W="*fp32", ROWS_H=state, ROWS_Z="*fp32", OL=q, DQ_ADD=q, DQ=q, DHQ=state, DZQ=state),
+           dict(EPS=1e-6, BLOCK_Q=block_q, TILE=tile_q, SPLIT=split_q, ADD=True, SAVED=saved, PROJ=proj,
+                PARTS=parts, **{n: lin[n] for n in ("D", "BD", "FMAP", "BF16")}),
+           lt["warps"], 3) for saved, proj, parts in ((False, False, 1), (True, False, 1), (True, True, 1),
+                                                      (True, False, split_q), (True, True, split_q))
           if parts == 1 or split_q > 1],
         ("linear dkv", linear_bwd._key_grad_kernel,
          dict(K=q, V=q, DHQ=state, DZQ=state, DHT="*fp32", DZT="*fp32", OFFSETS="*i32", LISTS="*i32", DK_ADD=q,
@@ -210,6 +211,13 @@ def main():
     topk = block_topk.topk_tiles(1024)
     jobs.append(("topk scores", block_topk._scores_kernel, dict(Q=q, K=q, S="*fp32"),
                  dict(D=d, BK=topk["BK"], BM=topk["BM"], BN=topk["BN"]), topk["WARPS"], topk["STAGES"]))
+    for tk in (64, 256):
+        tiles = block_topk.topk_tiles(tk)
+        if pow2(tk, 16) * pow2(d, 16) <= tiles["FUSED_TILE"]:
+            jobs.append((f"topk scored select Tk={tk}", block_topk._scored_select_kernel,
+                         dict(Q=q, K=q, TOP="*i32", BOTTOM="*i32"),
+                         dict(D=d, BK=min(tiles["BK"], pow2(d, 16)), BM=tiles["FUSED_ROWS"], BT=pow2(tk, 16),
+                              HAS_BOTTOM=True), tiles["FUSED_WARPS"], 1))
     for tk in (256, 1024, 2048, 8192, 16384):
         jobs.append((f"topk select Tk={tk}", block_topk._select_kernel, dict(S="*fp32", TOP="*i32", BOTTOM="*i32"),
                      dict(BT=pow2(tk, 16), HAS_BOTTOM=True), block_topk.topk_tiles(tk)["SELECT_WARPS"], 1))
