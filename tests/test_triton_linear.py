@@ -270,21 +270,22 @@ def test_backward_from_saved_output_equals_recomputed(b, h, hk, n, d, bq, bk, wi
 @cpu_only
 @pytest.mark.parametrize("b,h,hk,n,d,bq,bk,width,fmap", OP_CASES[:2])
 def test_backward_through_projection_equals_projected_gradient(b, h, hk, n, d, bq, bk, width, fmap, strategy):
-    """``masked_linear_bwd`` given SLA's ``W`` and the combine's gradient (the query-gradient kernel projects it)
-    equals it given ``dout W``, fp32 (interpreter and the PyTorch path): dq, dk, dv."""
-    q, k, v = _inputs(b, h, hk, n, n, d)
-    skipped = ts.random_selection(b, h, n, n, bq, bk, width).indices
-    out, rows_h, rows_z = linear_op.masked_linear(q, k, v, skipped, bq, bk, fmap, 1e-5)
-    dout, weight = torch.randn_like(out), torch.randn(d, d) / d**0.5
-    for interpreted in (True, False):
-        with ts.interpreter_env(interpreted):
-            projected = linear_op.masked_linear_bwd(dout @ weight, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap,
-                                                    1e-5, o_l=out)
-            got = linear_op.masked_linear_bwd(dout, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5, o_l=out,
-                                              weight=weight)
-        for name, a, w in zip("qkv", got, projected):
-            assert w.abs().max() > 0, name
-            assert ts.rel_err(a, w) < 1e-5, name
+    """``masked_linear_bwd`` given SLA's ``W`` and the combine's gradient equals it given ``dout W``: fp16 (the
+    query-gradient kernel projects it) and fp32 (a matmul first), interpreter and the PyTorch path: dq, dk, dv."""
+    for dtype, tol in ((torch.float16, 3e-3), (torch.float32, 1e-5)):
+        q, k, v = _inputs(b, h, hk, n, n, d, dtype)
+        skipped = ts.random_selection(b, h, n, n, bq, bk, width).indices
+        out, rows_h, rows_z = linear_op.masked_linear(q, k, v, skipped, bq, bk, fmap, 1e-5)
+        dout, weight = torch.randn_like(out), torch.randn(d, d) / d**0.5
+        for interpreted in (True, False):
+            with ts.interpreter_env(interpreted):
+                projected = linear_op.masked_linear_bwd(dout @ weight.to(dtype), q, k, v, skipped, rows_h, rows_z, bq,
+                                                        bk, fmap, 1e-5, o_l=out)
+                got = linear_op.masked_linear_bwd(dout, q, k, v, skipped, rows_h, rows_z, bq, bk, fmap, 1e-5, o_l=out,
+                                                  weight=weight)
+            for name, a, w in zip("qkv", got, projected):
+                assert w.abs().max() > 0, name
+                assert ts.rel_err(a, w) < tol, (name, dtype, interpreted)
 
 
 @cpu_parent

@@ -33,6 +33,9 @@ from ..common.inputs import contiguous, use_kernels
 from . import naive
 
 MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state per program in registers)
+# SLA's dO W in the query-gradient kernel up to this head dim, 16-bit inputs only: fp32 at D = 128 needs 270 KB of
+# shared memory (sm_90 has 227 KB), bf16 at D = 128 ran 2% slower at B2 H8 N65536 than a separate matmul (H200)
+PROJECTED_MAX_D = 64
 
 
 def linear_kernels(q: Tensor) -> bool:
@@ -62,22 +65,24 @@ def masked_linear_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, skipped: Tens
     ``rows_z`` (``H_i``, ``Z_i``), plus ``dq_add``, ``dk_add``, ``dv_add`` (another branch's gradients of q, k, v,
     all three or none; the kernels add them before their one rounding). ``o_l``: the forward's output O_l (q's
     dtype), which the kernels read instead of recomputing it (the PyTorch path recomputes it). ``weight``: SLA's
-    ``W (D, D)``; ``do`` is then the gradient of the combine ``O_s + O_l W^T + b`` and the branch's, ``do W`` in q's
-    dtype, is made in the query-gradient kernel (a cast and a matmul fewer).
+    ``W (D, D)``; ``do`` is then the gradient of the combine ``O_s + O_l W^T + b`` and the branch's is ``do W`` in
+    q's dtype: made in the query-gradient kernel for 16-bit inputs with D <= ``PROJECTED_MAX_D`` (a cast and a
+    matmul fewer), else by a matmul first.
 
     With ``y = phi(Q_i) [H_i | Z_i] = [num | den]``: ``dy = [dO, -rowsum(dO . O)] / (eps + den)``,
     ``dphi(Q_i) = dy [H_i | Z_i]^T``, ``d[H_i | Z_i] = phi(Q_i)^T dy``; the key-block states get
     ``sum_i d[H_i | Z_i]`` minus the query blocks that skipped them; then ``dphi(K_j) = [V_j | 1] d[h_j | z_j]^T``,
     ``d[V_j | 1] = phi(K_j) d[h_j | z_j]``, and phi's gradient."""
     adds = None if dq_add is None else (dq_add, dk_add, dv_add)
-    if linear_kernels(q):
+    kernels = linear_kernels(q)
+    if weight is not None and not (kernels and q.element_size() == 2 and q.shape[-1] <= PROJECTED_MAX_D):
+        do, weight = do @ weight.to(do.dtype), None
+    if kernels:
         from .bwd import linear_backward
         return linear_backward(*contiguous(do, q, k, v, skipped, rows_h, rows_z), block_q, block_k, feature_map,
                                eps, add=None if adds is None else contiguous(*adds),
                                o_l=None if o_l is None else o_l.contiguous(),
                                weight=None if weight is None else weight.contiguous())
-    if weight is not None:
-        do = do @ weight.to(do.dtype)
     grads = naive.masked_linear_backward(do, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps)
     return grads if adds is None else tuple(g + a for g, a in zip(grads, adds))
 
