@@ -216,6 +216,8 @@ def test_gpu_fuzz_llsa_selection_searches_agree(case, grid):
 @pytest.mark.long
 @FUZZ
 @given(case=method_cases())
+@example(case=({"method": "sla", "block_q": 64, "block_k": 32, "topk_ratio": 0.5, "feature_map": "softmax",
+                "linear": "masked", "deterministic": False}, 2528, 1, 1, 128, "bnhd"))   # fp32 D=128 SLA backward
 def test_gpu_fuzz_methods_fp32(case):
     """``flexsparse.attention`` end to end (selection, both branches, the learned parameters' gradients) in fp32,
     on contiguous inputs or on a model's ``(B, N, H, D)`` views: triton against torch. The triton backend selects
