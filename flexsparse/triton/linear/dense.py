@@ -31,6 +31,7 @@ from .._runtime.sizes import MAX_GRID_YZ, cdiv, pow2
 from ..common.inputs import use_kernels
 
 SMALL_SUMS = 1 << 29   # multiply-adds of both sums up to which they take _sums_kernel rather than two cuBLAS bmm
+KEEP_GIVEN, KEEP_ROWS, KEEP_COLUMNS = 0, 1, 2   # _sums_kernel's 0/1 map: given, or made from skipped lists
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +99,6 @@ def block_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> tuple[torch
         return matmul(a, h, h.dtype), matmul(a, z, torch.float32)
     return _launch_sums(a, h, z, m, k, 0, KEEP_GIVEN)
 
-
-KEEP_GIVEN, KEEP_ROWS, KEEP_COLUMNS = 0, 1, 2   # _sums_kernel's 0/1 map: given, or made from skipped lists
 
 
 def _launch_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor, m: int, k: int, width: int, keep: int,

@@ -11,10 +11,11 @@ Small calls take one kernel, ``_scored_select_kernel``: 16 query rows per progra
 registers as in 1. below, then selected as in 2. (one launch and no scratch instead of two launches). Small: at most
 ``FUSED_TILE`` key elements per program (the keys and the head dim, each padded to a power of two), and
 ``FUSED_SCORES`` scores per call (``topk_tiles``; up to 16K tokens in 64-blocks at D = 64, where an eager call is
-bound by its host time). Measured on an H200 (``do_bench``, GPU us, one kernel against two; host us per call 31-53
-against 52-90): B1 H1 Tq = Tk = 64 D64 10 against 27, B2 H8 at 64 / 128 / 256 keys 36 / 30 / 31 against 74 / 76 /
-78; over the bounds it loses (B2 H16 Tk 256 D128 118 against 49, B4 H24 Tk 256 D64 99 against 64; even at B2 H8 Tk
-512).
+bound by its host time). Measured on an H200 in two runs (``do_bench``, GPU us, one kernel against two; host us per
+call 31-65 against 52-99): B1 H1 Tq = Tk = 64 D64 10-33 against 27-65, B2 H8 at 64 / 128 / 256 keys 30-42 against
+70-88 (Tq = 32, Tk = 64: 34-42 against 26-71), B1 H24 at 256 keys 49 against 74, D128 at 64 and 128 keys 39-40
+against 69-73; over the bounds it loses or ties (B2 H16 Tk 256 D128 115-118 against 49-99, B4 H24 Tk 256 D64 98-99
+against 64-107, B2 H8 Tk 512 77-78 against 79-83).
 
 Other rows, up to ``ROW_LIMIT`` keys, take two kernels per row chunk of at most ``SCRATCH`` scores (32 MB, so that
 the second kernel reads the scores from L2 rather than HBM; whole rows, at least one row per head):
