@@ -94,8 +94,7 @@ class TritonBackend(Backend):
 
     def router_projections(self, q_bar, k_bar, proj_q, proj_k):
         """One op (``selection.op.router_projections``: one launch) in eager calls that record no gradient."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-                x.requires_grad for x in (q_bar, k_bar, proj_q, proj_k))):
+        if torch.compiler.is_compiling() or _grad_needed(q_bar, k_bar, proj_q, proj_k):
             return super().router_projections(q_bar, k_bar, proj_q, proj_k)
         return selection_op.router_projections(q_bar, k_bar, proj_q, proj_k)
 
