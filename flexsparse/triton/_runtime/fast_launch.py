@@ -37,14 +37,6 @@ _NO_KEY = None, None, None
 _SCALARS = frozenset((int, bool, float, type(None)))
 
 
-def _tensor_key(tensor: torch.Tensor):
-    """``(key, launch value)`` of a tensor argument: its dtype, 16-byte alignment and device type, and its address
-    (an int: the launcher then skips its per-pointer driver query; a CPU tensor has another key, so it misses and
-    gets Triton's error)."""
-    address = tensor.data_ptr()
-    return (tensor.dtype, address & 15 == 0, tensor.is_cuda), address
-
-
 def _descriptor_key(descriptor) -> tuple:
     """The key of a Gluon TMA descriptor argument: its base dtype, block shape, shared layout and padding (its shape
     and strides are launch arguments)."""
@@ -89,39 +81,44 @@ class FastLaunch:
 
     def _key(self, grid, args: tuple, kwargs: dict):
         """``(key, every parameter's launch value in order, device)``; a None key where the call cannot be keyed.
-        The key: the device, the arguments' types, their values with tensors and descriptors replaced by their keys
-        (``_tensor_key``, ``_descriptor_key``) and the options. The positions of tensors and descriptors are planned
-        once per tuple of types (``_plan``)."""
+        The key: the device, the arguments' tuple of types (as the number of its plan, ``_plan``), their values
+        with tensors and descriptors replaced by their keys and the options. A tensor's key: its dtype, 16-byte
+        alignment and device type; its launch value: its address (an int: the launcher then skips its per-pointer
+        driver query; a CPU tensor has another key, so it misses and gets Triton's error). A descriptor's key:
+        ``_descriptor_key``. The loops are written out: a function call per tensor cost ~10 % of the key."""
         runtime = knobs.runtime
         if (not ENABLED or callable(grid) or self.kernel.pre_run_hooks or not _empty(runtime.launch_enter_hook)
                 or not _empty(runtime.launch_exit_hook) or runtime.add_stages_inspection_hook is not None
                 or runtime.debug or knobs.compilation.instrumentation_mode):
             return _NO_KEY
-        values = list(args)
-        options = kwargs
-        given = len(values)
+        given = len(args)
         if given < len(self.names):
             options = dict(kwargs)
             pop = options.pop
-            values += [pop(name, default) for name, default in zip(self.names[given:], self.defaults[given:])]
+            values = [*args, *[pop(name, default) for name, default in zip(self.names[given:], self.defaults[given:])]]
+        else:
+            options, values = kwargs, list(args)
         types = tuple(map(type, values))
         plan = self.plans.get(types)
         if plan is None:
             plan = self.plans[types] = self._plan(types)
         if plan is _UNKEYED:
             return _NO_KEY
-        tensors, descriptors = plan
+        number, tensors, descriptors = plan
         parts = values.copy()
         for i in tensors:
-            parts[i], values[i] = _tensor_key(values[i])
+            tensor = values[i]
+            values[i] = address = tensor.data_ptr()
+            parts[i] = tensor.dtype, address & 15 == 0, tensor.is_cuda
         for i in descriptors:
             parts[i] = _descriptor_key(values[i])
         device = driver.active.get_current_device()
-        return (device, types, tuple(parts), tuple(options.items())), values, device
+        return (device, number, tuple(parts), tuple(options.items())), values, device
 
     def _plan(self, types: tuple):
-        """``(tensor positions, descriptor positions)`` among the non-constexpr parameters of arguments of
-        ``types``, or ``_UNKEYED`` where one has another type than those and the scalars."""
+        """``(number, tensor positions, descriptor positions)`` among the non-constexpr parameters of arguments of
+        ``types`` (``number``: this tuple of types' place among the kernel's plans), or ``_UNKEYED`` where one has
+        another type than those and the scalars."""
         tensors, descriptors = [], []
         for i, (cls, constexpr) in enumerate(zip(types, self.constexpr)):
             if constexpr or cls in _SCALARS:
@@ -132,7 +129,7 @@ class FastLaunch:
                 descriptors.append(i)
             else:
                 return _UNKEYED
-        return tuple(tensors), tuple(descriptors)
+        return len(self.plans), tuple(tensors), tuple(descriptors)
 
 
 def _empty(hook) -> bool:

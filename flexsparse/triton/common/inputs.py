@@ -10,6 +10,8 @@ from torch import Tensor
 
 from .._runtime.registry import triton_op
 
+KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
 
 def interpreting() -> bool:
     """Whether the Triton interpreter is on (it must be set before the kernel modules are imported)."""
@@ -19,9 +21,9 @@ def interpreting() -> bool:
 def use_kernels(x: Tensor) -> bool:
     """Whether an op on ``x`` runs the Triton kernels (else the torch fallback): CUDA, or CPU with the
     interpreter; fp16/bf16/fp32 only."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in KERNEL_DTYPES:
         return False
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())
+    return x.is_cuda or (x.device.type == "cpu" and interpreting())
 
 
 def contiguous(*tensors: Tensor) -> list[Tensor]:
