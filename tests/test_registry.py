@@ -1,6 +1,6 @@
 """``flexsparse.triton._runtime.registry``: plain eager calls run the op body directly (no dispatcher, plain launches),
-through an ``autograd.Function`` of the registered formula when they record gradients; traced calls and tensor
-subclasses go through the registered op."""
+through an ``autograd.Function`` of the registered formula (itself with plain launches) when they record gradients;
+traced calls and tensor subclasses go through the registered op."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,11 @@ def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x * factor
 
 
+BACKWARD_CALLS = []
+
+
 def _backward(ctx, grad):
+    BACKWARD_CALLS.append(registry.launching_directly())
     return grad * ctx.factor, None
 
 
@@ -56,6 +60,24 @@ def test_eager_calls_recording_gradients_run_the_body_under_the_registered_formu
         torch.testing.assert_close(x.grad, grad * factor)
         with torch.no_grad():
             assert _run(x)[1] == [True]
+
+
+def test_eager_backward_formula_launches_directly_and_traced_one_does_not():
+    """The registered formula of an eager call runs with plain launches (a kernel it launches itself takes the fast
+    path), the flag restored after it; under ``torch.compile`` it runs traced, without them."""
+    x = torch.randn(6, requires_grad=True)
+    factor = float(torch.rand(()) + 0.5)
+    BACKWARD_CALLS.clear()
+    grad = torch.randn(6)
+    scaled(x, factor).backward(grad)
+    torch.testing.assert_close(x.grad, grad * factor)
+    assert BACKWARD_CALLS == [True] and not registry.launching_directly()
+    BACKWARD_CALLS.clear()
+    x.grad = None
+    compiled = torch.compile(lambda x: scaled(x, factor), fullgraph=True, backend="aot_eager")
+    compiled(x).backward(grad)
+    torch.testing.assert_close(x.grad, grad * factor)
+    assert BACKWARD_CALLS and True not in BACKWARD_CALLS
 
 
 def test_subclassed_tensors_go_through_the_op():
