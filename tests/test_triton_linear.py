@@ -288,6 +288,32 @@ def test_backward_through_projection_equals_projected_gradient(b, h, hk, n, d, b
                 assert ts.rel_err(a, w) < tol, (name, dtype, interpreted)
 
 
+def _assert_column_sums(x: torch.Tensor, bias_dtype: torch.dtype) -> None:
+    """``linear_op.column_sums(x)`` against an fp64 sum: one rounding to ``bias_dtype`` and an accumulation error
+    of a few fp32 (fp64 for fp64) ulps of the column's root sum of squares."""
+    rows = x.shape[0]
+    want = x.double().sum(0)
+    accumulation = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+    bound = want.abs() * torch.finfo(bias_dtype).eps + 64 * accumulation * (rows * x.double().square().sum(0)).sqrt()
+    got = linear_op.column_sums(x, bias_dtype)
+    assert got.shape == want.shape and got.dtype == bias_dtype
+    assert ((got.double() - want).abs() <= bound).all(), rows
+
+
+COLUMN_SUMS_DTYPES = [(torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float64, torch.float64)]
+
+
+@cpu_parent
+@pytest.mark.parametrize("dtype, bias_dtype", COLUMN_SUMS_DTYPES)
+def test_bias_gradient_column_sums_on_both_paths(monkeypatch, dtype, bias_dtype):
+    """SLA's bias gradient: the row sum and the matmul with ones (from SUMS_BY_MATMUL rows, lowered here)."""
+    rows, d = int(torch.randint(300, 900, ())), int(torch.randint(1, 5, ())) * 16
+    x = torch.randn(rows, d, dtype=torch.float64).to(dtype)
+    for threshold in (rows + 1, rows):
+        monkeypatch.setattr(linear_op, "SUMS_BY_MATMUL", threshold)
+        _assert_column_sums(x, bias_dtype)
+
+
 @cpu_parent
 def test_triton_backend_gets_the_triton_branch():
     assert type(TRITON).masked_linear_attention is TritonBackend.masked_linear_attention
@@ -673,6 +699,14 @@ def test_sums_from_skipped_lists_match_keep_map(b, h, hk, tq, tk, width, repeat,
 
 
 # ----------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bias_dtype", COLUMN_SUMS_DTYPES[:2])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bias_gradient_column_sums_on_both_paths(dtype, bias_dtype, d):
+    for rows in (linear_op.SUMS_BY_MATMUL - 1, linear_op.SUMS_BY_MATMUL + 37):
+        _assert_column_sums(torch.randn(rows, d, device="cuda").to(dtype), bias_dtype)
 
 
 @gpu
