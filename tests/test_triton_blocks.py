@@ -238,24 +238,43 @@ def test_dkv_program_order_is_head_major_longest_first():
         assert (work[order].view(rows, 19).diff(dim=1) <= 0).all()
 
 
+@cpu_parent
+def test_dkv_program_order_is_the_identity_for_small_calls():
+    """Below SORTED_FROM_ENTRIES CSC entries the order is the identity (kept: the next eager call runs no op);
+    from there, off a GPU, longest first."""
+    from flexsparse.triton.block_sparse.bwd import SORTED_FROM_ENTRIES, longest_first, program_order
+    selection = random_selection(2, 4, 300, 300, 16, 16, 5)
+    selection.indices[:, :, :, 0] = 3                                   # key block 3 first: not the identity
+    offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets
+    items = 2 * 2 * 19
+    identity = program_order(offsets, 2, 1, SORTED_FROM_ENTRIES - 1)
+    assert torch.equal(identity, torch.arange(items, dtype=torch.int32))
+    assert program_order(offsets, 2, 4, SORTED_FROM_ENTRIES - 1) is identity
+    sorted_order = longest_first(offsets, 2)
+    assert not torch.equal(sorted_order, identity)
+    assert torch.equal(program_order(offsets, 2, 1, SORTED_FROM_ENTRIES), sorted_order)
+
+
 @gpu
 def test_gpu_dkv_program_order_is_the_identity_only_where_the_grid_fits_the_sms():
-    """Where every dK/dV program runs at once the order cannot matter and is the identity (kept for eager calls);
-    else longest first, and always longest first in a graph traced for any length (no guard on the length)."""
+    """In a large call (SORTED_FROM_ENTRIES entries), where every dK/dV program runs at once the order cannot matter
+    and is the identity (kept for eager calls); else longest first, and always longest first in a graph traced for
+    any length (no guard on the length). A small call takes the identity however many waves its grid takes."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from flexsparse.triton.block_sparse.bwd import longest_first, program_order, sm_count
+    from flexsparse.triton.block_sparse.bwd import SORTED_FROM_ENTRIES, longest_first, program_order, sm_count
     selection = random_selection(2, 4, 300, 300, 16, 16, 5)
     selection.indices[:, :, :, 0] = 3                                   # key block 3 first: not the identity
     offsets = csr_to_csc(selection.indices.sort(-1).values, 19).offsets.cuda()
-    items = 2 * 2 * 19
+    items, large = 2 * 2 * 19, SORTED_FROM_ENTRIES
     fits = sm_count(offsets.device) // items
-    identity = program_order(offsets, 2, fits)
+    identity = program_order(offsets, 2, fits, large)
     assert torch.equal(identity, torch.arange(items).int().cuda())
-    assert program_order(offsets, 2, fits) is identity                 # kept: the next eager call runs no op
+    assert program_order(offsets, 2, fits, large) is identity          # kept: the next eager call runs no op
     sorted_order = longest_first(offsets, 2)
     assert not torch.equal(sorted_order, torch.arange(items).int().cuda())
-    assert torch.equal(program_order(offsets, 2, fits + 1), sorted_order)
-    traced = make_fx(lambda offsets: program_order(offsets, 2, fits), tracing_mode="symbolic")(offsets)
+    assert torch.equal(program_order(offsets, 2, fits + 1, large), sorted_order)
+    assert program_order(offsets, 2, fits + 1, large - 1) is identity
+    traced = make_fx(lambda offsets: program_order(offsets, 2, fits, large - 1), tracing_mode="symbolic")(offsets)
     assert torch.equal(traced(offsets), sorted_order)
 
 

@@ -5,8 +5,8 @@
   ``Delta = rowsum(O * dO) - dLSE`` (so a gradient that reaches the LSE output is right), which the
   dK/dV kernel reads; the two kernels run in this order.
 * ``_block_dkv_kernel``: one program per key tile (``K_SPLIT`` per key block) and (batch, KV head), launched
-  head by head, longest CSC lists first where the grid takes more than one wave (``program_order``: a popular
-  key block does not trail the grid).
+  head by head, longest CSC lists first where the call is large and the grid takes more than one wave
+  (``program_order``: a popular key block does not trail the grid).
   It walks, for every query head of its KV head (GQA: no atomics), the CSC list of its key block: the
   query blocks that selected it (``csc.block_csc``), each as ``Q_SPLIT`` tiles, or ``Q_GROUP`` small
   query blocks side by side per step.
@@ -38,6 +38,7 @@ from .._runtime.tiles import overrides
 # 3.65); dQ at B2 H16 N32760 D128 2.45 / ~2.9 (at D=64 2.74 / 2.25)
 WS_DKV_HEAD_DIMS = (64,)
 WS_DQ_HEAD_DIMS = (128,)
+SORTED_FROM_ENTRIES = 1 << 16   # CSC entries from which the dK/dV programs run longest first (program_order)
 WS_DKV_MIN_STEPS = 16  # Gluon dK/dV only for CSC lists of this many 64-row tiles on average: at 8 (K=8 of 64x64
 # blocks) the backward took 1.38 ms against 1.34 with the Triton dK/dV, at 31 (sla2 97 %) and 51 it is faster
 
@@ -171,12 +172,17 @@ def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return torch.add(order, first.view(bsz, kv_heads, 1), out=ids).flatten()     # int32 ids in one op
 
 
-def program_order(offsets: torch.Tensor, kv_heads: int, split: int) -> torch.Tensor:
-    """The dK/dV programs' order (``split`` programs per key block): ``longest_first``, or the identity where the
-    whole grid fits the device's SMs at once, so that the order cannot matter (``identity_order``: no op in an eager
-    call, where the sort is seven). A symbolic grid takes the sort (``sizes.static``)."""
+def program_order(offsets: torch.Tensor, kv_heads: int, split: int, entries: int) -> torch.Tensor:
+    """The dK/dV programs' order (``split`` programs per key block, ``entries`` CSC entries in all): the identity
+    (``identity_order``: no op in an eager call, where the sort is five) for a call of fewer than
+    ``SORTED_FROM_ENTRIES`` entries, whose host time exceeds what an order could save, or where the whole grid fits
+    the device's SMs at once, so that the order cannot matter; else ``longest_first``. A symbolic size takes the sort
+    (``sizes.static``). B2 H8 N4096 and N16384 D64 bf16 forward+backward, sorted against identity (H200, ms): `sla`
+    2.10 / 1.94 and 2.91 / 2.29 (53248 entries), `topk` 1.47 / 1.15 and 1.39 / 1.17, `sla2` 2.42 / 2.20 and `vsa`
+    2.47 / 2.02 at N4096."""
     items = offsets.shape[0] * kv_heads * (offsets.shape[2] - 1)
-    if offsets.is_cuda and static(items) and items * split <= sm_count(offsets.device):
+    if static(items, entries) and (entries < SORTED_FROM_ENTRIES
+                                   or offsets.is_cuda and items * split <= sm_count(offsets.device)):
         return identity_order(items, offsets)
     return longest_first(offsets, kv_heads)
 
@@ -240,12 +246,13 @@ def block_backward(do, dlse, q, k, v, indices, offsets, rows, o, lse, block_q: i
             num_warps=tiles["dq_warps"], num_stages=tiles["dq_stages"], **geo, **common)
     if gluon_dkv:
         run = block_bwd_ws.ws_dkv if launching_directly() else block_bwd_ws.block_dkv_ws
-        dk, dv = run(q, k, v, do, lse, delta, offsets, rows, program_order(offsets, kv_heads, 1), dkv_block_q, scale)
+        order = program_order(offsets, kv_heads, 1, rows.numel())
+        dk, dv = run(q, k, v, do, lse, delta, offsets, rows, order, dkv_block_q, scale)
         return dq, dk, dv
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     geo = geometry(dkv_block_q, block_k, nq, nk, tiles["DKV_BM"], tiles["DKV_BN"], topk, q_group=tiles["DKV_QB"])
-    order = program_order(offsets, kv_heads, geo["K_SPLIT"])
+    order = program_order(offsets, kv_heads, geo["K_SPLIT"], rows.numel())
     launcher(_block_dkv_kernel)[(bsz * kv_heads * tk * geo["K_SPLIT"],)](
         q, k, v, do, lse, delta, offsets, rows, order, dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, nq, nk, cdiv(nq, dkv_block_q), tk, topk, STAGES=tiles["dkv_stages"],
