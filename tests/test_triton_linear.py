@@ -315,6 +315,18 @@ def test_bias_gradient_column_sums_on_both_paths(monkeypatch, dtype, bias_dtype)
 
 
 @cpu_parent
+def test_bias_gradient_column_sums_of_symbolic_rows_take_the_sum(monkeypatch):
+    """A graph traced for any length sums without comparing the length (no guard on it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    monkeypatch.setattr(linear_op, "SUMS_BY_MATMUL", 1)
+    x = torch.randn(37, 16)
+    traced = make_fx(lambda x: linear_op.column_sums(x, torch.float32), tracing_mode="symbolic")(x)
+    targets = {str(node.target) for node in traced.graph.nodes if node.op == "call_function"}
+    assert "aten.sum.dim_IntList" in targets and not any("bmm" in t or "ones" in t for t in targets), targets
+    torch.testing.assert_close(traced(x), x.sum(0))
+
+
+@cpu_parent
 def test_triton_backend_gets_the_triton_branch():
     assert type(TRITON).masked_linear_attention is TritonBackend.masked_linear_attention
     assert type(TORCH).masked_linear_attention is Backend.masked_linear_attention

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .._runtime.registry import launching_directly, triton_op
+from .._runtime.sizes import static
 from .._runtime.tiles import overrides
 from ..common.inputs import contiguous, use_kernels
 from . import naive
@@ -170,8 +171,8 @@ def column_sums(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x (R, D)`` summed over its rows, in ``dtype`` with fp32 (or wider) accumulation: ``(D,)``. From
     ``SUMS_BY_MATMUL`` rows, a matmul with a column of ones: torch's sum over dim 0 of a few columns took 75.8 us
     against 23 at 262144 x 64 bf16 rows and 248 against 80 at 2^20 x 128 (H200); at 4096 rows 11 against 9, less
-    than the host time of the ones' fill."""
-    if x.shape[0] < SUMS_BY_MATMUL:
+    than the host time of the ones' fill. A symbolic row count takes the sum (``sizes.static``)."""
+    if not static(x.shape[0]) or x.shape[0] < SUMS_BY_MATMUL:
         return x.sum(0, dtype=dtype)
     from .dense import matmul
     return matmul(x.T.unsqueeze(0), x.new_ones(1, x.shape[0], 1), dtype).view(-1)
