@@ -100,7 +100,6 @@ def block_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> tuple[torch
     return _launch_sums(a, h, z, m, k, 0, KEEP_GIVEN)
 
 
-
 def _launch_sums(a: torch.Tensor, h: torch.Tensor, z: torch.Tensor, m: int, k: int, width: int, keep: int,
                  repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``_sums_kernel`` on ``h (C, K, D^2)``, ``z (C, K, D)`` with the 0/1 map ``a``: ``KEEP_GIVEN``: ``a (C, M, K)``

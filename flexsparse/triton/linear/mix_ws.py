@@ -7,9 +7,8 @@ the producer loads ``H_i`` (and SLA's ``W^T``) by TMA into the K (and V) slots o
 released; the consumer computes phi(Q) from the Q tile still in shared memory,
 ``O_l = phi(Q) H_i / (eps + phi(Q) . Z_i)`` rounded to q's dtype, and SLA's ``O_s + O_l W^T + b`` or SLA2's
 ``O_l + alpha (O_s - O_l)`` (alpha = sigmoid of its logit) with ``O_s`` rounded to q's dtype, as the separate
-kernels do. So O_s makes no round
-trip through HBM and q is read once; without gradients only O and the LSE are stored. No shared memory beyond
-the sparse kernel's (its occupancy is unchanged).
+kernels do. So O_s makes no round trip through HBM and q is read once; without gradients only O and the LSE are
+stored. No shared memory beyond the sparse kernel's (its occupancy is unchanged).
 
 Not traceable by ``torch.compile`` (``wrap_triton`` takes no Gluon kernel): compiled graphs call it as the
 opaque custom op ``flexsparse::sparse_linear_ws``.
@@ -81,8 +80,8 @@ def linear_epilogue(q_tile, h_tile, w_tile, o_s, o_ptr, os_ptr, ol_ptr, z_ptr, b
                     EPS: gl.constexpr, FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr):
     """O_s (stored with ``STORE``); O_l from the Q tile ``q_tile`` and ``H_i`` (``h_tile``, shared memory, q's
     dtype) (stored with ``STORE``); the combined O with SLA's ``W^T`` (``w_tile``) or SLA2's alpha (the sigmoid of
-    the fp32 logit at ``logit_ptr``, rounded to q's dtype). ``o_s``:
-    ``(BM, D)`` in q's dtype on the wgmma accumulator layout."""
+    the fp32 logit at ``logit_ptr``, rounded to q's dtype). ``o_s``: ``(BM, D)`` in q's dtype on the wgmma
+    accumulator layout."""
     BM: gl.constexpr = q_tile.type.shape[0]
     D: gl.constexpr = q_tile.type.shape[1]
     dtype: gl.constexpr = q_tile.dtype
@@ -167,9 +166,9 @@ def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, a
     ``rows_z (B, H, Tq, D)`` fp32: SLA's ``O_s + O_l W^T + bias`` (``weight_t = W^T (D, D)`` contiguous in q's
     dtype, ``bias (D,)`` contiguous, alpha_logit None) or SLA2's ``O_l + alpha (O_s - O_l)`` with ``alpha =
     sigmoid(alpha_logit)`` (``alpha_logit (1 or H, Tq)`` contiguous; weight_t and bias None); bias and alpha in any
-    float dtype, rounded to q's in the kernel (alpha after an fp32 sigmoid). o_s and
-    o_l ``(B, H, Nq, D)`` when ``store`` (the backward needs them), else empty. Takes the bf16 calls
-    ``block_sparse.fwd_ws.supported`` takes (the ``(D, D)`` states fit the ring's first slots at both head dims)."""
+    float dtype, rounded to q's in the kernel (alpha after an fp32 sigmoid). o_s and o_l ``(B, H, Nq, D)`` when
+    ``store`` (the backward needs them), else empty. Takes the bf16 calls ``block_sparse.fwd_ws.supported`` takes
+    (the ``(D, D)`` states fit the ring's first slots at both head dims)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = block_fwd_ws.default_tiles(d)
