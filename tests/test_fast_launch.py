@@ -188,4 +188,36 @@ def test_gpu_fast_launch_runs_gluon_kernels_as_triton_does(monkeypatch, method, 
         fast = kernel.__dict__.get("_flexsparse_fast")
         assert fast is not None and fast.compiled, kernel.fn.__name__
         triton_cache = kernel.device_caches[torch.cuda.current_device()][0]
-        assert all(any(c is t for t in triton_cache.values()) for c in fast.compiled.values())
+        assert all(any(c is t for t in triton_cache.values()) for c, _ in fast.compiled.values())
+
+
+@ts.gpu
+def test_gpu_encoded_tma_descriptors_follow_address_shape_and_strides(monkeypatch):
+    """A Gluon kernel's launch with its TMA descriptors encoded once (``TmaLaunch``, on triton 3.6) equals Triton's
+    own launch bit for bit: the same tensors again (kept encodings), a shorter view at the same address (another
+    shape: another encoding) and fresh tensors."""
+    ts.skip_unless_sm90()
+    from flexsparse.triton.block_sparse import fwd_ws
+    kernel = fwd_ws._ws_fwd_kernel
+    kernel.__dict__.pop("_flexsparse_fast", None)
+    n, block, topk = 2048, 64, 4
+    q, k, v = (torch.randn(1, 1, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tables = {m: torch.stack([torch.randperm(m // block, device="cuda")[:topk] for _ in range(m // block)])
+              .sort(-1).values.int().view(1, 1, m // block, topk).contiguous() for m in (n, n // 2)}
+
+    def forward(m, fresh=False):
+        args = [x[:, :, :m].clone() if fresh else x[:, :, :m] for x in (q, k, v)]
+        return fwd_ws.ws_block_forward(*args, tables[m], block, block, 0.125)
+
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    want = {m: forward(m) for m in (n, n // 2)}
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    for m, fresh in [(n, False), (n, False), (n, False), (n // 2, False), (n // 2, False), (n, False), (n, True),
+                     (n // 2, True)]:
+        for got, expected in zip(forward(m, fresh), want[m]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    entries = list(kernel.__dict__["_flexsparse_fast"].compiled.values())
+    assert entries
+    if getattr(fast_launch.driver.active, "launcher_cls", None) is not None and triton.__version__.startswith("3.6"):
+        tma = [launch for _, launch in entries if launch is not None]
+        assert tma and all(len(encoded) >= 2 for launch in tma for _, _, encoded in launch.slots)

@@ -8,11 +8,14 @@ that refines Triton's specialization (two calls with one key specialize alike): 
 floats and None as they are (within one tuple of types ``True``, ``1`` and ``1.0`` never meet, and the key takes no
 Python step per scalar); a tensor's dtype, 16-byte alignment and device type, at positions planned once per tuple of
 types; the constexprs and options. It calls ``CompiledKernel.run`` directly on a hit. Gluon kernels take
-the same path: a host TMA descriptor is keyed by what Triton specializes on (dtype, block shape, shared layout), and
-the compiled kernel's launcher encodes it at every launch, as on Triton's path. A miss, or a call it cannot key (an
-argument of another type; a callable grid; launch or stage hooks, pre-run hooks, debug or instrumentation knobs set)
-goes through ``JITFunction.run``, which compiles where needed; the compiled kernel it returns is kept for the
-key (``MAX_KEYS`` keys per kernel, then the table starts over: a model run at many lengths).
+the same path: a host TMA descriptor is keyed by what Triton specializes on (dtype, block shape, shared layout).
+Triton's launcher encodes each descriptor at every launch (~13 us of host time each on an H200 host, three to five
+per Gluon launch); ``TmaLaunch`` keeps the encoded ones per address, shape and strides and calls the compiled
+launcher's C entry itself where the launcher is triton 3.6's (else Triton's launcher runs). A miss, or a call it
+cannot key (an argument of another type; a callable grid; launch or stage hooks, pre-run hooks, debug or
+instrumentation knobs set) goes through ``JITFunction.run``, which compiles where needed; the compiled kernel it
+returns is kept for the key (``MAX_KEYS`` keys per kernel, then the table starts over: a model run at many
+lengths).
 
 ``FLEXSPARSE_TRITON_LAUNCH=triton`` (read at import) keeps every launch on Triton's own path.
 """
@@ -32,6 +35,7 @@ except ImportError:                                             # a Triton witho
 
 ENABLED = os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast") != "triton"
 MAX_KEYS = 4096                     # compiled-kernel entries per kernel before the table starts over
+MAX_ENCODED = 256                   # encoded TMA descriptors per kernel argument before that table starts over
 _UNKEYED = object()
 _NO_KEY = None, None, None
 _SCALARS = frozenset((int, bool, float, type(None)))
@@ -63,20 +67,25 @@ class FastLaunch:
         path on a miss."""
         key, values, device = self._key(grid, args, kwargs)
         try:
-            compiled = None if key is None else self.compiled.get(key)
+            entry = None if key is None else self.compiled.get(key)
         except TypeError:    # an unhashable constexpr or option value
-            key = compiled = None
-        if compiled is None:
+            key = entry = None
+        if entry is None:
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if key is not None and compiled is not None:
                 if len(self.compiled) >= MAX_KEYS:
                     self.compiled.clear()
-                self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
+                compiled = compiled.result() if hasattr(compiled, "result") else compiled
+                self.compiled[key] = compiled, TmaLaunch.of(compiled)
             return compiled
+        compiled, tma = entry
         stream = driver.active.get_current_stream(device)
         size = len(grid)
-        compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *values)
+        grid = grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1
+        if tma is not None:
+            tma(grid, stream, compiled, values)
+        else:
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict):
@@ -135,3 +144,56 @@ class FastLaunch:
 def _empty(hook) -> bool:
     """Whether a launch hook knob calls nothing (None, or a ``HookChain`` with no hooks added)."""
     return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+class TmaLaunch:
+    """A compiled Gluon kernel's launch with its host TMA descriptors encoded once per (address, shape, strides,
+    padding) of each descriptor argument (``MAX_ENCODED`` per argument), through the C entry of triton 3.6's
+    launcher. The encoding depends on nothing else for one compiled kernel (its dtype, block shape and swizzle are
+    the compiled kernel's), so a kept one equals a fresh one; Triton's ``make_tensordesc_arg`` makes it."""
+
+    def __init__(self, run, entry, meta: list, positions: list):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        self.entry = entry
+        self.flags = run.launch_cooperative_grid, run.launch_pdl
+        self.slots = [(position, meta, {}) for position, meta in zip(positions, meta)]
+        self.encode = make_tensordesc_arg
+
+    @classmethod
+    def of(cls, compiled) -> "TmaLaunch | None":
+        """The ``TmaLaunch`` of ``compiled``, or None where it has no TMA descriptor argument, needs scratch memory
+        or its launcher is not triton 3.6's (descriptors wrapped by ``wrap_handle_tensordesc`` around the C
+        entry, 13 leading launch arguments)."""
+        run = getattr(compiled, "run", None)
+        inner = getattr(run, "launch", None)
+        names = getattr(getattr(inner, "__code__", None), "co_freevars", ())
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= set(names):
+            return None
+        try:
+            from triton.backends.nvidia import driver as nvidia
+        except ImportError:
+            return None
+        cells = {name: cell.cell_contents for name, cell in zip(names, inner.__closure__)}
+        meta, positions = cells["tensordesc_meta"], sorted(cells["tensordesc_indices"])
+        if (getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None) != 13 or run.global_scratch_size
+                or run.profile_scratch_size or not positions or any(m is None for m in meta)):
+            return None
+        return cls(run, cells["launcher"], meta, positions)
+
+    def __call__(self, grid: tuple, stream, compiled, values: list) -> None:
+        """Launch ``compiled`` on ``grid`` (three ints) with every parameter's launch value in order."""
+        args, start = [], 0
+        for position, meta, encoded in self.slots:
+            args += values[start:position]
+            descriptor = values[position]
+            key = descriptor.base.data_ptr(), tuple(descriptor.shape), tuple(descriptor.strides), descriptor.padding
+            words = encoded.get(key)
+            if words is None:
+                if len(encoded) >= MAX_ENCODED:
+                    encoded.clear()
+                words = encoded[key] = self.encode(descriptor, meta)
+            args += words
+            start = position + 1
+        args += values[start:]
+        self.entry(*grid, stream, compiled.function, *self.flags, None, None, compiled.packed_metadata, None, None,
+                   None, *args)
