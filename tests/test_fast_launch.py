@@ -81,6 +81,26 @@ def test_launch_key_refines_triton_specialization_of_gluon_descriptors(monkeypat
     assert len(groups) == 12
 
 
+@ts.cpu_parent
+def test_descriptor_equals_tritons_and_rejects_what_tma_cannot_read():
+    """``fwd_ws.descriptor`` (no checks in Python beyond TMA's needs) builds the descriptor Triton's ``from_tensor``
+    builds, and a misaligned address, a misaligned row stride or non-contiguous rows raise a ValueError."""
+    pytest.importorskip("triton.experimental.gluon.language")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from flexsparse.triton.block_sparse import fwd_ws
+    for dtype, gl_dtype in ((torch.bfloat16, fwd_ws.gl.bfloat16), (torch.float16, fwd_ws.gl.float16)):
+        base = torch.randn(4096 + 8, 128).to(dtype)
+        for tensor, block in ((base[:4096, :64], [64, 64]), (base[8:], [128, 128]), (base[:1000, 64:], [64, 64])):
+            layout = fwd_ws.shared_layout(*block, gl_dtype)
+            assert fwd_ws.descriptor(tensor, block, layout) == TensorDescriptor.from_tensor(tensor, block, layout)
+        layout = fwd_ws.shared_layout(64, 64, gl_dtype)
+        flat = base.view(-1)
+        for bad in (flat[1:1 + 64 * 64].view(64, 64), flat[:64 * 68].view(64, 68)[:, :64], base[:64, :128:2],
+                    flat[:64 * 66].view(64, 66)[:, :64]):
+            with pytest.raises(ValueError, match="TMA descriptor"):
+                fwd_ws.descriptor(bad, [64, 64], layout)
+
+
 @triton.jit
 def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -30,9 +30,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fwd_ws import LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, mma_layout, program_tile, shared_layout
+from .fwd_ws import (LOG2E, _barriers, _fill_slot, _load_two, _mask_tail, descriptor, mma_layout, program_tile,
+                     shared_layout)
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv
 
@@ -230,8 +230,7 @@ def ws_dq(q, k, v, do, o, lse, dlse, indices, block_q: int, scale: float, stages
     tq, topk = indices.shape[2], indices.shape[3]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layout = shared_layout(64, d, gl_dtype)
-    q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
-                                       for x in (q, do, k, v))
+    q_desc, do_desc, k_desc, v_desc = (descriptor(x.view(-1, d), [64, d], layout) for x in (q, do, k, v))
     dq, delta = torch.empty_like(q), torch.empty_like(lse)
     launcher(_ws_dq_kernel)[(tq * (block_q // 64), bsz * heads)](
         q_desc, do_desc, k_desc, v_desc, o, lse, lse if dlse is None else dlse, delta, dq, indices, heads,
@@ -269,8 +268,7 @@ def ws_dkv(q, k, v, do, lse, delta, offsets, rows, order, block_q: int, scale: f
     stages, maxnreg = stages or tiles["stages"], maxnreg or tiles["maxnreg"]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layout = shared_layout(64, d, gl_dtype)
-    q_desc, do_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [64, d], layout)
-                                       for x in (q, do, k, v))
+    q_desc, do_desc, k_desc, v_desc = (descriptor(x.view(-1, d), [64, d], layout) for x in (q, do, k, v))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     launcher(_ws_dkv_kernel)[(order.numel(),)](
         q_desc, do_desc, k_desc, v_desc, lse, delta, offsets, rows, order, dk, dv, nq, nk, tq, tk,

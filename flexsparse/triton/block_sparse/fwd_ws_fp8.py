@@ -17,10 +17,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._runtime.registry import launcher
-from .fwd_ws import LOG2E, _barriers, _mask_tail, program_tile, shared_layout, store_rows
+from .fwd_ws import LOG2E, _barriers, _mask_tail, descriptor, program_tile, shared_layout, store_rows
 
 LOG2_448: gl.constexpr = gl.constexpr(8.807354922057604)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -200,9 +199,9 @@ def descriptors(q8, k8, vt8, block_k: int):
     """TMA descriptors of q8 (``(BM, D)`` tiles), k8 (``(block_k, D)``) and V8^T (``(D, block_k)``) over the flattened
     ``(B * H * N, D)`` and ``(B * Hk * D, NP)`` tensors."""
     d, np_ = q8.shape[-1], vt8.shape[-1]
-    return (TensorDescriptor.from_tensor(q8.view(-1, d), [BM, d], shared_layout(BM, d, gl.float8e4nv)),
-            TensorDescriptor.from_tensor(k8.view(-1, d), [block_k, d], shared_layout(block_k, d, gl.float8e4nv)),
-            TensorDescriptor.from_tensor(vt8.view(-1, np_), [d, block_k], shared_layout(d, block_k, gl.float8e4nv)))
+    return (descriptor(q8.view(-1, d), [BM, d], shared_layout(BM, d, gl.float8e4nv)),
+            descriptor(k8.view(-1, d), [block_k, d], shared_layout(block_k, d, gl.float8e4nv)),
+            descriptor(vt8.view(-1, np_), [d, block_k], shared_layout(d, block_k, gl.float8e4nv)))
 
 
 def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,

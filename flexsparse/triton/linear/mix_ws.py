@@ -19,7 +19,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._runtime.registry import launcher
 from ..block_sparse import fwd_ws as block_fwd_ws
@@ -152,8 +151,8 @@ def linear_operands(q, rows_h, weight_t, gl_dtype, store: bool):
     and ``o_s``, ``o_l`` (empty unless ``store``)."""
     bsz, heads, nq, d = q.shape
     square = block_fwd_ws.shared_layout(d, d, gl_dtype)      # square_layout's, built once
-    h_desc = TensorDescriptor.from_tensor(rows_h.view(-1, d), [d, d], square)
-    w_desc = h_desc if weight_t is None else TensorDescriptor.from_tensor(weight_t, [d, d], square)
+    h_desc = block_fwd_ws.descriptor(rows_h.view(-1, d), [d, d], square)
+    w_desc = h_desc if weight_t is None else block_fwd_ws.descriptor(weight_t, [d, d], square)
     mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
     o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     return h_desc, w_desc, mix, torch.empty_like(q), q.new_empty(bsz, heads, nq, dtype=torch.float32), o_s, o_l

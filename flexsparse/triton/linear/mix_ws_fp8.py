@@ -13,7 +13,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._runtime.registry import launcher
 from ..block_sparse import fwd_ws as block_fwd_ws
@@ -128,7 +127,7 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
     q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k)
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
-    qb_desc = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], block_fwd_ws.shared_layout(bm, d, gl.bfloat16))
+    qb_desc = block_fwd_ws.descriptor(q.view(-1, d), [bm, d], block_fwd_ws.shared_layout(bm, d, gl.bfloat16))
     h_desc, w_desc, mix, out, lse, o_s, o_l = linear_operands(q, rows_h, weight_t, gl.bfloat16, store)
     launcher(_ws_mix_fp8_kernel)[(tq * (block_q // fwd_ws_fp8.BM), bsz * heads)](
         q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, out, lse, o_s if store else q, o_l if store else q, rows_z,
