@@ -101,6 +101,69 @@ def test_descriptor_equals_tritons_and_rejects_what_tma_cannot_read():
                 fwd_ws.descriptor(bad, [64, 64], layout)
 
 
+def _triton36_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    """triton 3.6's ``wrap_handle_tensordesc`` around the C entry ``launcher`` (its ``inner``, as written there)."""
+    from triton.backends.nvidia import driver as nvidia
+
+    def inner(*args):
+        final_args = list(args[:13])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final_args.extend(nvidia.make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+@ts.cpu_parent
+def test_tma_launch_passes_the_c_entry_what_tritons_wrapper_passes(monkeypatch):
+    """``TmaLaunch`` calls a triton 3.6 launcher's C entry with the arguments Triton's descriptor wrapper passes it
+    (each descriptor expanded in place by ``make_tensordesc_arg`` with its own metadata), encoding a descriptor once
+    per address, shape and strides; a launcher of another shape or one that needs scratch memory gets none."""
+    pytest.importorskip("triton.experimental.gluon.language")
+    from types import SimpleNamespace
+    from triton.backends.nvidia import driver as nvidia
+    from flexsparse.triton.block_sparse import fwd_ws
+    encoded = []
+
+    def encode(descriptor, meta):
+        encoded.append(descriptor.base.data_ptr())
+        return [("map", descriptor.base.data_ptr(), tuple(descriptor.shape), meta["swizzle"]), *descriptor.shape,
+                *descriptor.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    calls = []
+    meta = [{"swizzle": 128}, {"swizzle": 64}]
+    run = SimpleNamespace(launch=_triton36_wrapper(lambda *args: calls.append(args), {1, 4}, meta),
+                          global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                          launch_pdl=True)
+    compiled = SimpleNamespace(run=run, function=7, packed_metadata=("metadata",))
+    assert fast_launch.TmaLaunch.of(compiled) is None                 # triton 3.7's driver: no such launcher
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    tma = fast_launch.TmaLaunch.of(compiled)
+    layout = fwd_ws.shared_layout(64, 64, fwd_ws.gl.bfloat16)
+    x, y = torch.randn(256, 64).bfloat16(), torch.randn(512, 64).bfloat16()
+
+    def values(a, b):
+        return [123, fwd_ws.descriptor(a, [64, 64], layout), 5, None, fwd_ws.descriptor(b, [64, 64], layout), 0.5]
+
+    for a, b, new in [(x, y, 2), (x, y, 0), (x[:128], y, 1), (y, x, 2), (x, y, 0)]:
+        before = len(encoded)
+        tma((3, 2, 1), "stream", compiled, values(a, b))
+        assert len(encoded) - before == new
+        run.launch(3, 2, 1, "stream", 7, False, True, None, None, ("metadata",), None, None, None, *values(a, b))
+        assert calls[-2] == calls[-1]
+    assert calls[-1][13:] == (123, ("map", x.data_ptr(), (256, 64), 128), 256, 64, 64, 1, 5, None,
+                              ("map", y.data_ptr(), (512, 64), 64), 512, 64, 64, 1, 0.5)
+    run.global_scratch_size = 64
+    assert fast_launch.TmaLaunch.of(compiled) is None
+    run.global_scratch_size, run.launch = 0, lambda *args: None
+    assert fast_launch.TmaLaunch.of(compiled) is None
+
+
 @triton.jit
 def _scaled_copy_kernel(X, OUT, n, stride, factor, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
