@@ -9,7 +9,7 @@ Gluon kernels compile only through their launcher, so a stand-in driver names an
 package uses (3.6 as on the GPU machine, or 3.7); a kernel that does not compile is reported as FAILED, the
 others go on, and the exit status is 1.
 
-    python benchmarks/gluon_sm90_report.py [--d 64 128] [--sass NAME]
+    python benchmarks/gluon_sm90_report.py [--d 64 128] [--sass NAME] [--loops]
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--sass", default="")
+    parser.add_argument("--loops", action="store_true", help="each loop's instructions by opcode")
     args = parser.parse_args()
     driver.set_active(_Sm90Driver())
     from flexsparse.triton.block_sparse import fwd_ws as block_fwd_ws
@@ -110,7 +111,7 @@ def main() -> None:
                  for mix, store in ((1, False), (1, True), (2, False), (2, True))]
         for name, compile_kernel in jobs:
             try:
-                report(name, compile_kernel(), args.sass == name)
+                report(name, compile_kernel(), args.sass == name, args.loops)
             except Exception as exc:  # report and go on, exit 1 at the end
                 failed.append(name)
                 print(f"{name:34s} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -4,12 +4,14 @@ form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the 
 this reads the compiled code of each kernel, offline.
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
-[--d 64] [--dtype bf16] [--only NAME_PART] [--sass KERNEL]``. Numbers come from this machine's triton, which may differ
-from the GPU machine's by a version.
+[--d 64] [--dtype bf16] [--only NAME_PART] [--sass KERNEL] [--loops]``. Numbers come from this machine's triton,
+which may differ from the GPU machine's by a version. ``--loops``: the instructions of each loop of each kernel by
+opcode (``loop_mixes``; a key step of an attention kernel is its innermost loop's body).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -58,7 +60,26 @@ def cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True).stdout
 
 
-def report(name, kernel, sass: bool):
+def loop_mixes(code: str, least: int = 32) -> list[tuple[int, int, collections.Counter]]:
+    """The loops of a SASS listing of at least ``least`` instructions: ``(start, end, opcodes)`` for each branch
+    back to an earlier address, with the count of each opcode (its first two dot-separated parts, e.g.
+    ``MUFU.EX2``) from the branch target to the branch. A span with an ``EXIT`` is no loop: the retry paths of
+    barrier waits sit after the kernel's end and branch back into it."""
+    code_lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)
+    listing = [(int(address, 16), text.split()) for address, text in code_lines]
+    loops = []
+    for address, words in listing:
+        op = words[1] if words[0].startswith("@") else words[0]
+        if not op.startswith("BRA") or not words[-1].startswith("0x") or int(words[-1], 16) >= address:
+            continue
+        start = int(words[-1], 16)
+        body = [w[1] if w[0].startswith("@") else w[0] for a, w in listing if start <= a <= address]
+        if len(body) >= least and "EXIT" not in body:
+            loops.append((start, address, collections.Counter(".".join(o.split(".")[:2]) for o in body)))
+    return loops
+
+
+def report(name, kernel, sass: bool, loops: bool = False):
     usage, code = cuobjdump(kernel, "--dump-resource-usage"), cuobjdump(kernel, "-sass")
     regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     mma = {}
@@ -66,6 +87,10 @@ def report(name, kernel, sass: bool):
         mma[op] = mma.get(op, 0) + 1
     print(f"{name:34s} regs {regs.group(1):>4s} stack {regs.group(2):>4s} local {regs.group(4):>4s} "
           f"smem {kernel.metadata.shared:>6d}  {mma}")
+    if loops:
+        for start, end, ops in loop_mixes(code):
+            print(f"    loop {start:#06x}-{end:#06x}: {sum(ops.values())} instructions: "
+                  + ", ".join(f"{op} {count}" for op, count in ops.most_common(14)))
     if sass:
         print(code)
 
@@ -75,6 +100,7 @@ def main():
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--sass", default="")
+    parser.add_argument("--loops", action="store_true", help="each loop's instructions by opcode")
     parser.add_argument("--only", default="", help="compile only the jobs whose name contains this text")
     parser.add_argument("--blocks", default="64x64", help="block_q x block_k of the block-sparse kernels "
                         "(tiles from FLEXSPARSE_TRITON_TILES as at run time)")
@@ -240,7 +266,7 @@ def main():
         if args.only not in name:
             continue
         try:
-            report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name)
+            report(name, compile_kernel(fn, ptrs, consts, warps, stages), args.sass == name, args.loops)
         except Exception as exc:  # report and go on: this is a diagnostic tool
             print(f"{name:34s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
 

@@ -305,6 +305,30 @@ def test_gluon_forward_kernels_compile_for_sm90():
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def test_sass_loop_mixes_count_each_loop_body_and_skip_retry_paths():
+    """``benchmarks/triton_sm90_report.py --loops``: a predicated branch back is a loop, counted from its target to
+    the branch by opcode; a retry path after the kernel's end that branches back (its span holds the EXIT) is not."""
+    sys.path.insert(0, os.path.join(ts.ROOT, "benchmarks"))
+    try:
+        from triton_sm90_report import loop_mixes
+    finally:
+        sys.path.pop(0)
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x0000 */
+        /*0010*/                   FADD R2, R2, R3 ;                      /* 0x0000 */
+        /*0020*/                   MUFU.EX2 R4, R2 ;                      /* 0x0000 */
+        /*0030*/                   FADD R5, R4, R2 ;                      /* 0x0000 */
+        /*0040*/              @P0 BRA 0x10 ;                              /* 0x0000 */
+        /*0050*/                   EXIT ;                                 /* 0x0000 */
+        /*0060*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4] ;  /* 0x0000 */
+        /*0070*/                   BRA 0x20 ;                             /* 0x0000 */
+    """
+    loops = loop_mixes(listing, least=1)
+    assert [(start, end) for start, end, _ in loops] == [(0x10, 0x40)]
+    assert dict(loops[0][2]) == {"FADD": 2, "MUFU.EX2": 1, "BRA": 1}
+    assert loop_mixes(listing, least=5) == []
+
+
 @cpu_parent
 def test_dkv_blocks_repeat_each_row_per_query_tile():
     """The dK/dV kernel's index table: each block of several tiles becomes one row per tile, ragged tail cut."""
