@@ -15,6 +15,9 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
                    Triton ones elsewhere), ``speedup_default`` the first over the second;
+``fp8_permuted_ms`` the default FP8 kernel on a pre-pass with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``:
+                   P reaches the fp8 MMA without shuffles), ``speedup_permuted`` ``fp8_default_ms`` over it,
+                   ``rel_l2_permuted`` its output against the keys-in-order one;
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
@@ -34,6 +37,7 @@ import torch
 from flexsparse.bench import attempt, bench_report, offset_qkv, rel_l2, structured_qkv, time_spread
 from flexsparse.masks import num_blocks
 from flexsparse.triton.block_sparse import fwd as block_fwd
+from flexsparse.triton.block_sparse import fp8_quant
 from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
 
@@ -83,15 +87,24 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     def fp8_total():
         return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale)
 
+    permuted_pre = with_permuted_keys(lambda: quantize_qkv(q, k, v, block, block))
+
+    def fp8_permuted():
+        return with_permuted_keys(lambda: block_fwd_fp8.block_attend_fp8(*permuted_pre, table, block, block, scale,
+                                                                          q.dtype))
+
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
     for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
-                     ("fp8_default", lambda: fp8_kernel(None))):
+                     ("fp8_default", lambda: fp8_kernel(None)), ("fp8_permuted", fp8_permuted)):
         out[f"{name}_ms"] = attempt(lambda: time_spread(fn, device))
-    if all(isinstance(out[f"{name}_ms"], dict) for name in ("bf16_default", "fp8_default")):
-        out["speedup_default"] = out["bf16_default_ms"]["median_ms"] / out["fp8_default_ms"]["median_ms"]
+    for name, slower, faster in (("default", "bf16_default", "fp8_default"),
+                                 ("permuted", "fp8_default", "fp8_permuted")):
+        if all(isinstance(out[f"{key}_ms"], dict) for key in (slower, faster)):
+            out[f"speedup_{name}"] = out[f"{slower}_ms"]["median_ms"] / out[f"{faster}_ms"]["median_ms"]
+    out["rel_l2_permuted"] = rel_l2(fp8_permuted()[0], fp8_kernel(None)[0])
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]
@@ -107,6 +120,16 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     if args.sweep:
         out["sweep"] = sweep(args, device, bf16, fp8_kernel, bf16_tiles, fp8_tiles)
     return out
+
+
+def with_permuted_keys(call):
+    """``call()`` with ``fp8_quant.PERMUTED_KEYS`` on."""
+    before = fp8_quant.PERMUTED_KEYS
+    fp8_quant.PERMUTED_KEYS = True
+    try:
+        return call()
+    finally:
+        fp8_quant.PERMUTED_KEYS = before
 
 
 def sweep(args, device, bf16, fp8_kernel, bf16_tiles: dict, fp8_tiles: dict) -> dict:

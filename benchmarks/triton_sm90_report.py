@@ -257,11 +257,13 @@ def main():
                  8 if pow2(block_k, 16) * pow2(d, 16) >= 8192 else 4, 1))
     jobs.append(("fp8 quant v", fp8_quant._quant_v_kernel, dict(V=q, SCALE="*fp32", OUT=f8),
                  dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
-    jobs.append(("block fwd fp8", block_fwd_fp8._block_fwd_fp8_kernel,
-                 dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
-                      LSE="*fp32"),
-                 dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
-                      EMULATE=False, **geo), ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
+    for permuted in (False, True):
+        jobs.append((f"block fwd fp8 PERMUTED={int(permuted)}", block_fwd_fp8._block_fwd_fp8_kernel,
+                     dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                          LSE="*fp32"),
+                     dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
+                          FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, **geo),
+                     ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         if args.only not in name:
             continue

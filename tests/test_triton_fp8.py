@@ -40,8 +40,9 @@ from flexsparse.methods import METHODS  # noqa: E402
 from flexsparse.quant import E4M3, block_scales, channel_scales, quantize  # noqa: E402
 from flexsparse.triton._runtime.registry import launcher  # noqa: E402
 from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
+from flexsparse.triton.block_sparse import fp8_quant  # noqa: E402
 from flexsparse.triton.block_sparse.fp8_quant import (quantize_blocks, quantize_qkv,  # noqa: E402
-                                                      quantize_v_transposed, to_e4m3)
+                                                      quantize_v_transposed, stored_keys, to_e4m3)
 from flexsparse.triton.block_sparse.fwd import geometry  # noqa: E402
 from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles, gluon_runs  # noqa: E402
 
@@ -77,6 +78,13 @@ def kernel_tiles(pre, indices: torch.Tensor, block_q: int, block_k: int) -> dict
     return forward_tiles(pre[0].device, pre[0].shape[-1])
 
 
+def key_ordered(vt8: torch.Tensor, block_k: int) -> torch.Tensor:
+    """V^T as the pre-pass stores it for key blocks of ``block_k`` (``fp8_quant.permutes_keys``), keys in order."""
+    if not fp8_quant.permutes_keys(block_k):
+        return vt8
+    return vt8[..., torch.argsort(stored_keys(vt8.shape[-1])).to(vt8.device)]
+
+
 def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale: float, tiles: dict):
     """The kernel's math in PyTorch fp32 on the pre-pass outputs, with its key tiles in its order (``list_rows``
     of ``block_sparse.fwd``): per step raw ``s = q8 k8^T``, the factor ``c = scale log2(e) / s_q * (1 / s_k)``, running
@@ -84,6 +92,7 @@ def emulate_kernel(pre, indices: torch.Tensor, block_q: int, block_k: int, scale
     unquantized ``p``, ``acc = acc alpha + e4m3(p) v8``; ``o = acc / (l s_v)``, LSE with the smoothing term.
     Vectorized over (batch, head, query block). Returns o ``(B, H, Nq, D)`` fp32 and the LSE."""
     q8, qs, k8, ks, k_mean, vt8, vs = [x.float() for x in pre]
+    vt8 = key_ordered(vt8, block_k)
     bsz, heads, nq, d = q8.shape
     group, nk, (tq, topk) = heads // k8.shape[1], k8.shape[2], indices.shape[2:]
     device = q8.device
@@ -145,6 +154,7 @@ def spec_bound(pre, selection: BlockSelection, scale: float) -> torch.Tensor:
     """Elementwise ``2^-3 (P |V^|) + (2^-9 / 448) sum_j |V^_j| / l`` (docs/methods.md), dense in fp64 from the
     dequantized pre-pass values, plus 3% of the first term and 1e-6 for fp32 rounding."""
     q8, qs, k8, ks, _, vt8, vs = [x.double() for x in pre]
+    vt8 = key_ordered(vt8, selection.block_k)
     bsz, heads, n, d = q8.shape
     heads_kv = torch.arange(heads, device=q8.device) // (heads // k8.shape[1])
     token_q = torch.arange(n, device=q8.device) // selection.block_q
@@ -248,6 +258,42 @@ def test_kernel_matches_its_emulation_and_the_fake_quant_spec(bsz, n, block_q, b
     assert ts.rel_err(o, spec_o) < 0.05 and ts.rel_err(lse, spec_lse) < 1e-5
     got_o, got_lse = fp8_block_sparse_attention(q, k, v, selection, scale)      # the op, end to end
     assert torch.equal(got_o, o) and torch.equal(got_lse, lse)
+
+
+PERMUTED_CASES = [CASES[i] for i in (1, 3, 4, 6)]   # 16- and 32-key blocks, split key tiles, 8-key blocks
+
+
+@cpu_only
+@pytest.mark.parametrize("bsz,n,block_q,block_k,heads,kv_heads,d,topk", PERMUTED_CASES)
+def test_kernel_with_permuted_keys(bsz, n, block_q, block_k, heads, kv_heads, d, topk, monkeypatch):
+    """V^T's keys stored permuted within 16-key groups (``fp8_quant.PERMUTED_KEYS``) and P's columns permuted alike
+    in the kernel: the same O as keys in order up to the dot's summation order, the same LSE, and O tight against
+    the emulation; blocks of 8 keys are stored in order."""
+    q, k, v = make_qkv(bsz, heads, kv_heads, n, d)
+    selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
+    scale = d**-0.5
+    in_order = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k, scale,
+                                q.dtype)
+    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
+    pre = quantize_qkv(q, k, v, block_q, block_k)
+    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    assert fp8_quant.permutes_keys(block_k) == (block_k % 16 == 0)
+    assert ts.rel_err(o, in_order[0]) < 1e-5 and torch.equal(lse, in_order[1])
+    want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
+
+
+@cpu_only
+def test_prepass_stores_permuted_keys_in_key_slot_order():
+    """``quantize_v_transposed(..., permute=True)``: column ``k`` holds key ``stored_keys(NP)[k]`` of the keys in
+    order, a permutation within each 16-key group (N = 37: the last group partial, zeros past N)."""
+    x = torch.randn(2, 3, 37, 24)
+    in_order, scales = quantize_v_transposed(x)
+    permuted, permuted_scales = quantize_v_transposed(x, permute=True)
+    order = stored_keys(48)
+    assert torch.equal(permuted, in_order[..., order]) and torch.equal(permuted_scales, scales)
+    assert torch.equal(order.view(3, 16).sort(-1).values, torch.arange(48).view(3, 16))
+    assert not torch.equal(order, torch.arange(48))
 
 
 TILE_OVERRIDES = {
@@ -619,6 +665,7 @@ def test_kernel_benchmark_script_runs_in_the_interpreter(tmp_path):
     row = report["results"]["D16"]
     assert 0.01 < row["rel_l2_random"] < 0.08 and 0 < row["rel_l2_structured"] < 0.08
     assert row["speedup_kernel"] > 0 and row["prepass_ms"]["median_ms"] > 0
+    assert row["speedup_permuted"] > 0 and row["rel_l2_permuted"] < 1e-5
     best = row["sweep"]["best"]
     assert len(row["sweep"]["rows"]) == 2 and best["speedup_kernel"] > 0 and best["speedup_kernel_mma_acc"] > 0
     assert (tmp_path / "k.json").is_file()

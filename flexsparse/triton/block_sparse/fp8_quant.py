@@ -5,6 +5,10 @@ Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-
 rounded to fp32 (torchao's ``amax_to_scale``), values ``e4m3(clamp(x * s, -448, 448))`` with ``x * s`` in
 fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head (mean in fp32).
 
+V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
+kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
+accumulator's layout into the fp8 MMA's operand layout without cross-thread shuffles, and ``P V`` is unchanged.
+
 Storage: ``float8_e4m3fn`` on CUDA. The Triton interpreter (CPU) mis-rounds fp8 casts, so there the
 quantized tensors are an **fp16 stand-in**: fp16 tensors holding exactly the e4m3 grid values (every
 e4m3 value is an fp16 value), rounded by ``e4m3_round`` in fp32 arithmetic; the attention kernel then
@@ -21,6 +25,11 @@ from ...quant.formats import E4M3, channel_scales
 from .._runtime.registry import launcher
 from ..common.jit import token_tile
 from .._runtime.sizes import cdiv, pow2
+
+# Whether V^T's keys are stored in ``key_slot`` order (for key blocks of whole 16-key groups, ``permutes_keys``).
+# Offline sm_90 SASS of one key step (triton 3.7.1): the Triton FP8 forward 328 -> 301 instructions at D=64, the
+# Gluon one 436 -> 412 at D=128 (no SHFL.IDX, SEL or PRMT to move P); off until its speed is measured on a GPU.
+PERMUTED_KEYS = False
 
 
 @triton.jit
@@ -50,6 +59,35 @@ def to_e4m3(x, EMULATE: tl.constexpr, CLAMP: tl.constexpr = True):
         return x.to(tl.float8e4nv)
 
 
+def permutes_keys(block_k: int) -> bool:
+    """Whether V^T's keys are stored in ``key_slot`` order for key blocks of ``block_k`` tokens: with
+    ``PERMUTED_KEYS``, where the blocks are whole 16-key groups (a kernel's key tile then holds whole groups)."""
+    return PERMUTED_KEYS and block_k % 16 == 0
+
+
+@triton.jit
+def key_slot(t):
+    """The stored column of key ``t`` in the permuted order: bits 0-3 of ``t`` (b0, b1, b2, b3) placed as (b0, b2,
+    b3, b1), the rest kept. Column ``k`` then holds the key whose bits are (k0, k2, k3, k1): the score
+    accumulator's column of the fp8 operand's column ``k`` in the same thread (``permuted_columns``)."""
+    return (t & -16) | (t & 1) | (((t >> 3) & 1) << 1) | (((t >> 1) & 1) << 2) | (((t >> 2) & 1) << 3)
+
+
+@triton.jit
+def permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
+    """``p (BM, BN)`` with its columns permuted as V^T's keys are stored (``key_slot``): column ``k`` takes
+    column (k0, k2, k3, k1) of its 16-group. A relabelling: no data moves where ``p`` is in a wgmma accumulator's
+    layout and the result feeds an fp8 ``dot`` as its first operand."""
+    x = tl.reshape(p, [BM, BN // 16, 2, 2, 2, 2])                 # m, group, c3, c2, c1, c0
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2, 5)), [BM, BN])  # m, group, k3 = c2, k2 = c1, k1 = c3, k0 = c0
+
+
+def stored_keys(n: int) -> torch.Tensor:
+    """``(n,)`` int64 for ``n`` a multiple of 16: the key each column of a V^T stored in ``key_slot`` order holds."""
+    k = torch.arange(n)
+    return (k & -16) | (k & 1) | (((k >> 2) & 1) << 1) | (((k >> 3) & 1) << 2) | (((k >> 1) & 1) << 3)
+
+
 @triton.jit
 def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.constexpr, BB: tl.constexpr,
                          D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr):
@@ -76,12 +114,13 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.
 
 @triton.jit
 def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    EMULATE: tl.constexpr, PERMUTE: tl.constexpr):
     bh, rows, dim, ok, src, _ = token_tile(v_b, v_h, v_n, H, N, D, BD, TILE)
     x = tl.load(V + src, mask=ok, other=0.0).to(tl.float32)
     scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
-    dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]
+    cols = key_slot(rows) if PERMUTE else rows                                # within the row's 16-group: < NP
+    dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + cols[None, :]
     tl.store(dst, y, mask=(dim < D)[:, None] & (rows < NP)[None, :])
 
 
@@ -106,10 +145,11 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = Non
     return out, scales
 
 
-def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_v_transposed(v: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 ``v (B, Hk, N, D)`` per channel (``flexsparse.quant.channel_scales``), stored transposed: values
     ``(B, Hk, D, NP)`` with ``NP = N`` rounded up to a multiple of 16 (zeros past N; the keys of ``P V`` are
-    contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``."""
+    contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``. ``permute``: the
+    keys in ``key_slot`` order (column ``k`` holds key ``stored_keys(NP)[k]``)."""
     bsz, heads, n, d = v.shape
     scales = channel_scales(v).squeeze(2)                                     # (B, Hk, D), contiguous
     np_ = cdiv(n, 16) * 16
@@ -117,15 +157,16 @@ def quantize_v_transposed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tile = 64
     launcher(_quant_v_kernel)[(cdiv(np_, tile), bsz * heads)](
         v, scales, out, v.stride(0), v.stride(1), v.stride(2), heads, n, np_, TILE=tile, D=d, BD=pow2(d, 16),
-        EMULATE=out.dtype != E4M3, num_warps=8 if tile * pow2(d, 16) >= 8192 else 4)
+        EMULATE=out.dtype != E4M3, PERMUTE=permute, num_warps=8 if tile * pow2(d, 16) >= 8192 else 4)
     return out, scales
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
-    ``quantize_v_transposed``); ``k_mean (B, Hk, D)`` fp32 is the smoothing mean ``mean_N(k)``."""
+    ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``); ``k_mean (B, Hk, D)`` fp32 is
+    the smoothing mean ``mean_N(k)``."""
     k_mean = k.mean(dim=2, dtype=torch.float32)                               # qat_attention's smoothing mean
     q8, q_scales = quantize_blocks(q, block_q)
     k8, k_scales = quantize_blocks(k, block_k, k_mean)
-    vt8, v_scales = quantize_v_transposed(v)
+    vt8, v_scales = quantize_v_transposed(v, permutes_keys(block_k))
     return q8, q_scales, k8, k_scales, k_mean, vt8, v_scales

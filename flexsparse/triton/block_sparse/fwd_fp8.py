@@ -19,6 +19,9 @@ side by side. V^T rows are a visible multiple of 16 bytes apart (``NP16``), so i
 ``cp.async`` copies, pipelined with K's. Query tiles of at least 64 rows use Hopper's fp8 ``wgmma``
 (QGMMA); smaller ones (``block_q < 64``) take Triton's ``mma.sync`` path on fp16 (an exact upcast).
 
+Where V^T's keys are stored permuted (``fp8_quant.permutes_keys``) P's columns are permuted alike
+(``fp8_quant.permuted_columns``) before ``P V``.
+
 In the interpreter the operands are ``fp8_quant``'s fp16 stand-in and P is rounded by ``e4m3_round``
 (``EMULATE``); the products of e4m3 values are exact in fp16 dots, so only the accumulation differs.
 """
@@ -32,7 +35,7 @@ from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
 from .gluon import block_fwd_ws_fp8
 from .._runtime.registry import launcher, launching_directly
 from ..common.jit import LN2, LOG2E, load_tile, store_tile
-from .fp8_quant import E4M3, quantize_qkv, to_e4m3
+from .fp8_quant import E4M3, permuted_columns, permutes_keys, quantize_qkv, to_e4m3
 from .._runtime.sizes import pow2
 from .._runtime.tiles import overrides
 
@@ -58,7 +61,8 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
                           Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr):
+                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
+                          PERMUTED: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -83,7 +87,9 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
     for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
         keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
         k = load_tile(K8 + k_head, keys, D, dim, key_ok, D, BD, MASK_K)
-        vt = load_columns(vt_head, keys, vt_stride, dim, key_ok, D, BD, MASK_K)
+        # stored in key_slot order, a column holds another key of its 16-group: read every stored column (zeros
+        # past N; P is 0 at masked keys)
+        vt = load_columns(vt_head, keys, vt_stride, dim, (keys < vt_stride) if PERMUTED else key_ok, D, BD, MASK_K)
         s = tl.dot(q, tl.trans(k))                                      # raw e4m3 products, fp32
         if MASK_K:
             s = tl.where(key_ok[None, :], s, float("-inf"))
@@ -99,10 +105,13 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s * c - (m_use - LOG2_448)[:, None])               # 448 exp2(s c - m): the fp8 grid of P
         l = l * alpha + tl.sum(p, axis=1)
+        p8 = to_e4m3(p, EMULATE, False)
+        if PERMUTED:                                                    # V^T's keys in fp8_quant.key_slot order
+            p8 = permuted_columns(p8, BM, BN)
         if FRESH_ACC:
-            acc = acc * alpha[:, None] + tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt))
+            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
         else:
-            acc = tl.dot(to_e4m3(p, EMULATE, False), tl.trans(vt), acc * alpha[:, None])
+            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
         m = m_new
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
@@ -165,5 +174,5 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
         q8, k8, vt8, q_scales, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
         np_ // 16, tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
-        num_warps=warps, num_stages=tiles["stages"], **geo)
+        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo)
     return o, lse

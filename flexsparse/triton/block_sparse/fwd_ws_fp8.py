@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .._runtime.registry import launcher
+from .fp8_quant import permutes_keys
 from .fwd_ws import LOG2E, _barriers, _mask_tail, descriptor, program_tile, shared_layout, store_rows
 
 LOG2_448: gl.constexpr = gl.constexpr(8.807354922057604)
@@ -59,10 +60,26 @@ def _softmax(s, m_i, l_i, c):
 
 
 @gluon.jit
+def operand_p(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
+    """e4m3 of P ``(BM, BLOCK_K)`` (the score accumulator's layout) as the A operand of ``P V`` (``p_layout``);
+    with ``PERMUTED`` (V^T's keys in ``fp8_quant.key_slot`` order) its columns permuted alike, a relabelling that
+    leaves every value in its thread (the conversion is checked trivial when the kernel compiles)."""
+    p8 = p.to(gl.float8e4nv)
+    if PERMUTED:
+        BM: gl.constexpr = p8.shape[0]
+        BN: gl.constexpr = p8.shape[1]
+        x = gl.reshape(p8, [BM, BN // 16, 2, 2, 2, 2])                  # m, group, c3, c2, c1, c0
+        x = gl.reshape(gl.permute(x, [0, 1, 3, 4, 2, 5]), [BM, BN])    # m, group, k3 = c2, k2 = c1, k1 = c3, k0
+        return gl.convert_layout(x, p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(p8, p_layout)
+
+
+@gluon.jit
 def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
-            BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, num_warps: gl.constexpr):
+            BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
     """The online softmax over the ring's tiles (``fwd_ws.attend``'s schedule): ``(acc, m, l)``, every slot
-    released. ``kd_ptr``: the reciprocal K scales of this KV head's key blocks."""
+    released. ``kd_ptr``: the reciprocal K scales of this KV head's key blocks; ``PERMUTED``: see ``operand_p``."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -87,7 +104,7 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
         prev = (e - 1) % STAGES
         mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8 = operand_p(p, p_layout, PERMUTED)
         if FRESH_ACC:
             pv = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), zeros_o, use_acc=False, is_async=True)
         else:
@@ -101,7 +118,7 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
             pv = acc + pv
         acc = pv * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     last = (n_steps - 1) % STAGES
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    p8 = operand_p(p, p_layout, PERMUTED)
     if FRESH_ACC:
         pv = warpgroup_mma(p8, v_bufs.index(last).permute((1, 0)), zeros_o, use_acc=False, is_async=True)
         acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
@@ -134,10 +151,10 @@ def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_fir
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
               q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
-              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, num_warps: gl.constexpr):
+              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
     """``attend``, then O and the LSE (``finish``) for the rows below ``NQ``."""
     acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                           n_steps, BLOCK_K, FRESH_ACC, num_warps)
+                           n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
     o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
 
@@ -157,7 +174,7 @@ def allocate_ring(q_desc, k_desc, vt_desc, STAGES: gl.constexpr, BLOCK_K: gl.con
 def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP,
                        NQ, NK, TQ, TK, TOPK, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       PERMUTED: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
@@ -169,7 +186,7 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, kd_ptr + hk * TK,
                      vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE, SCALE2,
-                     FRESH_ACC, num_warps)),
+                     FRESH_ACC, PERMUTED, num_warps)),
         (producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
                      TOPK, BLOCK_K)),
     ], [1], [24])
@@ -218,7 +235,7 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
         q_desc, k_desc, vt_desc, o, lse, indices, q_scales, 1.0 / k_scales, v_scales, k_mean, heads,
         heads // k8.shape[1], nq, k8.shape[2], tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // BM, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
-        FRESH_ACC=tiles["fresh_acc"], num_warps=BM // 16, maxnreg=tiles["maxnreg"])
+        FRESH_ACC=tiles["fresh_acc"], PERMUTED=permutes_keys(block_k), num_warps=BM // 16, maxnreg=tiles["maxnreg"])
     return o, lse
 
 
