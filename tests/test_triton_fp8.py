@@ -558,6 +558,47 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
 
 
 @gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,block_k,topk", [(4096, 4, 2, 64, 64, 64, 8),
+                                                                     (4000, 2, 2, 128, 128, 64, 5),
+                                                                     (3000, 2, 1, 64, 64, 32, 12)])
+def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_heads, d, block_q, block_k, topk,
+                                                                monkeypatch):
+    """V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``): the default FP8 kernel's O as with keys in order up to the
+    dot's summation order, the same LSE, O against the emulation; on sm_90 the Gluon kernel's deferred rescale
+    (``defer_rescale``) likewise."""
+    (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
+    scale = d**-0.5
+    want_o, want_lse = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k,
+                                        scale, q.dtype)
+    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
+    pre = quantize_qkv(q, k, v, block_q, block_k)
+    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    assert ts.rel_err(o, want_o) < 3e-3 and torch.equal(lse, want_lse)
+    tiles = kernel_tiles(pre, selection.indices, block_q, block_k)
+    assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < 5e-3
+    if gluon_runs(pre[0], selection.indices, block_q, block_k):
+        from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
+        deferred, deferred_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
+                                                     {"defer_rescale": True})
+        assert ts.rel_err(deferred, o) < 3e-3 and torch.equal(deferred_lse, lse)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["sla", "sla2"])
+def test_gpu_quantized_methods_with_permuted_keys(method, monkeypatch):
+    """``sla`` and ``sla2`` with ``quant`` at D=128 (the Gluon kernel with the linear branch in its epilogue on
+    sm_90): the same output with V^T's keys permuted up to the dot's summation order."""
+    module = flexsparse.SparseAttention(ts.example_config(method, quant={}), head_dim=128, num_heads=2, seq_len=4096,
+                                        backend="triton").cuda()
+    q, k, v = make_qkv(1, 2, 2, 4096, 128, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        want = module(q, k, v)
+        monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
+        got = module(q, k, v)
+    assert ts.rel_err(got, want) < 3e-3
+
+
+@gpu
 def test_gpu_structured_inputs_error_against_bf16():
     """Low-rank smooth tokens (V with a mean): the FP8 error drops well below the random-input one."""
     q, k, v = structured_qkv(1, 2, 4096, 64, gain=1.5, seed=0, device="cuda", dtype=torch.bfloat16)

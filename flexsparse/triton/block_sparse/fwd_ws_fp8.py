@@ -77,9 +77,13 @@ def operand_p(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
 
 @gluon.jit
 def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
-            BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+            BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr,
+            num_warps: gl.constexpr):
     """The online softmax over the ring's tiles (``fwd_ws.attend``'s schedule): ``(acc, m, l)``, every slot
-    released. ``kd_ptr``: the reciprocal K scales of this KV head's key blocks; ``PERMUTED``: see ``operand_p``."""
+    released. ``kd_ptr``: the reciprocal K scales of this KV head's key blocks; ``PERMUTED``: see ``operand_p``.
+    With ``FRESH_ACC`` each step adds the previous tile's ``P V`` (relative to that tile's max) to ``acc``:
+    ``(acc + pv) alpha`` (``acc`` relative to the latest max), or with ``DEFER_RESCALE`` ``acc alpha' + pv`` with
+    the step before's ``alpha'`` (``acc`` one max behind): one FMA per element instead of an add and a multiply."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -99,6 +103,7 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
     s = _mask_tail(warpgroup_mma_wait(num_outstanding=0, deps=(s, )), idx_ptr, 0, NK, BLOCK_K, s_layout)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, q_factor * gl.load(kd_ptr + gl.load(idx_ptr)))
+    alpha_prev = gl.full([BM], 1.0, gl.float32, row_o)            # DEFER_RESCALE: acc's rescale, one step late
     for e in range(1, n_steps):
         slot = e % STAGES
         prev = (e - 1) % STAGES
@@ -114,13 +119,19 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
         p, m_i, l_i, alpha = _softmax(_mask_tail(s, idx_ptr, e, NK, BLOCK_K, s_layout), m_i, l_i, c)
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
         mbarrier.arrive(empty.index(prev), count=1)
-        if FRESH_ACC:
-            pv = acc + pv
-        acc = pv * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if FRESH_ACC and DEFER_RESCALE:
+            acc = acc * gl.expand_dims(alpha_prev, 1) + pv
+            alpha_prev = gl.convert_layout(alpha, row_o)
+        else:
+            if FRESH_ACC:
+                pv = acc + pv
+            acc = pv * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     last = (n_steps - 1) % STAGES
     p8 = operand_p(p, p_layout, PERMUTED)
     if FRESH_ACC:
         pv = warpgroup_mma(p8, v_bufs.index(last).permute((1, 0)), zeros_o, use_acc=False, is_async=True)
+        if DEFER_RESCALE:
+            acc = acc * gl.expand_dims(alpha_prev, 1)
         acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
     else:
         acc = warpgroup_mma(p8, v_bufs.index(last).permute((1, 0)), acc, is_async=True)
@@ -151,10 +162,11 @@ def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_fir
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
               q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
-              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+              SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr,
+              num_warps: gl.constexpr):
     """``attend``, then O and the LSE (``finish``) for the rows below ``NQ``."""
     acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                           n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
+                           n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
     o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
 
@@ -174,7 +186,7 @@ def allocate_ring(q_desc, k_desc, vt_desc, STAGES: gl.constexpr, BLOCK_K: gl.con
 def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP,
                        NQ, NK, TQ, TK, TOPK, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
-                       PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
@@ -186,7 +198,7 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, kd_ptr + hk * TK,
                      vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE, SCALE2,
-                     FRESH_ACC, PERMUTED, num_warps)),
+                     FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)),
         (producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
                      TOPK, BLOCK_K)),
     ], [1], [24])
@@ -203,10 +215,12 @@ def supported(q8: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: in
 
 
 def default_tiles(d: int) -> dict:
-    """Ring slots, register cap per thread and ``fresh_acc`` at head dim ``d`` (measured at D = 128, B2 H8 N65536,
-    5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168 registers; accumulating ``P V`` in the
-    MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away from the fp32 sum, rejected)."""
-    return dict(stages=3, maxnreg=128, fresh_acc=True)
+    """Ring slots, register cap per thread, ``fresh_acc`` and ``defer_rescale`` (``attend``) at head dim ``d``
+    (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168
+    registers; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away from the fp32 sum,
+    rejected). ``defer_rescale``: 436 -> 373 SASS instructions per key step at D = 128 (offline sm_90, triton
+    3.7.1), off until timed on a GPU."""
+    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=False)
 
 
 BM = 64                                                         # query-tile rows: one consumer warpgroup
@@ -235,7 +249,8 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
         q_desc, k_desc, vt_desc, o, lse, indices, q_scales, 1.0 / k_scales, v_scales, k_mean, heads,
         heads // k8.shape[1], nq, k8.shape[2], tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // BM, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
-        FRESH_ACC=tiles["fresh_acc"], PERMUTED=permutes_keys(block_k), num_warps=BM // 16, maxnreg=tiles["maxnreg"])
+        FRESH_ACC=tiles["fresh_acc"], DEFER_RESCALE=tiles["defer_rescale"], PERMUTED=permutes_keys(block_k),
+        num_warps=BM // 16, maxnreg=tiles["maxnreg"])
     return o, lse
 
 
