@@ -17,7 +17,9 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
                    Triton ones elsewhere), ``speedup_default`` the first over the second;
 ``fp8_permuted_ms`` the default FP8 kernel on a pre-pass with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``:
                    P reaches the fp8 MMA without shuffles), ``speedup_permuted`` ``fp8_default_ms`` over it,
-                   ``rel_l2_permuted`` its output against the keys-in-order one;
+                   ``rel_l2_permuted`` its output against the keys-in-order one; ``fp8_deferred_ms`` where the
+                   Gluon FP8 kernel runs, that kernel on the same pre-pass with ``defer_rescale`` too
+                   (``speedup_deferred`` ``fp8_default_ms`` over it, ``rel_l2_deferred``);
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
@@ -39,6 +41,7 @@ from flexsparse.masks import num_blocks
 from flexsparse.triton.block_sparse import fwd as block_fwd
 from flexsparse.triton.block_sparse import fp8_quant
 from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
+from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
 from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
@@ -93,18 +96,28 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
         return with_permuted_keys(lambda: block_fwd_fp8.block_attend_fp8(*permuted_pre, table, block, block, scale,
                                                                           q.dtype))
 
+    def fp8_deferred():
+        return with_permuted_keys(lambda: block_fwd_ws_fp8.ws_block_attend_fp8(
+            *permuted_pre, table, block, block, scale, q.dtype, {"defer_rescale": True}))
+
+    gluon = block_fwd_fp8.gluon_runs(permuted_pre[0], table, block, block)
+
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
     for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
-                     ("fp8_default", lambda: fp8_kernel(None)), ("fp8_permuted", fp8_permuted)):
-        out[f"{name}_ms"] = attempt(lambda: time_spread(fn, device))
-    for name, slower, faster in (("default", "bf16_default", "fp8_default"),
-                                 ("permuted", "fp8_default", "fp8_permuted")):
+                     ("fp8_default", lambda: fp8_kernel(None)), ("fp8_permuted", fp8_permuted),
+                     ("fp8_deferred", fp8_deferred if gluon else None)):
+        out[f"{name}_ms"] = "n/a" if fn is None else attempt(lambda: time_spread(fn, device))
+    pairs = (("default", "bf16_default", "fp8_default"), ("permuted", "fp8_default", "fp8_permuted"),
+             ("deferred", "fp8_default", "fp8_deferred"))
+    for name, slower, faster in pairs:
         if all(isinstance(out[f"{key}_ms"], dict) for key in (slower, faster)):
             out[f"speedup_{name}"] = out[f"{slower}_ms"]["median_ms"] / out[f"{faster}_ms"]["median_ms"]
     out["rel_l2_permuted"] = rel_l2(fp8_permuted()[0], fp8_kernel(None)[0])
+    if gluon:
+        out["rel_l2_deferred"] = rel_l2(fp8_deferred()[0], fp8_kernel(None)[0])
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]
