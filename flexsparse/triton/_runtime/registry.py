@@ -91,9 +91,9 @@ def _autograd_function(op: Op, backward: Callable, setup_context: Callable) -> t
     (all arguments positional, defaults filled in, as the op's ``setup_context`` sees them) and whose backward is
     the op's, with plain kernel launches where the gradients are plain tensors outside tracing (a formula that
     launches a kernel itself, not through another ``Op``, would take Triton's own launch path: 60 us of host time
-    per launch on an H200 host against 43). The forward takes ``ctx`` itself: a separate ``setup_context`` staticmethod makes
-    every ``apply`` bind its arguments through ``inspect.signature`` (~80 us of host time per call on a 2-core
-    VM)."""
+    per launch on an H200 host against 43). The forward takes ``ctx`` itself: a separate ``setup_context``
+    staticmethod makes every ``apply`` bind its arguments through ``inspect.signature`` (~80 us of host time per
+    call on a 2-core VM)."""
 
     def forward(ctx, *args):
         output = op.direct(*args)

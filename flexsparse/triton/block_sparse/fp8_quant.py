@@ -65,27 +65,32 @@ def permutes_keys(block_k: int) -> bool:
     return PERMUTED_KEYS and block_k % 16 == 0
 
 
-@triton.jit
-def key_slot(t):
+def _key_slot(t):
     """The stored column of key ``t`` in the permuted order: bits 0-3 of ``t`` (b0, b1, b2, b3) placed as (b0, b2,
     b3, b1), the rest kept. Column ``k`` then holds the key whose bits are (k0, k2, k3, k1): the score
-    accumulator's column of the fp8 operand's column ``k`` in the same thread (``permuted_columns``)."""
+    accumulator's column of the fp8 operand's column ``k`` in the same thread (``permuted_columns``). Plain
+    integer arithmetic: ``key_slot`` in kernels, torch tensors in ``stored_keys``."""
     return (t & -16) | (t & 1) | (((t >> 3) & 1) << 1) | (((t >> 1) & 1) << 2) | (((t >> 2) & 1) << 3)
 
 
-@triton.jit
-def permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
+key_slot = triton.jit(_key_slot)
+
+
+def _permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
     """``p (BM, BN)`` with its columns permuted as V^T's keys are stored (``key_slot``): column ``k`` takes
     column (k0, k2, k3, k1) of its 16-group. A relabelling: no data moves where ``p`` is in a wgmma accumulator's
-    layout and the result feeds an fp8 ``dot`` as its first operand."""
+    layout and the result feeds an fp8 ``dot`` as its first operand. ``permuted_columns`` in Triton kernels,
+    ``gluon.jit`` of it in Gluon ones."""
     x = tl.reshape(p, [BM, BN // 16, 2, 2, 2, 2])                 # m, group, c3, c2, c1, c0
     return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2, 5)), [BM, BN])  # m, group, k3 = c2, k2 = c1, k1 = c3, k0 = c0
 
 
+permuted_columns = triton.jit(_permuted_columns)
+
+
 def stored_keys(n: int) -> torch.Tensor:
     """``(n,)`` int64 for ``n`` a multiple of 16: the key each column of a V^T stored in ``key_slot`` order holds."""
-    k = torch.arange(n)
-    return (k & -16) | (k & 1) | (((k >> 2) & 1) << 1) | (((k >> 3) & 1) << 2) | (((k >> 1) & 1) << 3)
+    return torch.argsort(_key_slot(torch.arange(n)))
 
 
 @triton.jit

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .._runtime.registry import launcher
+from . import fp8_quant
 from .fp8_quant import permutes_keys
 from .fwd_ws import LOG2E, _barriers, _mask_tail, descriptor, program_tile, shared_layout, store_rows
 
@@ -59,6 +60,9 @@ def _softmax(s, m_i, l_i, c):
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
+_permuted_columns = gluon.jit(fp8_quant._permuted_columns)   # the Triton kernel's, for Gluon
+
+
 @gluon.jit
 def operand_p(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
     """e4m3 of P ``(BM, BLOCK_K)`` (the score accumulator's layout) as the A operand of ``P V`` (``p_layout``);
@@ -66,10 +70,7 @@ def operand_p(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
     leaves every value in its thread (the conversion is checked trivial when the kernel compiles)."""
     p8 = p.to(gl.float8e4nv)
     if PERMUTED:
-        BM: gl.constexpr = p8.shape[0]
-        BN: gl.constexpr = p8.shape[1]
-        x = gl.reshape(p8, [BM, BN // 16, 2, 2, 2, 2])                  # m, group, c3, c2, c1, c0
-        x = gl.reshape(gl.permute(x, [0, 1, 3, 4, 2, 5]), [BM, BN])    # m, group, k3 = c2, k2 = c1, k1 = c3, k0
+        x = _permuted_columns(p8, p8.shape[0], p8.shape[1])
         return gl.convert_layout(x, p_layout, assert_trivial=True)
     else:
         return gl.convert_layout(p8, p_layout)
