@@ -65,15 +65,12 @@ def permutes_keys(block_k: int) -> bool:
     return PERMUTED_KEYS and block_k % 16 == 0
 
 
-def _key_slot(t):
+def key_slot(t):
     """The stored column of key ``t`` in the permuted order: bits 0-3 of ``t`` (b0, b1, b2, b3) placed as (b0, b2,
     b3, b1), the rest kept. Column ``k`` then holds the key whose bits are (k0, k2, k3, k1): the score
-    accumulator's column of the fp8 operand's column ``k`` in the same thread (``permuted_columns``). Plain
-    integer arithmetic: ``key_slot`` in kernels, torch tensors in ``stored_keys``."""
+    accumulator's column of the fp8 operand's column ``k`` in the same thread (``permuted_columns``, which also
+    stores V^T in this order). Plain integer arithmetic on torch tensors."""
     return (t & -16) | (t & 1) | (((t >> 3) & 1) << 1) | (((t >> 1) & 1) << 2) | (((t >> 2) & 1) << 3)
-
-
-key_slot = triton.jit(_key_slot)
 
 
 def _permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
@@ -90,7 +87,7 @@ permuted_columns = triton.jit(_permuted_columns)
 
 def stored_keys(n: int) -> torch.Tensor:
     """``(n,)`` int64 for ``n`` a multiple of 16: the key each column of a V^T stored in ``key_slot`` order holds."""
-    return torch.argsort(_key_slot(torch.arange(n)))
+    return torch.argsort(key_slot(torch.arange(n)))
 
 
 @triton.jit
@@ -124,8 +121,9 @@ def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, 
     x = tl.load(V + src, mask=ok, other=0.0).to(tl.float32)
     scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
-    cols = key_slot(rows) if PERMUTE else rows                                # within the row's 16-group: < NP
-    dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + cols[None, :]
+    if PERMUTE:
+        y = permuted_columns(y, BD, TILE)               # in registers: the stores stay contiguous (scattered: 4x)
+    dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]
     tl.store(dst, y, mask=(dim < D)[:, None] & (rows < NP)[None, :])
 
 
