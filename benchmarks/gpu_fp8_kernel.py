@@ -15,11 +15,11 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
                    Triton ones elsewhere), ``speedup_default`` the first over the second;
-``fp8_permuted_ms`` the default FP8 kernel on a pre-pass with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``:
-                   P reaches the fp8 MMA without shuffles), ``speedup_permuted`` ``fp8_default_ms`` over it,
-                   ``rel_l2_permuted`` its output against the keys-in-order one; ``fp8_deferred_ms`` where the
-                   Gluon FP8 kernel runs, that kernel on the same pre-pass with ``defer_rescale`` too
-                   (``speedup_deferred`` ``fp8_default_ms`` over it, ``rel_l2_deferred``);
+``fp8_in_order_ms`` the default FP8 kernel without its two options: V^T's keys stored in order
+                   (``fp8_quant.PERMUTED_KEYS`` off: P reaches the fp8 MMA through shuffles) and, where the Gluon
+                   FP8 kernel runs, no ``defer_rescale``; ``speedup_options`` it over ``fp8_default_ms``,
+                   ``rel_l2_in_order`` its output against the default one; ``fp8_no_defer_ms`` (Gluon only) the
+                   default kernel without ``defer_rescale`` (``speedup_deferred``, ``rel_l2_no_defer``);
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
@@ -90,34 +90,36 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     def fp8_total():
         return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale)
 
-    permuted_pre = with_permuted_keys(lambda: quantize_qkv(q, k, v, block, block))
+    in_order_pre = with_keys_in_order(lambda: quantize_qkv(q, k, v, block, block))
+    gluon = block_fwd_fp8.gluon_runs(pre[0], table, block, block)
 
-    def fp8_permuted():
-        return with_permuted_keys(lambda: block_fwd_fp8.block_attend_fp8(*permuted_pre, table, block, block, scale,
+    def fp8_in_order():
+        if gluon:
+            return with_keys_in_order(lambda: block_fwd_ws_fp8.ws_block_attend_fp8(
+                *in_order_pre, table, block, block, scale, q.dtype, {"defer_rescale": False}))
+        return with_keys_in_order(lambda: block_fwd_fp8.block_attend_fp8(*in_order_pre, table, block, block, scale,
                                                                           q.dtype))
 
-    def fp8_deferred():
-        return with_permuted_keys(lambda: block_fwd_ws_fp8.ws_block_attend_fp8(
-            *permuted_pre, table, block, block, scale, q.dtype, {"defer_rescale": True}))
-
-    gluon = block_fwd_fp8.gluon_runs(permuted_pre[0], table, block, block)
+    def fp8_no_defer():
+        return block_fwd_ws_fp8.ws_block_attend_fp8(*pre, table, block, block, scale, q.dtype,
+                                                    {"defer_rescale": False})
 
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
     for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
-                     ("fp8_default", lambda: fp8_kernel(None)), ("fp8_permuted", fp8_permuted),
-                     ("fp8_deferred", fp8_deferred if gluon else None)):
+                     ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
+                     ("fp8_no_defer", fp8_no_defer if gluon else None)):
         out[f"{name}_ms"] = "n/a" if fn is None else attempt(lambda: time_spread(fn, device))
-    pairs = (("default", "bf16_default", "fp8_default"), ("permuted", "fp8_default", "fp8_permuted"),
-             ("deferred", "fp8_default", "fp8_deferred"))
+    pairs = (("default", "bf16_default", "fp8_default"), ("options", "fp8_in_order", "fp8_default"),
+             ("deferred", "fp8_no_defer", "fp8_default"))
     for name, slower, faster in pairs:
         if all(isinstance(out[f"{key}_ms"], dict) for key in (slower, faster)):
             out[f"speedup_{name}"] = out[f"{slower}_ms"]["median_ms"] / out[f"{faster}_ms"]["median_ms"]
-    out["rel_l2_permuted"] = rel_l2(fp8_permuted()[0], fp8_kernel(None)[0])
+    out["rel_l2_in_order"] = rel_l2(fp8_in_order()[0], fp8_kernel(None)[0])
     if gluon:
-        out["rel_l2_deferred"] = rel_l2(fp8_deferred()[0], fp8_kernel(None)[0])
+        out["rel_l2_no_defer"] = rel_l2(fp8_no_defer()[0], fp8_kernel(None)[0])
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]
@@ -135,10 +137,10 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     return out
 
 
-def with_permuted_keys(call):
-    """``call()`` with ``fp8_quant.PERMUTED_KEYS`` on."""
+def with_keys_in_order(call):
+    """``call()`` with ``fp8_quant.PERMUTED_KEYS`` off."""
     before = fp8_quant.PERMUTED_KEYS
-    fp8_quant.PERMUTED_KEYS = True
+    fp8_quant.PERMUTED_KEYS = False
     try:
         return call()
     finally:

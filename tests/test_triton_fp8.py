@@ -266,21 +266,21 @@ PERMUTED_CASES = [CASES[i] for i in (1, 3, 4, 6)]   # 16-, 32- (split tiles), 8-
 @cpu_only
 @pytest.mark.parametrize("bsz,n,block_q,block_k,heads,kv_heads,d,topk", PERMUTED_CASES)
 def test_kernel_with_permuted_keys(bsz, n, block_q, block_k, heads, kv_heads, d, topk, monkeypatch):
-    """V^T's keys stored permuted within 16-key groups (``fp8_quant.PERMUTED_KEYS``) and P's columns permuted alike
-    in the kernel: the same O as keys in order up to the dot's summation order, the same LSE, and O tight against
-    the emulation; blocks of 8 keys are stored in order."""
+    """V^T's keys stored permuted within 16-key groups (``fp8_quant.PERMUTED_KEYS``, the default) and P's columns
+    permuted alike in the kernel: the same O as keys in order up to the dot's summation order, the same LSE, and O
+    tight against the emulation; blocks of 8 keys are stored in order."""
     q, k, v = make_qkv(bsz, heads, kv_heads, n, d)
     selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
     scale = d**-0.5
-    in_order = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k, scale,
-                                q.dtype)
-    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
     assert fp8_quant.permutes_keys(block_k) == (block_k % 16 == 0)
-    assert ts.rel_err(o, in_order[0]) < 1e-5 and torch.equal(lse, in_order[1])
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
+    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
+    in_order = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k, scale,
+                                q.dtype)
+    assert ts.rel_err(o, in_order[0]) < 1e-5 and torch.equal(lse, in_order[1])
 
 
 @cpu_only
@@ -563,37 +563,37 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
                                                                      (3000, 2, 1, 64, 64, 32, 12)])
 def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_heads, d, block_q, block_k, topk,
                                                                 monkeypatch):
-    """V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``): the default FP8 kernel's O as with keys in order up to the
-    dot's summation order, the same LSE, O against the emulation; on sm_90 the Gluon kernel's deferred rescale
-    (``defer_rescale``) likewise."""
+    """The default FP8 kernel with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``) and on sm_90 the Gluon kernel's
+    deferred rescale (``defer_rescale``): O as without either up to the dot's summation order, the same LSE, O
+    against the emulation."""
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
     scale = d**-0.5
-    want_o, want_lse = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k,
-                                        scale, q.dtype)
-    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
-    assert ts.rel_err(o, want_o) < 3e-3 and torch.equal(lse, want_lse)
     tiles = kernel_tiles(pre, selection.indices, block_q, block_k)
     assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < 5e-3
     if gluon_runs(pre[0], selection.indices, block_q, block_k):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
-        deferred, deferred_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
-                                                     {"defer_rescale": True})
-        assert ts.rel_err(deferred, o) < 3e-3 and torch.equal(deferred_lse, lse)
+        undeferred, undeferred_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
+                                                         {"defer_rescale": False})
+        assert ts.rel_err(undeferred, o) < 3e-3 and torch.equal(undeferred_lse, lse)
+    monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
+    in_order = quantize_qkv(q, k, v, block_q, block_k)
+    want_o, want_lse = block_attend_fp8(*in_order, selection.indices, block_q, block_k, scale, q.dtype)
+    assert ts.rel_err(o, want_o) < 3e-3 and torch.equal(lse, want_lse)
 
 
 @gpu
 @pytest.mark.parametrize("method", ["sla", "sla2"])
 def test_gpu_quantized_methods_with_permuted_keys(method, monkeypatch):
     """``sla`` and ``sla2`` with ``quant`` at D=128 (the Gluon kernel with the linear branch in its epilogue on
-    sm_90): the same output with V^T's keys permuted up to the dot's summation order."""
+    sm_90): the same output with V^T's keys permuted (the default) as in order, up to the dot's summation order."""
     module = flexsparse.SparseAttention(ts.example_config(method, quant={}), head_dim=128, num_heads=2, seq_len=4096,
                                         backend="triton").cuda()
     q, k, v = make_qkv(1, 2, 2, 4096, 128, torch.bfloat16, "cuda")
     with torch.no_grad():
         want = module(q, k, v)
-        monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", True)
+        monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
         got = module(q, k, v)
     assert ts.rel_err(got, want) < 3e-3
 
@@ -706,7 +706,7 @@ def test_kernel_benchmark_script_runs_in_the_interpreter(tmp_path):
     row = report["results"]["D16"]
     assert 0.01 < row["rel_l2_random"] < 0.08 and 0 < row["rel_l2_structured"] < 0.08
     assert row["speedup_kernel"] > 0 and row["prepass_ms"]["median_ms"] > 0
-    assert row["speedup_permuted"] > 0 and row["rel_l2_permuted"] < 1e-5
+    assert row["speedup_options"] > 0 and row["rel_l2_in_order"] < 1e-5
     best = row["sweep"]["best"]
     assert len(row["sweep"]["rows"]) == 2 and best["speedup_kernel"] > 0 and best["speedup_kernel_mma_acc"] > 0
     assert (tmp_path / "k.json").is_file()

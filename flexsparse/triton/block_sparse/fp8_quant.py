@@ -26,10 +26,11 @@ from .._runtime.registry import launcher
 from ..common.jit import token_tile
 from .._runtime.sizes import cdiv, pow2
 
-# Whether V^T's keys are stored in ``key_slot`` order (for key blocks of whole 16-key groups, ``permutes_keys``).
-# Offline sm_90 SASS of one key step (triton 3.7.1): the Triton FP8 forward 328 -> 301 instructions at D=64, the
-# Gluon one 436 -> 412 at D=128 (no SHFL.IDX, SEL or PRMT to move P); off until its speed is measured on a GPU.
-PERMUTED_KEYS = False
+# Whether V^T's keys are stored in ``key_slot`` order (for key blocks of whole 16-key groups, ``permutes_keys``):
+# no SHFL.IDX, SEL or PRMT to move P (sm_90 SASS per key step, triton 3.7.1: 328 -> 301 instructions in the Triton
+# FP8 forward at D=64, 436 -> 412 in the Gluon one at D=128); the default FP8 kernel 1.848 -> 1.738 ms at D=64,
+# 2.970 -> 2.784 at D=128 (B2 H8 N65536, 5 % of 64-key blocks, H200).
+PERMUTED_KEYS = True
 
 
 @triton.jit

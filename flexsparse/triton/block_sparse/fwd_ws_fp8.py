@@ -219,9 +219,9 @@ def default_tiles(d: int) -> dict:
     """Ring slots, register cap per thread, ``fresh_acc`` and ``defer_rescale`` (``attend``) at head dim ``d``
     (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168
     registers; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away from the fp32 sum,
-    rejected). ``defer_rescale``: 436 -> 373 SASS instructions per key step at D = 128 (offline sm_90, triton
-    3.7.1), off until timed on a GPU."""
-    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=False)
+    rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with permuted keys (sm_90,
+    triton 3.7.1), 2.784 -> 2.703 ms."""
+    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True)
 
 
 BM = 64                                                         # query-tile rows: one consumer warpgroup
