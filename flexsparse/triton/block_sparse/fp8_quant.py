@@ -74,16 +74,14 @@ def key_slot(t):
     return (t & -16) | (t & 1) | (((t >> 3) & 1) << 1) | (((t >> 1) & 1) << 2) | (((t >> 2) & 1) << 3)
 
 
-def _permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
+@triton.jit
+def permuted_columns(p, BM: tl.constexpr, BN: tl.constexpr):
     """``p (BM, BN)`` with its columns permuted as V^T's keys are stored (``key_slot``): column ``k`` takes
     column (k0, k2, k3, k1) of its 16-group. A relabelling: no data moves where ``p`` is in a wgmma accumulator's
-    layout and the result feeds an fp8 ``dot`` as its first operand. ``permuted_columns`` in Triton kernels,
-    ``gluon.jit`` of it in Gluon ones."""
+    layout and the result feeds an fp8 ``dot`` as its first operand. Gluon kernels take ``gluon.jit`` of its
+    ``fn``."""
     x = tl.reshape(p, [BM, BN // 16, 2, 2, 2, 2])                 # m, group, c3, c2, c1, c0
     return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2, 5)), [BM, BN])  # m, group, k3 = c2, k2 = c1, k1 = c3, k0 = c0
-
-
-permuted_columns = triton.jit(_permuted_columns)
 
 
 def stored_keys(n: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ def _softmax(s, m_i, l_i, c):
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
-_permuted_columns = gluon.jit(fp8_quant._permuted_columns)   # the Triton kernel's, for Gluon
+permuted_columns = gluon.jit(fp8_quant.permuted_columns.fn)   # the Triton kernels', for Gluon
 
 
 @gluon.jit
@@ -70,7 +70,7 @@ def operand_p(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
     leaves every value in its thread (the conversion is checked trivial when the kernel compiles)."""
     p8 = p.to(gl.float8e4nv)
     if PERMUTED:
-        x = _permuted_columns(p8, p8.shape[0], p8.shape[1])
+        x = permuted_columns(p8, p8.shape[0], p8.shape[1])
         return gl.convert_layout(x, p_layout, assert_trivial=True)
     else:
         return gl.convert_layout(p8, p_layout)
