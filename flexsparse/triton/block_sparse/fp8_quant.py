@@ -121,7 +121,7 @@ def _quant_v_kernel(V, SCALE, OUT, v_b, v_h, v_n, H, N, NP, TILE: tl.constexpr, 
     scale = tl.load(SCALE + bh.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     y = to_e4m3(tl.trans(x * scale[None, :]), EMULATE)                        # (BD, TILE), zeros past N
     if PERMUTE:
-        y = permuted_columns(y, BD, TILE)               # in registers: the stores stay contiguous (scattered: 4x)
+        y = permuted_columns(y, BD, TILE)    # in registers: contiguous stores (scattered bytes: ~0.9 ms more, D=64)
     dst = OUT + bh.to(tl.int64) * D * NP + dim.to(tl.int64)[:, None] * NP + rows[None, :]
     tl.store(dst, y, mask=(dim < D)[:, None] & (rows < NP)[None, :])
 
