@@ -36,11 +36,13 @@ def misnamed_calls(kernel: JITFunction) -> list[str]:
         current = stack.pop()
         for name in current.fn.__code__.co_names:
             symbol = current.fn.__globals__.get(name)
-            if isinstance(symbol, JITFunction) and id(symbol) not in seen:
+            if not isinstance(symbol, JITFunction):
+                continue
+            if symbol.fn.__name__ != name:                    # every call site, also of a helper already walked
+                bad.append(f"{current.fn.__name__} -> {name} (def {symbol.fn.__name__})")
+            if id(symbol) not in seen:
                 seen.add(id(symbol))
                 stack.append(symbol)
-                if symbol.fn.__name__ != name:
-                    bad.append(f"{current.fn.__name__} -> {name} (def {symbol.fn.__name__})")
     return bad
 
 
