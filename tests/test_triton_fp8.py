@@ -41,7 +41,7 @@ from flexsparse.quant import E4M3, block_scales, channel_scales, quantize  # noq
 from flexsparse.triton._runtime.registry import launcher  # noqa: E402
 from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
 from flexsparse.triton.block_sparse import fp8_quant  # noqa: E402
-from flexsparse.triton.block_sparse.fp8_quant import (quantize_blocks, quantize_qkv,  # noqa: E402
+from flexsparse.triton.block_sparse.fp8_quant import (key_mean_value_amax, quantize_blocks, quantize_qkv,  # noqa: E402
                                                       quantize_v_transposed, stored_keys, to_e4m3)
 from flexsparse.triton.block_sparse.fwd import geometry  # noqa: E402
 from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles, gluon_runs  # noqa: E402
@@ -219,13 +219,18 @@ def test_prepass_equals_the_quant_formats_bit_for_bit(dtype):
             assert scales.dtype == torch.float32 and torch.equal(scales, want_scales)
             per_token = want_scales.repeat_interleave(block, dim=2)[:, :, :37, None]
             assert values.dtype == torch.float16 and torch.equal(values.float(), quantize(xs, per_token))
-    vt, v_scales = quantize_v_transposed(x)
+    k_mean, v_amax = key_mean_value_amax(x, x)
+    assert torch.equal(v_amax, x.float().abs().amax(dim=2))
+    assert ((k_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()           # fp32 rounding only
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert all(map(torch.equal, key_mean_value_amax(strided, strided), (k_mean, v_amax)))
+    vt, v_scales = quantize_v_transposed(x, v_amax)
     assert vt.shape == (2, 3, 24, 48) and torch.equal(v_scales, channel_scales(x)[:, :, 0])
     assert torch.equal(vt[..., :37].float(), quantize(x, channel_scales(x)).transpose(-1, -2))
     assert (vt[..., 37:] == 0).all()
-    q8, _, k8, _, k_mean, _, _ = quantize_qkv(x, x, x, 16, 8)
-    assert torch.equal(k_mean, mean) and torch.equal(q8, quantize_blocks(x, 16)[0])
-    assert torch.equal(k8, quantize_blocks(x, 8, mean)[0])
+    q8, _, k8, _, prepass_mean, _, _ = quantize_qkv(x, x, x, 16, 8)
+    assert torch.equal(prepass_mean, k_mean) and torch.equal(q8, quantize_blocks(x, 16)[0])
+    assert torch.equal(k8, quantize_blocks(x, 8, k_mean)[0])
 
 
 # (B, N, block_q, block_k, H, Hk, D, K). Interpreter tiles are 16 x 16: larger blocks split into several tiles.
@@ -288,8 +293,9 @@ def test_prepass_stores_permuted_keys_in_key_slot_order():
     """``quantize_v_transposed(..., permute=True)``: column ``k`` holds key ``stored_keys(NP)[k]`` of the keys in
     order, a permutation within each 16-key group (N = 37: the last group partial, zeros past N)."""
     x = torch.randn(2, 3, 37, 24)
-    in_order, scales = quantize_v_transposed(x)
-    permuted, permuted_scales = quantize_v_transposed(x, permute=True)
+    amax = x.abs().amax(dim=2)
+    in_order, scales = quantize_v_transposed(x, amax)
+    permuted, permuted_scales = quantize_v_transposed(x, amax, permute=True)
     order = stored_keys(48)
     assert torch.equal(permuted, in_order[..., order]) and torch.equal(permuted_scales, scales)
     assert torch.equal(order.view(3, 16).sort(-1).values, torch.arange(48).view(3, 16))
@@ -497,7 +503,11 @@ def test_gpu_prepass_equals_the_quant_formats_bit_for_bit():
         assert values.dtype == E4M3 and torch.equal(scales, block_scales(xs, block)[..., 0])
         per_token = scales.repeat_interleave(block, dim=2)[:, :, :4000, None]
         assert torch.equal(values.float(), quantize(xs, per_token))
-    vt, v_scales = quantize_v_transposed(x)
+    k_mean, v_amax = key_mean_value_amax(x, x)
+    assert torch.equal(v_amax, x.float().abs().amax(dim=2))
+    assert ((k_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()      # a missing row: 2.5e-4
+    vt, v_scales = quantize_v_transposed(x, v_amax)
+    assert torch.equal(v_scales, channel_scales(x)[:, :, 0])
     assert torch.equal(vt[..., :4000].float(), quantize(x, channel_scales(x)).transpose(-1, -2))
     assert (vt[..., 4000:].float() == 0).all()
 

@@ -5,6 +5,10 @@ Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-
 rounded to fp32 (torchao's ``amax_to_scale``), values ``e4m3(clamp(x * s, -448, 448))`` with ``x * s`` in
 fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head (mean in fp32).
 
+K's mean and V's amax over N come from one pass over K and V (``_key_sums_value_amax_kernel``, fixed summation
+order, then torch over its partials): the amax, hence V's scales, are ``channel_scales``'s bit for bit; the mean
+is ``k.mean(dtype=float32)``'s up to fp32 rounding.
+
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
 accumulator's layout into the fp8 MMA's operand layout without cross-thread shuffles, and ``P V`` is unchanged.
@@ -21,9 +25,9 @@ import triton
 import triton.language as tl
 
 from ...masks import num_blocks
-from ...quant.formats import E4M3, channel_scales
+from ...quant.formats import E4M3, amax_to_scale
 from .._runtime.registry import launcher
-from ..common.jit import token_tile
+from ..common.jit import program_heads, token_tile, token_tiles
 from .._runtime.sizes import cdiv, pow2
 
 # Whether V^T's keys are stored in ``key_slot`` order (for key blocks of whole 16-key groups, ``permutes_keys``):
@@ -90,6 +94,28 @@ def stored_keys(n: int) -> torch.Tensor:
 
 
 @triton.jit
+def _key_sums_value_amax_kernel(K, V, K_SUMS, V_AMAX, k_b, k_h, k_n, v_b, v_h, v_n, H, N, P, TILE: tl.constexpr,
+                                TILES: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Program ``(p, b * H + h)``: column sums of K's and column amax of |V| over its ``TILES * TILE`` rows,
+    stored at ``[bh, p]`` of ``(B * H, P, D)`` fp32 partials."""
+    bh, b, h = program_heads(H)
+    dim = tl.arange(0, BD)
+    sums = tl.zeros([TILE, BD], tl.float32)
+    amax = tl.zeros([TILE, BD], tl.float32)
+    for t in tl.static_range(TILES):                                 # loads of all tiles in flight at once
+        rows = (tl.program_id(0) * TILES + t) * TILE + tl.arange(0, TILE)
+        ok = (rows < N)[:, None] & (dim < D)[None, :]
+        row = rows.to(tl.int64)[:, None]
+        sums += tl.load(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h + row * k_n + dim[None, :], mask=ok,
+                        other=0.0).to(tl.float32)
+        v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    dst = (bh.to(tl.int64) * P + tl.program_id(0)) * D + dim
+    tl.store(K_SUMS + dst, tl.sum(sums, axis=0), mask=dim < D)
+    tl.store(V_AMAX + dst, tl.max(amax, axis=0), mask=dim < D)
+
+
+@triton.jit
 def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.constexpr, BB: tl.constexpr,
                          D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr):
     blk = tl.program_id(0)
@@ -147,13 +173,29 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = Non
     return out, scales
 
 
-def quantize_v_transposed(v: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``v (B, Hk, N, D)`` per channel (``flexsparse.quant.channel_scales``), stored transposed: values
-    ``(B, Hk, D, NP)`` with ``NP = N`` rounded up to a multiple of 16 (zeros past N; the keys of ``P V`` are
-    contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``. ``permute``: the
-    keys in ``key_slot`` order (column ``k`` holds key ``stored_keys(NP)[k]``)."""
+def key_mean_value_amax(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean_N k, max_N |v|)``, each ``(B, Hk, D)`` fp32, of ``k, v (B, Hk, N, D)`` from one pass over both: fp32
+    column sums of tiles in a fixed order, then torch over the per-program partials."""
+    bsz, heads, n, d = k.shape
+    (tiles, _), meta = token_tiles(k)
+    per_program = 4                                                   # tiles per program
+    p = cdiv(tiles, per_program)
+    k_sums = torch.empty(bsz, heads, p, d, device=k.device, dtype=torch.float32)
+    v_amax = torch.empty_like(k_sums)
+    launcher(_key_sums_value_amax_kernel)[(p, bsz * heads)](
+        k, v, k_sums, v_amax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads, n,
+        p, TILES=per_program, D=d, num_warps=4, **meta)
+    return k_sums.sum(dim=2) / n, v_amax.amax(dim=2)
+
+
+def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """e4m3 ``v (B, Hk, N, D)`` per channel of ``amax = max_N |v| (B, Hk, D)`` (``flexsparse.quant.channel_scales``),
+    stored transposed: values ``(B, Hk, D, NP)`` with ``NP = N`` rounded up to a multiple of 16 (zeros past N; the
+    keys of ``P V`` are contiguous, as Hopper's fp8 MMA wants its second operand) and fp32 scales ``(B, Hk, D)``.
+    ``permute``: the keys in ``key_slot`` order (column ``k`` holds key ``stored_keys(NP)[k]``)."""
     bsz, heads, n, d = v.shape
-    scales = channel_scales(v).squeeze(2)                                     # (B, Hk, D), contiguous
+    scales = amax_to_scale(amax)                                              # (B, Hk, D), contiguous
     np_ = cdiv(n, 16) * 16
     out = torch.empty(bsz, heads, d, np_, device=v.device, dtype=storage_dtype(v.device))
     tile = 64
@@ -166,9 +208,9 @@ def quantize_v_transposed(v: torch.Tensor, permute: bool = False) -> tuple[torch
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
     ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``); ``k_mean (B, Hk, D)`` fp32 is
-    the smoothing mean ``mean_N(k)``."""
-    k_mean = k.mean(dim=2, dtype=torch.float32)                               # qat_attention's smoothing mean
+    the smoothing mean ``mean_N(k)`` (``key_mean_value_amax``)."""
+    k_mean, v_amax = key_mean_value_amax(k, v)
     q8, q_scales = quantize_blocks(q, block_q)
     k8, k_scales = quantize_blocks(k, block_k, k_mean)
-    vt8, v_scales = quantize_v_transposed(v, permutes_keys(block_k))
+    vt8, v_scales = quantize_v_transposed(v, v_amax, permutes_keys(block_k))
     return q8, q_scales, k8, k_scales, k_mean, vt8, v_scales
