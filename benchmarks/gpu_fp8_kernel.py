@@ -10,7 +10,8 @@ tile sweeps of both kernels.
 Selection: a random index table keeping ``--ratio`` (5 %) of the ``--block`` (64)-token key blocks of every
 query block, ascending (the kernels' work does not depend on which blocks). For each head dim:
 ``bf16_ms``        ``block_sparse.fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
-``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (K mean, Q and K per block, V per channel transposed);
+``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (K mean and V amax, Q and K per block, V
+                   per channel transposed);
 ``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
 ``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the

@@ -111,7 +111,7 @@ def _quantized_forward(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torc
     """The fake-quantized forward of ``qat_attention``: smooth K, quantize Q, ``attend(q^, k_s, v, quant)``,
     LSE shifted back to the unsmoothed logits."""
     acc = accumulation_dtype(q.dtype)
-    k_mean = k.mean(dim=2, keepdim=True, dtype=acc)       # as the Triton pre-pass: the same bits
+    k_mean = k.mean(dim=2, keepdim=True, dtype=acc)       # the Triton pre-pass's up to fp32 rounding
     q_hat = quantize_qk(q, quant, block_q)
     o_q, lse_q = attend(q_hat, k.to(acc) - k_mean, v, quant)
     if lse_q is not None:                   # smoothing shifted each row's logits by scale * q^ . mean(k)
