@@ -44,6 +44,7 @@ from flexsparse.triton.block_sparse import fp8_quant
 from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
 from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
+from flexsparse.triton._runtime.registry import _directly   # plain launches, as inside the op (no wrap_triton)
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
 SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only
@@ -108,7 +109,7 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
-    for name, fn in (("bf16", bf16), ("prepass", lambda: quantize_qkv(q, k, v, block, block)),
+    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_qkv, q, k, v, block, block)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
                      ("fp8_no_defer", fp8_no_defer if gluon else None)):
