@@ -15,7 +15,8 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
 ``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
-                   Triton ones elsewhere), ``speedup_default`` the first over the second;
+                   Triton ones elsewhere), ``speedup_default`` the first over the second,
+                   ``speedup_default_total`` ``bf16_default_ms`` over ``fp8_total_ms`` (what a forward gains);
 ``fp8_in_order_ms`` the default FP8 kernel without its two options: V^T's keys stored in order
                    (``fp8_quant.PERMUTED_KEYS`` off: P reaches the fp8 MMA through shuffles) and, where the Gluon
                    FP8 kernel runs, no ``defer_rescale``; ``speedup_options`` it over ``fp8_default_ms``,
@@ -114,8 +115,8 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
                      ("fp8_no_defer", fp8_no_defer if gluon else None)):
         out[f"{name}_ms"] = "n/a" if fn is None else attempt(lambda: time_spread(fn, device))
-    pairs = (("default", "bf16_default", "fp8_default"), ("options", "fp8_in_order", "fp8_default"),
-             ("deferred", "fp8_no_defer", "fp8_default"))
+    pairs = (("default", "bf16_default", "fp8_default"), ("default_total", "bf16_default", "fp8_total"),
+             ("options", "fp8_in_order", "fp8_default"), ("deferred", "fp8_no_defer", "fp8_default"))
     for name, slower, faster in pairs:
         if all(isinstance(out[f"{key}_ms"], dict) for key in (slower, faster)):
             out[f"speedup_{name}"] = out[f"{slower}_ms"]["median_ms"] / out[f"{faster}_ms"]["median_ms"]
