@@ -504,19 +504,28 @@ def test_sparse_linear_output_matches_two_ops(kind, b, h, hk, nq, nk, d, bq, bk,
 
 @cpu_only
 @pytest.mark.parametrize("kind", ["proj", "alpha_per_head"])
-def test_sparse_linear_output_with_quant_matches_two_ops(kind):
+@pytest.mark.parametrize("d", [16, 24])
+@pytest.mark.parametrize("strategy", ["dense", "gather"])
+def test_sparse_linear_output_with_quant_matches_two_ops(strategy, kind, d, monkeypatch):
     """With ``quant`` the one op's sparse branch is the FP8 forward: output and LSE equal the FP8 op's followed by
     ``mixed_linear_output``, and so do the gradients (the QAT ones of the sparse branch, the linear kernels adding
-    theirs), an LSE gradient included (fp32, interpreter; torchao for the config)."""
+    theirs), an LSE gradient included (fp32, interpreter; torchao for the config). On the dense strategy SLA2's
+    linear branch is mixed in the FP8 kernel's epilogue (``mix_fp8``; D = 24: masked head dims)."""
     pytest.importorskip("torchao")
     from flexsparse.config import QuantConfig
-    q, k, v = _inputs(1, 4, 2, 90, 90, 16)
+    from flexsparse.triton.linear import mix_fp8
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[strategy]}))
+    calls = []
+    fused = mix_fp8.sparse_linear_forward_fp8
+    monkeypatch.setattr(mix_fp8, "sparse_linear_forward_fp8", lambda *a: calls.append(1) or fused(*a))
+    q, k, v = _inputs(1, 4, 2, 90, 90, d)
     selection = _selection(q, k, 16, 16, 0.25, 0.0)
-    params = _mix_params(kind, 4, selection.num_q_blocks, 16)
+    params = _mix_params(kind, 4, selection.num_q_blocks, d)
     got = _both_run(partial(_one_op, quant=QuantConfig()), q, k, v, selection, params, "softmax")
+    assert bool(calls) == (strategy == "dense" and kind != "proj")
     want = _both_run(partial(_two_ops, quant=QuantConfig()), q, k, v, selection, params, "softmax")
     plain = _both_run(_one_op, q, k, v, selection, params, "softmax")
-    assert torch.equal(got["out"], want["out"]) and torch.equal(got["lse"], want["lse"])
+    assert ts.rel_err(got["out"], want["out"]) < 1e-6 and torch.equal(got["lse"], want["lse"])
     assert ts.rel_err(got["out"], plain["out"]) > 1e-3
     for name in want:
         assert ts.rel_err(got[name], want[name]) < 1e-5, name
@@ -860,24 +869,25 @@ def test_gpu_mixed_output_bf16(kind, compiled):
 
 @gpu
 @pytest.mark.parametrize("kind", ["proj", "alpha_per_head"])
-@pytest.mark.parametrize("d,block_q", [(64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("d,block_q", [(64, 64), (64, 128), (128, 64), (128, 128)])
 def test_gpu_linear_branch_in_fp8_sparse_epilogue_matches_two_ops(monkeypatch, kind, d, block_q):
-    """With ``quant`` on sm_90 at D=128 the one op runs the FP8 Gluon forward with the linear branch in its
-    epilogue (``mix_ws_fp8``; at D=64 the FP8 op and the linear kernels): output, LSE and gradients (the QAT ones,
-    the linear kernels adding theirs) against the FP8 op followed by ``mixed_linear_output`` (bf16, ragged N,
-    GQA)."""
+    """With ``quant`` on sm_90 the one op runs the FP8 forward with the linear branch in its epilogue (D=128: the
+    Gluon ``mix_ws_fp8``, D=64: SLA2's lerp in the Triton ``mix_fp8``, SLA's projection apart): output, LSE and gradients (the QAT ones, the linear kernels
+    adding theirs) against the FP8 op followed by ``mixed_linear_output`` (bf16, ragged N, GQA)."""
     pytest.importorskip("torchao")
     from flexsparse.config import QuantConfig
-    from flexsparse.triton.linear import mix_ws_fp8
+    from flexsparse.triton.linear import mix_fp8, mix_ws_fp8
     ts.skip_unless_sm90()
     calls = []
-    fused = mix_ws_fp8.ws_sparse_linear_forward_fp8
-    monkeypatch.setattr(mix_ws_fp8, "ws_sparse_linear_forward_fp8", lambda *a: calls.append(1) or fused(*a))
+    for module, name in ((mix_ws_fp8, "ws_sparse_linear_forward_fp8"), (mix_fp8, "sparse_linear_forward_fp8")):
+        fused = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fused=fused, name=name: calls.append(name) or fused(*a))
     q, k, v = _inputs(2, 4, 2, 4000, 4000, d, torch.bfloat16, "cuda")
     selection = _selection(q, k, block_q, 64, 0.05, 0.0)
     params = _mix_params(kind, 4, selection.num_q_blocks, d, "cuda")
     got = _both_run(partial(_one_op, quant=QuantConfig()), q, k, v, selection, params, "softmax")
-    assert bool(calls) == (d == 128)
+    assert calls == (["ws_sparse_linear_forward_fp8"] if d == 128 else [] if kind == "proj" else
+                     ["sparse_linear_forward_fp8"])
     want = _both_run(partial(_two_ops, quant=QuantConfig()), q, k, v, selection, params, "softmax")
     assert ts.rel_err(got["lse"], want["lse"]) < 1e-5
     for name in want:

@@ -56,13 +56,14 @@ def load_columns(base, keys, stride, dim, key_ok, D: tl.constexpr, BD: tl.conste
 
 
 @triton.jit
-def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
-                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                          SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
-                          Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
-                          PERMUTED: tl.constexpr):
+def attend_fp8(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
+               BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
+               K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
+               STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr):
+    """The query tile of this program (``program_id``: query tile, batch x head) over its selected key blocks:
+    ``(o, lse, bh, qblk, rows, row_ok, dim)``, o ``(BM, BD)`` fp32 and the natural-log LSE ``(BM,)`` of its rows
+    ``rows`` (real where ``row_ok``) of query block ``qblk`` of flat head ``bh``; ``dim = arange(BD)``."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -115,22 +116,47 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
         m = m_new
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
-    store_tile(O + q_head, o, rows, D, dim, row_ok, D, BD, MASK_Q)
-    lse = LSE + bh.to(tl.int64) * NQ + rows
+    return o, (m + tl.log2(l) - LOG2_448) * LN2 + shift, bh, qblk, rows, row_ok, dim
+
+
+@triton.jit
+def store_lse(LSE, lse, bh, rows, row_ok, NQ, MASK_Q: tl.constexpr):
+    """``lse (BM,)`` into rows ``rows`` of flat head ``bh`` of the ``(B * H, NQ)`` LSE (masked by ``row_ok``)."""
+    ptr = LSE + bh.to(tl.int64) * NQ + rows
     if MASK_Q:
-        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift, mask=row_ok)
+        tl.store(ptr, lse, mask=row_ok)
     else:
-        tl.store(lse, (m + tl.log2(l) - LOG2_448) * LN2 + shift)
+        tl.store(ptr, lse)
+
+
+@triton.jit
+def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
+                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                          SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
+                          Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
+                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
+                          PERMUTED: tl.constexpr):
+    o, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
+        Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
+        SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
+        PERMUTED)
+    store_tile(O + bh.to(tl.int64) * NQ * D, o, rows, D, dim, row_ok, D, BD, MASK_Q)
+    store_lse(LSE, lse, bh, rows, row_ok, NQ, MASK_Q)
 
 
 def forward_tiles(device: torch.device, d: int) -> dict:
     """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward (the keys
     of tile kind ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
-    False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``."""
+    False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``.
+    At D <= 64 query tiles of 64 rows (4 warps): 128-query blocks on two programs each took 1781 µs against 2024 on
+    one 128-row tile of 8 warps (B2 H8 N65536, 5 % of 64-key blocks, H200)."""
     if device.type == "cpu":
         base = dict(BM=16, BN=16, KB=1, warps=4, stages=1, fresh_acc=True)
+    elif d <= 64:
+        base = dict(BM=64, BN=128, KB=1, warps=None, stages=3, fresh_acc=True)
     else:
-        base = dict(BM=128, BN=128 if d <= 64 else 64, KB=1, warps=None, stages=3 if d <= 64 else 2, fresh_acc=True)
+        base = dict(BM=128, BN=64, KB=1, warps=None, stages=2, fresh_acc=True)
     return {**base, **overrides("block_fwd_fp8")}
 
 
@@ -159,6 +185,21 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
         run = block_fwd_ws_fp8.ws_block_attend_fp8 if launching_directly() else block_fwd_ws_fp8.block_attn_fp8_ws
         return run(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q, block_k, scale, out_dtype)
     bsz, heads, nq, d = q8.shape
+    o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
+    lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
+    launch_attention(_block_fwd_fp8_kernel, (q8, q_scales, k8, k_scales, k_mean, vt8, v_scales), indices, o, lse,
+                     block_q, block_k, scale, tiles)
+    return o, lse
+
+
+def launch_attention(kernel, prepass, indices, o, lse, block_q: int, block_k: int, scale: float,
+                     tiles: dict | None = None, extra: tuple = (), **constexprs) -> None:
+    """Launch ``kernel`` over the FP8 forward's grid (one program per query tile and batch x head) with
+    ``_block_fwd_fp8_kernel``'s arguments (from ``prepass``, ``fp8_quant.quantize_qkv``'s seven outputs, the index
+    table and the outputs ``o`` and ``lse``), then ``extra`` and ``constexprs``: the Triton FP8 forward's launch,
+    shared by the kernels that run ``attend_fp8``. ``tiles``: ``forward_tiles``'s by default."""
+    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = prepass
+    bsz, heads, nq, d = q8.shape
     nk, np_ = k8.shape[2], vt8.shape[3]
     tq, topk = indices.shape[2], indices.shape[3]
     emulate = q8.dtype != E4M3
@@ -168,11 +209,8 @@ def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices,
         kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
-    o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
-    lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
-    launcher(_block_fwd_fp8_kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
+    launcher(kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
         q8, k8, vt8, q_scales, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
-        np_ // 16, tq, k_scales.shape[2], topk, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
+        np_ // 16, tq, k_scales.shape[2], topk, *extra, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
-        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo)
-    return o, lse
+        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo, **constexprs)

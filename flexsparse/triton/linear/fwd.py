@@ -138,33 +138,62 @@ def _forward_kernel(Q, HS, ZS, HT, ZT, IDS, O, ROWS_H, ROWS_Z, OS, OL, W, BIAS, 
     else:                                                  # summed by dense.query_sums
         state_h = tl.load(ROWS_H + row * D * D + hp, mask=hmask, other=0.0)
         state_z = tl.load(ROWS_Z + row * D + dim, mask=dim_ok, other=0.0)
-    if MIX == 1:   # W^T (D_in, D_out) and the bias, loaded once
-        w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=hmask, other=0.0)
-        bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(O.dtype.element_ty).to(tl.float32)
-    if MIX == 2:
-        alpha = tl.sigmoid(tl.load(LOGIT + (bh % H) * logit_h + i).to(tl.float32)).to(O.dtype.element_ty)
-        alpha = alpha.to(tl.float32)
+    w_t, bias, alpha = mix_operands(Q, W, BIAS, LOGIT, logit_h, bh % H, i, D, BD, MIX)
     base = bh.to(tl.int64) * NQ * D
     for c in range(SPLIT):
         rows, ok = block_tokens(i, c, BLOCK_Q, TILE, NQ)
         mask = ok[:, None] & dim_ok[None, :]
         ptr = base + rows.to(tl.int64)[:, None] * D + dim[None, :]
-        phi = feature(tl.load(Q + ptr, mask=mask, other=0.0).to(tl.float32), mask, 1, FMAP)
-        num = dot(phi, state_h, BF16)
-        den = EPS + tl.sum(phi * state_z[None, :], axis=1)
-        o_l = (num / den[:, None]).to(O.dtype.element_ty)
+        o_l = linear_output(tl.load(Q + ptr, mask=mask, other=0.0), mask, state_h, state_z, EPS, FMAP, BF16)
+        o_l = o_l.to(O.dtype.element_ty)
         if MIX == 0:
             tl.store(O + ptr, o_l, mask=mask)
         else:
             if STORE_LINEAR:
                 tl.store(OL + ptr, o_l, mask=mask)
             o_s = tl.load(OS + ptr, mask=mask, other=0.0).to(tl.float32)
-            if MIX == 1:
-                out = o_s + dot(o_l, w_t, BF16) + bias[None, :]
-            else:
-                lin = o_l.to(tl.float32)
-                out = lin + alpha * (o_s - lin)
+            out = combine(o_s, o_l, w_t, bias, alpha, BF16, MIX)
             tl.store(O + ptr, out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def mix_operands(Q, W, BIAS, LOGIT, logit_h, h, i, D: tl.constexpr, BD: tl.constexpr, MIX: tl.constexpr):
+    """What ``combine`` mixes with for query block ``i`` of head ``h``: ``(w_t, bias, alpha)``, ``MIX`` 1: W^T
+    ``(BD, BD)`` (D_in, D_out) of ``W (D, D)`` (``nn.Linear`` layout, q's dtype) and the bias rounded to q's dtype;
+    2: alpha = sigmoid(``LOGIT[h * logit_h + i]``) in fp32 rounded to q's dtype (``Q``'s element type); 0 where
+    unused."""
+    dim = tl.arange(0, BD)
+    dim_ok = dim < D
+    w_t = 0.0
+    bias = 0.0
+    alpha = 0.0
+    if MIX == 1:
+        w_t = tl.load(W + dim[None, :] * D + dim[:, None], mask=dim_ok[:, None] & dim_ok[None, :], other=0.0)
+        bias = tl.load(BIAS + dim, mask=dim_ok, other=0.0).to(Q.dtype.element_ty).to(tl.float32)
+    if MIX == 2:
+        alpha = tl.sigmoid(tl.load(LOGIT + h * logit_h + i).to(tl.float32)).to(Q.dtype.element_ty)
+        alpha = alpha.to(tl.float32)
+    return w_t, bias, alpha
+
+
+@triton.jit
+def linear_output(q, mask, state_h, state_z, EPS: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr):
+    """``phi(q) H_i / (eps + phi(q) . Z_i)`` fp32 ``(rows, BD)`` of a query tile (zeros where not ``mask``) and its
+    query block's states ``state_h (BD, BD)``, ``state_z (BD,)``."""
+    phi = feature(q.to(tl.float32), mask, 1, FMAP)
+    den = EPS + tl.sum(phi * state_z[None, :], axis=1)
+    return dot(phi, state_h, BF16) / den[:, None]
+
+
+@triton.jit
+def combine(o_s, o_l, w_t, bias, alpha, BF16: tl.constexpr, MIX: tl.constexpr):
+    """The methods' combine in fp32 of ``o_s`` (fp32) and ``o_l`` (q's dtype): ``MIX`` 1 (SLA) ``o_s + o_l W^T +
+    bias``, 2 (SLA2) ``o_l + alpha (o_s - o_l)`` (``mix_operands``)."""
+    if MIX == 1:
+        return o_s + dot(o_l, w_t, BF16) + bias[None, :]
+    else:
+        lin = o_l.to(tl.float32)
+        return lin + alpha * (o_s - lin)
 
 
 def feature_code(name: str) -> int:

@@ -218,9 +218,9 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     over the selected blocks ``indices``; with ``fp8`` the FP8 forward ``block_attn_fp8`` of the QAT branch) and
     ``masked_linear_mix`` of it. One op so that its backward runs the sparse branch's gradients first (at the o_s and
     LSE it stored: for ``fp8`` the QAT gradients) and the linear kernels add theirs to them (one pass fewer over dq,
-    dk and dv than two ops whose gradients autograd sums). On sm_90 with bf16 and the dense strategy the sparse
-    forward (bf16, or FP8 after its pre-pass) and the output kernel are one Gluon kernel
-    (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``). Returns ``(out, lse, o_s, o_l, rows_h,
+    dk and dv than two ops whose gradients autograd sums). On the dense strategy the sparse forward and the output
+    kernel are one kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``): bf16 on sm_90 in Gluon,
+    FP8 after its pre-pass in Gluon at D = 128 on sm_90 and in Triton otherwise. Returns ``(out, lse, o_s, o_l, rows_h,
     rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``)."""
     from ..block_sparse.op import block_attn, block_attn_fp8
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
@@ -239,31 +239,34 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
 
 def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
                               feature_map, eps, store_linear, fp8=False):
-    """``sparse_linear_mix``'s results from the Gluon kernel that mixes the linear branch in the sparse forward's
-    epilogue (``mix_ws``, or with ``fp8`` ``mix_ws_fp8`` on the FP8 sparse forward; O_s is not stored without
-    ``store_linear``), or ``None`` where it does not run: where the sparse forward would not run its Gluon kernel
-    (``block_sparse.fwd.gluon_runs``; for ``fp8`` ``mix_ws_fp8.supported`` and no ``block_fwd_fp8`` tile
-    override), for inputs other than bf16 (the dense strategy's states are in q's dtype only then) and on the gather
-    strategy (it sums the states in the output kernel). q, k, v, indices and skipped: contiguous."""
+    """``sparse_linear_mix``'s results from a kernel that mixes the linear branch in the sparse forward's epilogue,
+    or ``None`` where none runs. bf16: the Gluon ``mix_ws`` where the sparse forward would run its Gluon kernel
+    (``block_sparse.fwd.gluon_runs``); with ``fp8`` the Gluon ``mix_ws_fp8`` where ``mix_ws_fp8.supported`` and no
+    ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype; SLA's projection
+    was slower there, see its docstring). All on the dense strategy (the
+    gather strategy sums the states in the output kernel). O_s is not stored without ``store_linear``. q, k, v,
+    indices and skipped: contiguous."""
     from ..block_sparse.fwd import gluon_runs
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
-    if q.dtype != torch.bfloat16:
-        return None
+    from .mix_fp8 import sparse_linear_forward_fp8
     if fp8:
-        if mix_ws_fp8 is None or overrides("block_fwd_fp8") or not mix_ws_fp8.supported(q, indices, block_q, block_k):
+        if mix_ws_fp8 is not None and not overrides("block_fwd_fp8") and mix_ws_fp8.supported(q, indices, block_q,
+                                                                                              block_k):
+            run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
+        elif alpha_logit is not None:
+            run = sparse_linear_forward_fp8
+        else:
             return None
-    elif not gluon_runs(q, k, v, indices, block_q, block_k):
+    elif q.dtype == torch.bfloat16 and gluon_runs(q, k, v, indices, block_q, block_k):
+        run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
+    else:
         return None
     states = dense_query_states(q, k, v, skipped, block_k, feature_map)
     if states is None:
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
     bias, alpha_logit = _mix_scalars(q, weight, bias, alpha_logit)
-    if fp8:
-        run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
-    else:
-        run = mix_ws.ws_sparse_linear_forward if launching_directly() else mix_ws.sparse_linear_ws
     out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha_logit, block_q, block_k, scale,
                              feature_map, eps, store_linear)
     return out, lse, o_s, o_l, *states
