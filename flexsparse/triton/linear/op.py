@@ -243,9 +243,8 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
     or ``None`` where none runs. bf16: the Gluon ``mix_ws`` where the sparse forward would run its Gluon kernel
     (``block_sparse.fwd.gluon_runs``); with ``fp8`` the Gluon ``mix_ws_fp8`` where ``mix_ws_fp8.supported`` and no
     ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype; SLA's projection
-    was slower there, see its docstring). All on the dense strategy (the
-    gather strategy sums the states in the output kernel). O_s is not stored without ``store_linear``. q, k, v,
-    indices and skipped: contiguous."""
+    was slower there, see its docstring). All on the dense strategy (the gather strategy sums the states in the
+    output kernel). O_s is not stored without ``store_linear``. q, k, v, indices and skipped: contiguous."""
     from ..block_sparse.fwd import gluon_runs
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
