@@ -872,8 +872,9 @@ def test_gpu_mixed_output_bf16(kind, compiled):
 @pytest.mark.parametrize("d,block_q", [(64, 64), (64, 128), (128, 64), (128, 128)])
 def test_gpu_linear_branch_in_fp8_sparse_epilogue_matches_two_ops(monkeypatch, kind, d, block_q):
     """With ``quant`` on sm_90 the one op runs the FP8 forward with the linear branch in its epilogue (D=128: the
-    Gluon ``mix_ws_fp8``, D=64: SLA2's lerp in the Triton ``mix_fp8``, SLA's projection apart): output, LSE and gradients (the QAT ones, the linear kernels
-    adding theirs) against the FP8 op followed by ``mixed_linear_output`` (bf16, ragged N, GQA)."""
+    Gluon ``mix_ws_fp8``; D=64: SLA2's lerp in the Triton ``mix_fp8``, SLA's projection apart): output, LSE and
+    gradients (the QAT ones, the linear kernels adding theirs) against the FP8 op followed by
+    ``mixed_linear_output`` (bf16, ragged N, GQA)."""
     pytest.importorskip("torchao")
     from flexsparse.config import QuantConfig
     from flexsparse.triton.linear import mix_fp8, mix_ws_fp8

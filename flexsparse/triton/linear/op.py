@@ -38,6 +38,9 @@ MAX_KERNEL_D = 128  # head dims above keep the PyTorch path (a (D, D) fp32 state
 # shared memory (sm_90 has 227 KB), bf16 at D = 128 ran 2% slower at B2 H8 N65536 than a separate matmul (H200)
 PROJECTED_MAX_D = 64
 SUMS_BY_MATMUL = 1 << 18  # rows from which SLA's bias gradient is a matmul (column_sums)
+# SLA2's lerp in the Triton FP8 forward's epilogue up to this head dim (measured at D = 64; at D = 128 the (D, D)
+# state and phi(Q) tiles would sit beside the kernel's own in one program, unmeasured)
+MIXED_FP8_MAX_D = 64
 
 
 def linear_kernels(q: Tensor) -> bool:
@@ -242,9 +245,10 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
     """``sparse_linear_mix``'s results from a kernel that mixes the linear branch in the sparse forward's epilogue,
     or ``None`` where none runs. bf16: the Gluon ``mix_ws`` where the sparse forward would run its Gluon kernel
     (``block_sparse.fwd.gluon_runs``); with ``fp8`` the Gluon ``mix_ws_fp8`` where ``mix_ws_fp8.supported`` and no
-    ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype; SLA's projection
-    was slower there, see its docstring). All on the dense strategy (the gather strategy sums the states in the
-    output kernel). O_s is not stored without ``store_linear``. q, k, v, indices and skipped: contiguous."""
+    ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype, D <=
+    ``MIXED_FP8_MAX_D``; SLA's projection was slower there, see its docstring). All on the dense strategy (the
+    gather strategy sums the states in the output kernel). O_s is not stored without ``store_linear``. q, k, v,
+    indices and skipped: contiguous."""
     from ..block_sparse.fwd import gluon_runs
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
@@ -253,7 +257,7 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
         if mix_ws_fp8 is not None and not overrides("block_fwd_fp8") and mix_ws_fp8.supported(q, indices, block_q,
                                                                                               block_k):
             run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
-        elif alpha_logit is not None:
+        elif alpha_logit is not None and q.shape[-1] <= MIXED_FP8_MAX_D:
             run = sparse_linear_forward_fp8
         else:
             return None
