@@ -252,8 +252,8 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
     from ..block_sparse.fwd import gluon_runs
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
-    from .mix_fp8 import sparse_linear_forward_fp8
     if fp8:
+        from .mix_fp8 import sparse_linear_forward_fp8
         if mix_ws_fp8 is not None and not overrides("block_fwd_fp8") and mix_ws_fp8.supported(q, indices, block_q,
                                                                                               block_k):
             run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
