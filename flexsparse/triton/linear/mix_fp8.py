@@ -1,8 +1,9 @@
 """SLA2 forward with the FP8 sparse branch in Triton: ``block_sparse.fwd_fp8``'s walk over the selected key blocks
 with the masked linear branch's output and the alpha lerp in its epilogue (``fwd.linear_output``, ``fwd.combine``),
 so that the quantized forward does not run the separate output kernel that reads q and O_s again. The calls the
-Gluon kernel (``mix_ws_fp8``, D = 128 on sm_90) does not take run it (D = 64 on sm_90, other GPUs, the
-interpreter), on the dense strategy (the query-block states come summed, ``fwd.dense_query_states``).
+Gluon kernel (``mix_ws_fp8``, D = 128 on sm_90) does not take run it up to ``op.MIXED_FP8_MAX_D`` (D = 64 on sm_90,
+other GPUs, the interpreter), on the dense strategy (the query-block states come summed,
+``fwd.dense_query_states``).
 
 Per program, after the loop: O_s rounded to q's dtype (what the two-op path stores and mixes), the Q tile in q's
 dtype, ``O_l = phi(Q) H_i / (eps + phi(Q) . Z_i)`` rounded to q's dtype, then ``O_l + alpha (O_s - O_l)``; O_s and
