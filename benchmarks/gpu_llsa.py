@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 
 import flexsparse
+from flexsparse.bench import kernel_times
 
 B, H, K, BLOCK = 2, 8, 8, 16
 
@@ -61,23 +62,6 @@ def attention_fns(q, k, v, grad, attend):
         torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
 
     return fwd, fwd_bwd
-
-
-def kernel_times(fn, iters: int = 5) -> dict:
-    """Device milliseconds per call of every kernel ``fn`` launches (profiler, averaged)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if total > 0:   # names cut to 60 characters: kernels that share the prefix are summed, not overwritten
-            name = event.key[:60]
-            out[name] = out.get(name, 0.0) + total / iters / 1000.0
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def run_shape(n: int, levels: int, d: int, with_torch: bool, with_sdpa: bool, phases: bool, graph: bool) -> dict:

@@ -27,10 +27,11 @@ import json
 import os
 
 import torch
-from gpu_llsa import bench, kernel_times
+from gpu_llsa import bench
 
 from flexsparse.backends import BACKENDS
 from flexsparse.backends.flex_backend import masked_linear_attention_dense_blocks
+from flexsparse.bench import kernel_times
 from flexsparse.masks import BlockSelection
 from flexsparse.triton._runtime.sizes import pow2
 from flexsparse.triton.common.csc import block_csc

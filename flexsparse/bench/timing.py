@@ -1,7 +1,7 @@
 """Timers: every measured time of a call, in milliseconds.
 
 CUDA: ``triton.testing.do_bench`` (or ``do_bench_cudagraph`` for CUDA-graph replays), all of its samples.
-CPU: wall-clock runs after one warm-up call.
+CPU: wall-clock runs after one warm-up call. ``kernel_times``: a call's time by kernel (or ATen op), profiler.
 Imports nothing from flexsparse, so ``worker.py`` can load it outside the package.
 """
 from __future__ import annotations
@@ -49,3 +49,29 @@ def time_spread(fn, device, repeats: int = 5) -> dict[str, float]:
     times = time_call(fn, device, min_runs=max(repeats, 2), budget_s=0.0)
     cuts = statistics.quantiles(times, n=5, method="inclusive")
     return {"median_ms": statistics.median(times), "p20_ms": cuts[0], "p80_ms": cuts[-1]}
+
+
+def kernel_times(fn, device="cuda", iters: int = 5) -> dict[str, float]:
+    """Milliseconds per ``fn()`` of everything it runs, largest first, averaged over ``iters`` calls after one
+    warm-up: on CUDA every kernel (the profiler's device time), on CPU every ATen op (its self time). Names are cut
+    to 60 characters; entries that share the prefix are summed, not overwritten."""
+    cuda = torch.device(device).type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        if cuda:
+            total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        else:
+            total = event.self_cpu_time_total
+        if total > 0:
+            name = event.key[:60]
+            out[name] = out.get(name, 0.0) + total / iters / 1000.0
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
