@@ -1,6 +1,6 @@
-"""Compile the LLSA, block-sparse, FP8, block top-K and masked linear kernels for sm_90 without a GPU and report
-registers, spills, shared memory and the matrix instructions in the SASS (HGMMA = Hopper wgmma, QGMMA its fp8
-form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the runner times calls on a device,
+"""Compile the LLSA, block-sparse, FP8 (SLA2's mixed one too), block top-K and masked linear kernels for sm_90
+without a GPU and report registers, spills, shared memory and the matrix instructions in the SASS (HGMMA = Hopper
+wgmma, QGMMA its fp8 form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the runner times calls on a device,
 this reads the compiled code of each kernel, offline.
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
@@ -29,6 +29,7 @@ from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.common import csc
 from flexsparse.triton.linear import bwd as linear_bwd
 from flexsparse.triton.linear import fwd as linear_fwd
+from flexsparse.triton.linear import mix_fp8
 from flexsparse.triton.llsa import bwd as llsa_bwd
 from flexsparse.triton.llsa import entry_dkv as llsa_entry_dkv
 from flexsparse.triton.llsa import fwd as llsa_fwd
@@ -264,6 +265,12 @@ def main():
                      dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
                           FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, **geo),
                      ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
+    jobs.append(("sparse linear mix fp8", mix_fp8._mix_fp8_kernel,
+                 dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                      LSE="*fp32", Q=q, OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
+                 dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
+                      EMULATE=False, PERMUTED=True, EPS=1e-6, FMAP=0, BF16=dt == "bf16", STORE=True, **geo),
+                 ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         if args.only not in name:
             continue

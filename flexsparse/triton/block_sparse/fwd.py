@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._runtime.registry import launcher
-from ..common.jit import LN2, LOG2E, load_tile, mm, softmax_step, store_tile
+from ..common.jit import LN2, LOG2E, load_tile, mm, softmax_step, store_row_values, store_tile
 from .gluon import block_fwd_ws
 from .._runtime.sizes import cdiv, pow2
 from .._runtime.registry import launching_directly
@@ -96,11 +96,7 @@ def _block_fwd_kernel(Q, K, V, IDX, O, LSE, q_b, q_h, q_n, k_b, k_h, k_n, H, GRO
             s = tl.where(key_ok[None, :], s, float("-inf"))
         m, l, acc = softmax_step(s, SCALE2, v, m, l, acc, IEEE)
     store_tile(O + q_head, acc / l[:, None], rows, q_n, dim, row_ok, D, BD, MASK_Q)
-    lse = LSE + bh.to(tl.int64) * NQ + rows
-    if MASK_Q:
-        tl.store(lse, (m + tl.log2(l)) * LN2, mask=row_ok)
-    else:
-        tl.store(lse, (m + tl.log2(l)) * LN2)
+    store_row_values(LSE + bh.to(tl.int64) * NQ, (m + tl.log2(l)) * LN2, rows, row_ok, MASK_Q)
 
 
 def tile_split(block: int, cap: int) -> tuple[int, int]:

@@ -34,7 +34,7 @@ import triton.language as tl
 from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
 from .gluon import block_fwd_ws_fp8
 from .._runtime.registry import launcher, launching_directly
-from ..common.jit import LN2, LOG2E, load_tile, store_tile
+from ..common.jit import LN2, LOG2E, load_tile, store_row_values, store_tile
 from .fp8_quant import E4M3, permuted_columns, permutes_keys, quantize_qkv, to_e4m3
 from .._runtime.sizes import pow2
 from .._runtime.tiles import overrides
@@ -120,16 +120,6 @@ def attend_fp8(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, 
 
 
 @triton.jit
-def store_lse(LSE, lse, bh, rows, row_ok, NQ, MASK_Q: tl.constexpr):
-    """``lse (BM,)`` into rows ``rows`` of flat head ``bh`` of the ``(B * H, NQ)`` LSE (masked by ``row_ok``)."""
-    ptr = LSE + bh.to(tl.int64) * NQ + rows
-    if MASK_Q:
-        tl.store(ptr, lse, mask=row_ok)
-    else:
-        tl.store(ptr, lse)
-
-
-@triton.jit
 def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -142,7 +132,7 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED)
     store_tile(O + bh.to(tl.int64) * NQ * D, o, rows, D, dim, row_ok, D, BD, MASK_Q)
-    store_lse(LSE, lse, bh, rows, row_ok, NQ, MASK_Q)
+    store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
 
 
 def forward_tiles(device: torch.device, d: int) -> dict:

@@ -201,3 +201,13 @@ def store_slab(base, x, rows, stride, dim, row_ok, D: tl.constexpr, BD: tl.const
         tl.store(ptr, x)
     else:
         tl.store(ptr, x, mask=dim[None, None, :] < D)
+
+
+@triton.jit
+def store_row_values(base, x, rows, row_ok, MASK_ROWS: tl.constexpr):
+    """Store ``x (len(rows),)`` (one value per row, e.g. the LSE) at ``base + rows``, masked by ``row_ok`` only with
+    ``MASK_ROWS``."""
+    if MASK_ROWS:
+        tl.store(base + rows, x, mask=row_ok)
+    else:
+        tl.store(base + rows, x)

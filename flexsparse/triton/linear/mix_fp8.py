@@ -18,28 +18,9 @@ import triton
 import triton.language as tl
 
 from ..block_sparse.fp8_quant import quantize_qkv
-from ..block_sparse.fwd import chunk_rows
-from ..block_sparse.fwd_fp8 import attend_fp8, launch_attention, store_lse
-from ..common.jit import load_tile, store_tile
+from ..block_sparse.fwd_fp8 import attend_fp8, launch_attention
+from ..common.jit import load_tile, store_row_values, store_tile
 from .fwd import combine, feature_code, linear_output, mix_operands
-
-
-@triton.jit
-def _epilogue_operands(Q, ROWS_H, ROWS_Z, LOGIT, logit_h, bh, qblk, chunk, H, NQ, TQ, BLOCK_Q: tl.constexpr,
-                       TILE_Q: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, MASK_Q: tl.constexpr):
-    """``(state_h, state_z, alpha, q)`` of the epilogue of query tile ``chunk`` of block ``qblk`` of flat head
-    ``bh``: its block's states, alpha (``fwd.mix_operands``) and the Q tile in q's dtype. Loaded before the key
-    loop instead (held across it), they made the kernel slower: 2059 against 1915 µs (B2 H8 N65536 D64, H200)."""
-    dim = tl.arange(0, BD)
-    dim_ok = dim < D
-    state = bh.to(tl.int64) * TQ + qblk
-    state_h = tl.load(ROWS_H + state * D * D + dim[:, None] * D + dim[None, :],
-                      mask=dim_ok[:, None] & dim_ok[None, :], other=0.0)
-    state_z = tl.load(ROWS_Z + state * D + dim, mask=dim_ok, other=0.0)
-    _, _, alpha = mix_operands(Q, Q, Q, LOGIT, logit_h, bh % H, qblk, D, BD, 2)   # the lerp reads no W, bias
-    rows, row_ok = chunk_rows(qblk, chunk, BLOCK_Q, TILE_Q, NQ)
-    q = load_tile(Q + bh.to(tl.int64) * NQ * D, rows, D, dim, row_ok, D, BD, MASK_Q)
-    return state_h, state_z, alpha, q
 
 
 @triton.jit
@@ -55,13 +36,19 @@ def _mix_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, N
         Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED)
-    store_lse(LSE, lse, bh, rows, row_ok, NQ, MASK_Q)
+    store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
     q_head = bh.to(tl.int64) * NQ * D
     o_s = o_s.to(Q.dtype.element_ty)
-    state_h, state_z, alpha, q = _epilogue_operands(Q, ROWS_H, ROWS_Z, LOGIT, logit_h, bh, qblk,
-                                                    tl.program_id(0) % Q_SPLIT, H, NQ, TQ, BLOCK_Q, TILE_Q, D, BD,
-                                                    MASK_Q)
-    o_l = linear_output(q, row_ok[:, None] & (dim < D)[None, :], state_h, state_z, EPS, FMAP, BF16)
+    # the epilogue's operands, loaded after the loop: loaded before it (held across it) they made the kernel slower,
+    # 2059 against 1915 µs (B2 H8 N65536 D64, H200)
+    state = bh.to(tl.int64) * TQ + qblk                               # the query block's row of H_i, Z_i
+    dim_ok = dim < D
+    state_h = tl.load(ROWS_H + state * D * D + dim[:, None] * D + dim[None, :],
+                      mask=dim_ok[:, None] & dim_ok[None, :], other=0.0)
+    state_z = tl.load(ROWS_Z + state * D + dim, mask=dim_ok, other=0.0)
+    _, _, alpha = mix_operands(Q, Q, Q, LOGIT, logit_h, bh % H, qblk, D, BD, 2)   # the lerp reads no W, bias
+    q = load_tile(Q + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
+    o_l = linear_output(q, row_ok[:, None] & dim_ok[None, :], state_h, state_z, EPS, FMAP, BF16)
     o_l = o_l.to(Q.dtype.element_ty)
     out = combine(o_s.to(tl.float32), o_l, 0.0, 0.0, alpha, BF16, 2)
     store_tile(O + q_head, out, rows, D, dim, row_ok, D, BD, MASK_Q)
