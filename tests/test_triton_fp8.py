@@ -41,7 +41,7 @@ from flexsparse.quant import E4M3, block_scales, channel_scales, quantize  # noq
 from flexsparse.triton._runtime.registry import launcher  # noqa: E402
 from flexsparse.triton.block_sparse import op as block_op  # noqa: E402
 from flexsparse.triton.block_sparse import fp8_quant  # noqa: E402
-from flexsparse.triton.block_sparse.fp8_quant import (key_mean_value_amax, quantize_blocks, quantize_qkv,  # noqa: E402
+from flexsparse.triton.block_sparse.fp8_quant import (quantize_blocks, quantize_keys, quantize_qkv,  # noqa: E402
                                                       quantize_v_transposed, stored_keys, to_e4m3)
 from flexsparse.triton.block_sparse.fwd import geometry  # noqa: E402
 from flexsparse.triton.block_sparse.fwd_fp8 import block_attend_fp8, forward_tiles, gluon_runs  # noqa: E402
@@ -219,18 +219,21 @@ def test_prepass_equals_the_quant_formats_bit_for_bit(dtype):
             assert scales.dtype == torch.float32 and torch.equal(scales, want_scales)
             per_token = want_scales.repeat_interleave(block, dim=2)[:, :, :37, None]
             assert values.dtype == torch.float16 and torch.equal(values.float(), quantize(xs, per_token))
-    k_mean, v_amax = key_mean_value_amax(x, x)
-    assert torch.equal(v_amax, x.float().abs().amax(dim=2))
-    assert ((k_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()           # fp32 rounding only
-    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
-    assert all(map(torch.equal, key_mean_value_amax(strided, strided), (k_mean, v_amax)))
-    vt, v_scales = quantize_v_transposed(x, v_amax)
-    assert vt.shape == (2, 3, 24, 48) and torch.equal(v_scales, channel_scales(x)[:, :, 0])
-    assert torch.equal(vt[..., :37].float(), quantize(x, channel_scales(x)).transpose(-1, -2))
+    v = (torch.randn(2, 3, 37, 24) * torch.exp2(torch.randint(-12, 6, (2, 3, 1, 24)).float())).to(dtype)
+    k8, k_scales, v_amax = quantize_keys(x, v, 8, mean)             # K's pass also takes V's amax
+    assert all(map(torch.equal, (k8, k_scales), quantize_blocks(x, 8, mean)))
+    assert torch.equal(v_amax, v.float().abs().amax(dim=2))
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, v)]
+    assert all(map(torch.equal, quantize_keys(*strided, 8, mean), (k8, k_scales, v_amax)))
+    vt, v_scales = quantize_v_transposed(v, v_amax)
+    assert vt.shape == (2, 3, 24, 48) and torch.equal(v_scales, channel_scales(v)[:, :, 0])
+    assert torch.equal(vt[..., :37].float(), quantize(v, channel_scales(v)).transpose(-1, -2))
     assert (vt[..., 37:] == 0).all()
-    q8, _, k8, _, prepass_mean, _, _ = quantize_qkv(x, x, x, 16, 8)
-    assert torch.equal(prepass_mean, k_mean) and torch.equal(q8, quantize_blocks(x, 16)[0])
-    assert torch.equal(k8, quantize_blocks(x, 8, k_mean)[0])
+    given = quantize_qkv(x, x, v, 16, 8, mean[:, :, None])          # the selection's mean, (B, Hk, 1, D)
+    assert torch.equal(given[0], quantize_blocks(x, 16)[0]) and torch.equal(given[4], mean)
+    assert all(map(torch.equal, given[2:4] + given[5:], (k8, k_scales, vt, v_scales)))
+    own_mean = quantize_qkv(x, x, v, 16, 8)[4]                      # none given: the pre-pass takes it
+    assert ((own_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()          # fp32 rounding only
 
 
 # (B, N, block_q, block_k, H, Hk, D, K). Interpreter tiles are 16 x 16: larger blocks split into several tiles.
@@ -409,6 +412,64 @@ def test_methods_forward_is_the_kernel_and_gradients_at_its_output(cfg):
     assert all(ts.rel_err(a, b) < 0.2 for a, b in zip(grads[:3], want[:3]))
 
 
+@cpu_only
+def test_op_smooths_k_with_the_given_mean():
+    """``k_mean`` (a selection's ``key_mean``): the op's pre-pass smooths K with it, bit for bit the kernel on
+    ``quantize_qkv(..., k_mean)``; any mean gives the attention up to quantization (the LSE takes the shift back)
+    and the same gradient formula; a mean of another shape is refused, naming it."""
+    bsz, n, block_q, block_k, heads, kv_heads, d, topk = CASES[1]
+    q, k, v = (x.requires_grad_() for x in make_qkv(bsz, heads, kv_heads, n, d))
+    selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
+    scale = d**-0.5
+    shift = k.detach().mean(dim=2, keepdim=True) + 0.1 * torch.randn(bsz, kv_heads, 1, d)
+    o, lse = block_op.block_attn_fp8(q, k, v, selection.indices, block_q, block_k, scale, False, shift)
+    with torch.no_grad():
+        pre = quantize_qkv(q, k, v, block_q, block_k, shift)
+        want_o, want_lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+        own_o, own_lse = block_op.block_attn_fp8(q, k, v, selection.indices, block_q, block_k, scale, False)
+    assert torch.equal(pre[4], shift[:, :, 0]) and torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert 0 < ts.rel_err(o, own_o) < 0.05 and ts.rel_err(lse, own_lse) < 1e-2       # K quantized otherwise
+    do = torch.randn_like(o)
+    got = torch.autograd.grad((o * do).sum(), (q, k, v))
+    from flexsparse.triton.block_sparse import naive
+    want = naive.block_sparse_attention_backward(do, None, q.detach(), k.detach(), v.detach(), selection, scale,
+                                                 o.detach(), lse.detach())
+    assert all(ts.rel_err(a, b) < 1e-5 for a, b in zip(got, want))
+    with pytest.raises(ValueError, match=r"k_mean must hold one mean per batch, KV head and channel"):
+        quantize_qkv(q.detach(), k.detach(), v.detach(), block_q, block_k, shift[:, :, :, :-1])
+
+
+@cpu_only
+def test_methods_smooth_k_with_their_selections_mean(monkeypatch):
+    """With ``quant`` each block method takes the keys' mean from the block sums its selection pooled
+    (``BlockSelection.key_mean``: ``mean_N k`` up to fp32 rounding) and the FP8 pre-pass uses it, with no pass over K
+    of its own; without ``quant`` no mean is taken."""
+    n, d, heads = 75, 16, 2
+    q, k, v = make_qkv(1, heads, 1, n, d)
+    means = []
+    backend_type = type(TRITON)
+    taken = backend_type.key_mean
+
+    def spy(self, keys, block, sums=None):
+        mean = taken(self, keys, block, sums)
+        means.append((sums is not None, ts.rel_err(mean, keys.float().mean(dim=2, keepdim=True))))
+        return mean
+
+    def no_pass(*args):
+        raise AssertionError("the FP8 pre-pass took the keys' mean itself")
+
+    monkeypatch.setattr(backend_type, "key_mean", spy)
+    monkeypatch.setattr(fp8_quant, "key_mean", no_pass)
+    for cfg in METHOD_CONFIGS:
+        params = _params(cfg, d, heads, n)
+        means.clear()
+        with torch.no_grad():
+            flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
+            assert means == [], cfg["method"]
+            flexsparse.attention(q, k, v, {**cfg, "quant": {}}, backend="triton", params=params)
+        assert len(means) == 1 and means[0][0] and means[0][1] < 1e-6, cfg["method"]
+
+
 # ------------------------------------------------------------------------------ CPU, parent process
 
 @cpu_parent
@@ -428,6 +489,8 @@ def test_opcheck_cpu_fallback():
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     with ts.interpreter_env(False):
         torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 16, 16, 0.25, False))
+        torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 16, 16, 0.25, False,
+                                                           k.mean(dim=2, keepdim=True)))
 
 
 @cpu_parent
@@ -503,12 +566,15 @@ def test_gpu_prepass_equals_the_quant_formats_bit_for_bit():
         assert values.dtype == E4M3 and torch.equal(scales, block_scales(xs, block)[..., 0])
         per_token = scales.repeat_interleave(block, dim=2)[:, :, :4000, None]
         assert torch.equal(values.float(), quantize(xs, per_token))
-    k_mean, v_amax = key_mean_value_amax(x, x)
-    assert torch.equal(v_amax, x.float().abs().amax(dim=2))
-    assert ((k_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()      # a missing row: 2.5e-4
-    vt, v_scales = quantize_v_transposed(x, v_amax)
-    assert torch.equal(v_scales, channel_scales(x)[:, :, 0])
-    assert torch.equal(vt[..., :4000].float(), quantize(x, channel_scales(x)).transpose(-1, -2))
+    v = (torch.randn(2, 4, 4000, 64, device="cuda") * torch.rand(2, 4, 1, 64, device="cuda") * 8).to(torch.bfloat16)
+    k8, k_scales, v_amax = quantize_keys(x, v, 64, mean)
+    assert all(map(torch.equal, (k8, k_scales), quantize_blocks(x, 64, mean)))
+    assert torch.equal(v_amax, v.float().abs().amax(dim=2))
+    own_mean = quantize_qkv(x, x, v, 64, 64)[4]
+    assert ((own_mean - mean).abs() <= 1e-5 * x.float().abs().mean(dim=2)).all()      # a missing row: 2.5e-4
+    vt, v_scales = quantize_v_transposed(v, v_amax)
+    assert torch.equal(v_scales, channel_scales(v)[:, :, 0])
+    assert torch.equal(vt[..., :4000].float(), quantize(v, channel_scales(v)).transpose(-1, -2))
     assert (vt[..., 4000:].float() == 0).all()
 
 
@@ -699,6 +765,8 @@ def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
 def test_gpu_opcheck():
     (q, k, v), selection = _gpu_inputs(1000, 2, 1, 64, 64, 64, 4)
     torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 64, 64, 0.125, False))
+    torch.library.opcheck(block_op.block_attn_fp8.op, (q, k, v, selection.indices, 64, 64, 0.125, False,
+                                                       k.float().mean(dim=2, keepdim=True)))
 
 
 @cpu_only

@@ -206,7 +206,7 @@ class TritonBackend(Backend):
                                                            alpha_logit, selection.block_q, selection.block_k, scale,
                                                            deterministic, feature_map, eps,
                                                            _grad_needed(q, k, v, weight, bias, alpha_logit),
-                                                           quant is not None)
+                                                           quant is not None, selection.key_mean)
         return out, lse
 
 
@@ -214,10 +214,10 @@ def fp8_block_sparse_attention(q, k, v, selection: BlockSelection, scale: float,
     """The FP8 forward of the block-sparse branch (``flexsparse::block_attn_fp8``: K smoothed, e4m3 Q and K per
     block, V per channel, P static; docs/methods.md "FP8 QAT"): ``o`` in q's dtype and the LSE of the unsmoothed
     logits, with the QAT gradients (the bf16 backward kernels at this o and LSE; ``deterministic`` as
-    ``block_attn``'s)."""
+    ``block_attn``'s). K is smoothed with the selection's ``key_mean`` where it has one."""
     indices = checked_indices(q, k, selection)
     return block_op.block_attn_fp8(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k,
-                                   scale, deterministic)
+                                   scale, deterministic, selection.key_mean)
 
 
 def checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:

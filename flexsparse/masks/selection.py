@@ -31,6 +31,9 @@ class BlockSelection(_BlockGrid):
     indices: ``(B, H, Tq, K)`` int32 key-block ids, ascending, distinct per row.
     excluded: optional ``(B, H, Tq, Kx)`` int32 blocks that no branch may use (SLA's
     "negligible" class); ``None`` when there are none.
+    key_mean: optional ``(B, Hk, 1, D)`` mean over the tokens of the keys the branches attend, in the accumulation
+    dtype, from the block sums the selection pooled (methods with ``quant``): the FP8 forward's smoothing mean
+    without a pass over K; ``None`` where the selection has none (a backend that needs one takes it from the keys).
     """
 
     indices: torch.Tensor
@@ -39,6 +42,7 @@ class BlockSelection(_BlockGrid):
     n_q: int
     n_k: int
     excluded: torch.Tensor | None = None
+    key_mean: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ...masks import BlockSelection, num_blocks, sla_block_counts
 from ..base import Method, require_params
+from ..blocks import smoothing_mean
 from . import reference
 from .config import SLAConfig
 
@@ -36,12 +37,15 @@ class SLA(Method):
         return require_params("sla", params, {"proj_weight": (d, d), "proj_bias": (d,)})
 
     def select(self, q, k, v, cfg, backend, params) -> BlockSelection:
-        """Critical blocks ``indices (B, H, Tq, K)`` and negligible blocks ``excluded`` (or None), no grad."""
+        """Critical blocks ``indices (B, H, Tq, K)``, negligible blocks ``excluded`` (or None) and with ``quant``
+        the keys' mean, no grad."""
         topk, bottomk = sla_block_counts(cfg.topk_ratio, cfg.negligible_ratio, num_blocks(k.shape[2], cfg.block_k))
         with torch.no_grad():
-            q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k)
+            pooled = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)
+            q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k, pooled)
             top, bottom = backend.block_topk(q_bar, k_bar, topk, bottomk)
-        return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2], excluded=bottom)
+        return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2], excluded=bottom,
+                              key_mean=smoothing_mean(k, cfg, backend, pooled[2]))
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         weight, bias = params["proj_weight"], params["proj_bias"]

@@ -22,6 +22,7 @@ reference see the call's ``(1 or H, Tq)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from ...masks import BlockSelection, SoftBlockMask, accumulation_dtype, num_blocks
 from ..base import Method, SeqLenRequired, require_params
+from ..blocks import smoothing_mean
 from . import reference
 from .config import SLA2Config
 from .router import route, smoothed_keys
@@ -94,6 +96,8 @@ class SLA2(Method):
         mask = route(q, k, cfg, backend, params["proj_q"], params["proj_k"], pooled)  # keys never rounded
         if cfg.smooth_k == "all":                      # both branches attend the smoothed keys, one rounding
             k = smoothed_keys(k, backend.key_mean(k, cfg.block_k, pooled[2]), backend)
+        elif isinstance(mask, BlockSelection) and cfg.quant is not None:     # the raw keys' mean: FP8 smoothing
+            mask = dataclasses.replace(mask, key_mean=smoothing_mean(k, cfg, backend, pooled[2]))
         return SLA2Selection(mask, k)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):

@@ -5,9 +5,11 @@ Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-
 rounded to fp32 (torchao's ``amax_to_scale``), values ``e4m3(clamp(x * s, -448, 448))`` with ``x * s`` in
 fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head (mean in fp32).
 
-K's mean and V's amax over N come from one pass over K and V (``_key_sums_value_amax_kernel``, fixed summation
-order, then torch over its partials): the amax, hence V's scales, are ``channel_scales``'s bit for bit; the mean
-is ``k.mean(dtype=float32)``'s up to fp32 rounding.
+K's mean comes from the caller where its selection pooled the keys (the block sums it has: no pass over K), else
+from ``pooling.naive.key_mean``; it is ``k.mean(dtype=float32)``'s up to fp32 rounding, and any mean gives the same
+attention up to quantization (the LSE takes the shift back). V's amax over N is taken in the pass that quantizes K
+(per key block, then torch over the blocks): bit for bit ``channel_scales``'s amax, one pass over V fewer than
+a pass of its own.
 
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
@@ -27,7 +29,8 @@ import triton.language as tl
 from ...masks import num_blocks
 from ...quant.formats import E4M3, amax_to_scale
 from .._runtime.registry import launcher
-from ..common.jit import program_heads, token_tile, token_tiles
+from ..common.jit import token_tile
+from ..pooling.naive import key_mean
 from .._runtime.sizes import cdiv, pow2
 
 # Whether V^T's keys are stored in ``key_slot`` order (for key blocks of whole 16-key groups, ``permutes_keys``):
@@ -94,30 +97,12 @@ def stored_keys(n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _key_sums_value_amax_kernel(K, V, K_SUMS, V_AMAX, k_b, k_h, k_n, v_b, v_h, v_n, H, N, P, TILE: tl.constexpr,
-                                TILES: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """Program ``(p, b * H + h)``: column sums of K's and column amax of |V| over its ``TILES * TILE`` rows,
-    stored at ``[bh, :, p]`` of ``(B * H, D, P)`` fp32 partials (P innermost: torch then reduces rows)."""
-    bh, b, h = program_heads(H)
-    dim = tl.arange(0, BD)
-    sums = tl.zeros([TILE, BD], tl.float32)
-    amax = tl.zeros([TILE, BD], tl.float32)
-    for t in tl.static_range(TILES):                                 # loads of all tiles in flight at once
-        rows = (tl.program_id(0) * TILES + t) * TILE + tl.arange(0, TILE)
-        ok = (rows < N)[:, None] & (dim < D)[None, :]
-        row = rows.to(tl.int64)[:, None]
-        sums += tl.load(K + b.to(tl.int64) * k_b + h.to(tl.int64) * k_h + row * k_n + dim[None, :], mask=ok,
-                        other=0.0).to(tl.float32)
-        v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    dst = (bh.to(tl.int64) * D + dim) * P + tl.program_id(0)
-    tl.store(K_SUMS + dst, tl.sum(sums, axis=0), mask=dim < D)
-    tl.store(V_AMAX + dst, tl.max(amax, axis=0), mask=dim < D)
-
-
-@triton.jit
-def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.constexpr, BB: tl.constexpr,
-                         D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr):
+def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
+                         BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
+                         HAS_V: tl.constexpr, EMULATE: tl.constexpr):
+    """Program ``(block, b * H + h)``: e4m3 of a block of x (``MEAN`` subtracted with ``SMOOTH``) and its scale;
+    with ``HAS_V`` also the column amax of |V| over the same rows, stored at ``[bh, :, block]`` of ``(B * H, D, T)``
+    fp32 (blocks innermost: torch then reduces rows)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -126,15 +111,20 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, x_b, x_h, x_n, H, N, T, BLOCK: tl.
     rows = blk * BLOCK + local
     dim = tl.arange(0, BD)
     ok = ((local < BLOCK) & (rows < N))[:, None] & (dim < D)[None, :]
-    src = X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + rows.to(tl.int64)[:, None] * x_n + dim[None, :]
-    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    row = rows.to(tl.int64)[:, None]
+    x = tl.load(X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + row * x_n + dim[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    if HAS_V:
+        v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
+        amax_v = tl.max(tl.abs(v.to(tl.float32)), axis=0)
+        tl.store(V_AMAX + (bh.to(tl.int64) * D + dim) * T + blk, amax_v, mask=dim < D)
     if SMOOTH:
         mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
         x = tl.where(ok, x - mean[None, :], 0.0)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     scale = (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64)))
     scale = scale.to(tl.float32)
-    dst = OUT + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + dim[None, :]
+    dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
     tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
     tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
 
@@ -161,32 +151,30 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = Non
     """e4m3 ``x (B, H, N, D)`` per block of ``block`` tokens x D, after subtracting ``mean (B, H, D)`` fp32 when
     given. Returns the values ``(B, H, N, D)`` contiguous (``storage_dtype``) and fp32 scales ``(B, H, T)``,
     ``T = ceil(N / block)`` (``flexsparse.quant.block_scales``, the smoothing done in fp32 first)."""
+    return _launch_blocks(x, block, mean, None)[:2]
+
+
+def quantize_keys(k: torch.Tensor, v: torch.Tensor, block: int,
+                  mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blocks(k, block, mean)`` and, from the same pass, ``max_N |v| (B, Hk, D)`` fp32 of ``v`` (k's
+    shape): ``(k8, k_scales, v_amax)``."""
+    return _launch_blocks(k, block, mean, v)
+
+
+def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None, v: torch.Tensor | None):
+    """``_quant_blocks_kernel`` over ``x``: ``(values, scales, v_amax or None)``."""
     bsz, heads, n, d = x.shape
     t = num_blocks(n, block)
     out = torch.empty(bsz, heads, n, d, device=x.device, dtype=storage_dtype(x.device))
     scales = torch.empty(bsz, heads, t, device=x.device, dtype=torch.float32)
+    v_amax = None if v is None else torch.empty(bsz, heads, d, t, device=x.device, dtype=torch.float32)
     bb, bd = pow2(block, 16), pow2(d, 16)
-    smooth = mean is not None
+    v_args = (x, x, 0, 0, 0) if v is None else (v, v_amax, *v.stride()[:3])     # x: unused slots (registry.launcher)
     launcher(_quant_blocks_kernel)[(t, bsz * heads)](
-        x, mean.contiguous() if smooth else scales, out, scales, x.stride(0), x.stride(1), x.stride(2), heads, n, t,
-        BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=smooth, EMULATE=out.dtype != E4M3, num_warps=8 if bb * bd >= 8192 else 4)
-    return out, scales
-
-
-def key_mean_value_amax(k: torch.Tensor, v: torch.Tensor, tiles_per_program: int = 2,
-                        num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean_N k, max_N |v|)``, each ``(B, Hk, D)`` fp32, of ``k, v (B, Hk, N, D)`` from one pass over both: fp32
-    column sums of tiles in a fixed order, then torch over the per-program partials. The defaults were the fastest
-    of (1, 2, 4, 8, 16) tiles x (4, 8) warps at D=64 and 128 (B2 H8 N65536, H200: 71 and 152 µs, 3.5-3.8 TB/s)."""
-    bsz, heads, n, d = k.shape
-    (tiles, _), meta = token_tiles(k)
-    p = cdiv(tiles, tiles_per_program)
-    k_sums = torch.empty(bsz, heads, d, p, device=k.device, dtype=torch.float32)
-    v_amax = torch.empty_like(k_sums)
-    launcher(_key_sums_value_amax_kernel)[(p, bsz * heads)](
-        k, v, k_sums, v_amax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads, n,
-        p, TILES=tiles_per_program, D=d, num_warps=num_warps, **meta)
-    return k_sums.sum(dim=3) / n, v_amax.amax(dim=3)
+        x, x if mean is None else mean.contiguous(), out, scales, v_args[0], v_args[1], *x.stride()[:3],
+        *v_args[2:], heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
+        EMULATE=out.dtype != E4M3, num_warps=8 if bb * bd >= 8192 else 4)
+    return out, scales, None if v_amax is None else v_amax.amax(dim=3)
 
 
 def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor,
@@ -206,12 +194,21 @@ def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = F
     return out, scales
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
+                 k_mean: torch.Tensor | None = None):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
-    ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``); ``k_mean (B, Hk, D)`` fp32 is
-    the smoothing mean ``mean_N(k)`` (``key_mean_value_amax``)."""
-    k_mean, v_amax = key_mean_value_amax(k, v)
+    ``quantize_keys``, ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``).
+    ``k_mean``: the smoothing mean ``mean_N(k)`` ``(B, Hk, 1, D)`` or ``(B, Hk, D)`` fp32 where the caller has it
+    (module docstring), else taken here; returned ``(B, Hk, D)`` contiguous."""
+    bsz, kv_heads, _, d = k.shape
+    if k_mean is None:
+        with torch.no_grad():
+            k_mean = key_mean(k, block_k)
+    elif k_mean.numel() != bsz * kv_heads * d:
+        raise ValueError(f"k_mean must hold one mean per batch, KV head and channel of k {tuple(k.shape)}, "
+                         f"(B, Hk, 1, D) or (B, Hk, D); got shape {tuple(k_mean.shape)}")
+    k_mean = k_mean.reshape(bsz, kv_heads, d).to(torch.float32).contiguous()
     q8, q_scales = quantize_blocks(q, block_q)
-    k8, k_scales = quantize_blocks(k, block_k, k_mean)
+    k8, k_scales, v_amax = quantize_keys(k, v, block_k, k_mean)
     vt8, v_scales = quantize_v_transposed(v, v_amax, permutes_keys(block_k))
     return q8, q_scales, k8, k_scales, k_mean, vt8, v_scales

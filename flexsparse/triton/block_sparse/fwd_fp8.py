@@ -157,14 +157,16 @@ def gluon_runs(q8, indices, block_q: int, block_k: int, tiles: dict | None = Non
             and block_fwd_ws_fp8.supported(q8, indices, block_q, block_k))
 
 
-def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
+def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None,
+                      k_mean: torch.Tensor | None = None):
     """FP8 block-sparse attention: O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32 of the
     quantized forward (``fp8_quant`` pre-pass, then the kernel).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``, any float dtype; indices: ``(B, H, Tq, K)`` int32 key-block
-    ids (contiguous)."""
-    return block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), indices, block_q, block_k, scale, q.dtype,
-                            tiles)
+    ids (contiguous); k_mean: K's smoothing mean ``(B, Hk, 1, D)`` fp32 where the caller has it
+    (``fp8_quant.quantize_qkv``)."""
+    return block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k, k_mean), indices, block_q, block_k, scale,
+                            q.dtype, tiles)
 
 
 def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,

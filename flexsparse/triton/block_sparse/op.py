@@ -64,16 +64,17 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
 
 @triton_op("flexsparse::block_attn_fp8")
 def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
-                   scale: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+                   scale: float, deterministic: bool, k_mean: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and
     smoothed K per block, V per channel, P with the static scale 448): ``o (B, H, Nq, D)`` (q's dtype) and
-    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``. Gradients:
-    ``block_attn_bwd`` on the unquantized q, k, v with this forward's o and LSE (SLA2's "backward(dO_s, O_s, Q, K,
-    V)")."""
+    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``; ``k_mean``:
+    the smoothing mean ``mean_N k`` ``(B, Hk, 1, D)`` fp32 where the caller has it (the kernels' pre-pass then reads
+    K once; the PyTorch path takes its own, the same up to fp32 rounding). Gradients: ``block_attn_bwd`` on the
+    unquantized q, k, v with this forward's o and LSE (SLA2's "backward(dO_s, O_s, Q, K, V)")."""
     if not use_kernels(q):
         return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
     from .fwd_fp8 import block_forward_fp8
-    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale)
+    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale, k_mean=k_mean)
 
 
 def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float):
@@ -87,7 +88,7 @@ def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSele
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, indices, block_q, block_k, scale, deterministic = inputs
+    q, k, v, indices, block_q, block_k, scale, deterministic = inputs[:8]
     ctx.save_for_backward(q, k, v, indices, *output)
     ctx.args = (block_q, block_k, scale, deterministic)
     ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient (dlse=None skips it)
@@ -101,5 +102,10 @@ def _backward(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None, None
 
 
+def _fp8_backward(ctx, do, dlse):
+    """``_backward``, the same formula at the quantized O and LSE; no gradient to ``k_mean`` (a constant shift)."""
+    return *_backward(ctx, do, dlse), None
+
+
 block_attn.register_autograd(_backward, setup_context=_setup)
-block_attn_fp8.register_autograd(_backward, setup_context=_setup)   # the same formula at the quantized O and LSE
+block_attn_fp8.register_autograd(_fp8_backward, setup_context=_setup)

@@ -117,14 +117,15 @@ def supported(q: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: int
 
 
 def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
-                                 block_k: int, scale: float, feature_map: str, eps: float, store: bool):
-    """``mix_ws.ws_sparse_linear_forward`` with the FP8 sparse branch (``fp8_quant.quantize_qkv``'s pre-pass, then
-    one kernel): ``(out, lse, o_s, o_l)``, o_s the FP8 branch's output in q's dtype. Arguments and ``store`` as
-    there (see ``supported``)."""
+                                 block_k: int, scale: float, feature_map: str, eps: float, store: bool,
+                                 k_mean: torch.Tensor | None = None):
+    """``mix_ws.ws_sparse_linear_forward`` with the FP8 sparse branch (``fp8_quant.quantize_qkv``'s pre-pass, with
+    ``k_mean`` where given, then one kernel): ``(out, lse, o_s, o_l)``, o_s the FP8 branch's output in q's dtype.
+    Arguments and ``store`` as there (see ``supported``)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = fwd_ws_fp8.default_tiles(d)
-    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k)
+    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k, k_mean)
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
     qb_desc = block_fwd_ws.descriptor(q.view(-1, d), [bm, d], block_fwd_ws.shared_layout(bm, d, gl.bfloat16))
@@ -147,15 +148,16 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
 def sparse_linear_fp8_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                          rows_h: torch.Tensor, rows_z: torch.Tensor, weight_t: torch.Tensor | None,
                          bias: torch.Tensor | None, alpha_logit: torch.Tensor | None, block_q: int, block_k: int,
-                         scale: float, feature_map: str, eps: float,
-                         store: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         scale: float, feature_map: str, eps: float, store: bool,
+                         k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
     """``ws_sparse_linear_forward_fp8`` as an opaque custom op (``wrap_triton`` does not take Gluon kernels)."""
     return ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
-                                        scale, feature_map, eps, store)
+                                        scale, feature_map, eps, store, k_mean)
 
 
 @sparse_linear_fp8_ws.register_fake
 def _sparse_linear_fp8_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
-                               feature_map, eps, store):
+                               feature_map, eps, store, k_mean=None):
     side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side
