@@ -517,7 +517,7 @@ def test_sparse_linear_output_with_quant_matches_two_ops(strategy, kind, d, monk
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", json.dumps({"linear": STRATEGIES[strategy]}))
     calls = []
     fused = mix_fp8.sparse_linear_forward_fp8
-    monkeypatch.setattr(mix_fp8, "sparse_linear_forward_fp8", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(mix_fp8, "sparse_linear_forward_fp8", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     q, k, v = _inputs(1, 4, 2, 90, 90, d)
     selection = _selection(q, k, 16, 16, 0.25, 0.0)
     params = _mix_params(kind, 4, selection.num_q_blocks, d)
@@ -882,7 +882,8 @@ def test_gpu_linear_branch_in_fp8_sparse_epilogue_matches_two_ops(monkeypatch, k
     calls = []
     for module, name in ((mix_ws_fp8, "ws_sparse_linear_forward_fp8"), (mix_fp8, "sparse_linear_forward_fp8")):
         fused = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, fused=fused, name=name: calls.append(name) or fused(*a))
+        spy = (lambda *a, fused=fused, name=name, **kw: calls.append(name) or fused(*a, **kw))
+        monkeypatch.setattr(module, name, spy)
     q, k, v = _inputs(2, 4, 2, 4000, 4000, d, torch.bfloat16, "cuda")
     selection = _selection(q, k, block_q, 64, 0.05, 0.0)
     params = _mix_params(kind, 4, selection.num_q_blocks, d, "cuda")
