@@ -7,8 +7,9 @@ fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head 
 
 K's mean comes from the caller where its selection pooled the keys (the block sums it has: no pass over K), else
 from ``pooling.naive.key_mean``; it is ``k.mean(dtype=float32)``'s up to fp32 rounding, and any mean gives the same
-attention up to quantization (the LSE takes the shift back). V's amax over N is taken in the launch that quantizes K
-(per key block, then torch over the blocks): bit for bit ``channel_scales``'s amax.
+attention up to quantization (the LSE takes the shift back). V's amax over N is taken in the pass that quantizes K
+(per key block, then torch over the blocks): bit for bit ``channel_scales``'s amax, one pass over V fewer than
+a pass of its own.
 
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
@@ -99,10 +100,10 @@ def stored_keys(n: int) -> torch.Tensor:
 def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
                          BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
                          HAS_V: tl.constexpr, EMULATE: tl.constexpr):
-    """Program ``(block, b * H + h, 0)``: e4m3 of a block of x (``MEAN`` subtracted with ``SMOOTH``) and its scale;
-    with ``HAS_V`` programs ``(block, b * H + h, 1)`` take the column amax of |V| over the same rows, stored at
-    ``[bh, :, block]`` of ``(B * H, D, T)`` fp32 (blocks innermost: torch then reduces rows). Each program streams
-    one tensor: a program loading both blocks ran the pass at 2.4 TB/s against 3.6 (D=128, H200)."""
+    """Program ``(block, b * H + h)``: e4m3 of a block of x (``MEAN`` subtracted with ``SMOOTH``) and its scale;
+    with ``HAS_V`` also the column amax of |V| over the same rows, stored at ``[bh, :, block]`` of ``(B * H, D, T)``
+    fp32 (blocks innermost: torch then reduces rows). V's blocks in programs of their own (a third grid axis) took
+    the K launch from 150 to 168 µs at D=64 and from 377 to 404 at D=128 (B2 H8 N65536, H200)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -112,22 +113,21 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h
     dim = tl.arange(0, BD)
     ok = ((local < BLOCK) & (rows < N))[:, None] & (dim < D)[None, :]
     row = rows.to(tl.int64)[:, None]
-    if HAS_V and tl.program_id(2) == 1:
+    x = tl.load(X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + row * x_n + dim[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    if HAS_V:
         v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
-        tl.store(V_AMAX + (bh.to(tl.int64) * D + dim) * T + blk, tl.max(tl.abs(v.to(tl.float32)), axis=0),
-                 mask=dim < D)
-    else:
-        x = tl.load(X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + row * x_n + dim[None, :], mask=ok,
-                    other=0.0).to(tl.float32)
-        if SMOOTH:
-            mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
-            x = tl.where(ok, x - mean[None, :], 0.0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64)))
-        scale = scale.to(tl.float32)
-        dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
-        tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
-        tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
+        amax_v = tl.max(tl.abs(v.to(tl.float32)), axis=0)
+        tl.store(V_AMAX + (bh.to(tl.int64) * D + dim) * T + blk, amax_v, mask=dim < D)
+    if SMOOTH:
+        mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
+        x = tl.where(ok, x - mean[None, :], 0.0)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64)))
+    scale = scale.to(tl.float32)
+    dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
+    tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
+    tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
 
 
 @triton.jit
@@ -171,7 +171,7 @@ def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None, v: to
     v_amax = None if v is None else torch.empty(bsz, heads, d, t, device=x.device, dtype=torch.float32)
     bb, bd = pow2(block, 16), pow2(d, 16)
     v_args = (x, x, 0, 0, 0) if v is None else (v, v_amax, *v.stride()[:3])     # x: unused slots (registry.launcher)
-    launcher(_quant_blocks_kernel)[(t, bsz * heads, 1 if v is None else 2)](
+    launcher(_quant_blocks_kernel)[(t, bsz * heads)](
         x, x if mean is None else mean.contiguous(), out, scales, v_args[0], v_args[1], *x.stride()[:3],
         *v_args[2:], heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
         EMULATE=out.dtype != E4M3, num_warps=8 if bb * bd >= 8192 else 4)
