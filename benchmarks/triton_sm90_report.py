@@ -255,7 +255,7 @@ def main():
     jobs.append(("fp8 quant blocks", fp8_quant._quant_blocks_kernel,
                  dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32", V=q, V_AMAX="*fp32"),
                  dict(BLOCK=block_k, BB=pow2(block_k, 16), D=d, BD=pow2(d, 16), SMOOTH=True, HAS_V=True,
-                      EMULATE=False), 8 if pow2(block_k, 16) * pow2(d, 16) >= 8192 else 4, 1))
+                      EMULATE=False), fp8_quant.block_warps(pow2(block_k, 16) * pow2(d, 16), True), 1))
     jobs.append(("fp8 quant v", fp8_quant._quant_v_kernel, dict(V=q, SCALE="*fp32", OUT=f8),
                  dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
     for permuted in (False, True):
