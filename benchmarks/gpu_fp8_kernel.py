@@ -10,10 +10,12 @@ tile sweeps of both kernels.
 Selection: a random index table keeping ``--ratio`` (5 %) of the ``--block`` (64)-token key blocks of every
 query block, ascending (the kernels' work does not depend on which blocks). For each head dim:
 ``bf16_ms``        ``block_sparse.fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
-``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (K mean and V amax, Q and K per block, V
-                   per channel transposed);
+``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (Q per block, K per block with V's amax, V per channel
+                   transposed) with K's mean given, as a method's selection gives it (``BlockSelection.key_mean``,
+                   made once outside the timing);
 ``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
-``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs);
+``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs, K's mean
+                   given);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
                    Triton ones elsewhere), ``speedup_default`` the first over the second,
                    ``speedup_default_total`` ``bf16_default_ms`` over ``fp8_total_ms`` (what a forward gains);
@@ -45,6 +47,7 @@ from flexsparse.triton.block_sparse import fp8_quant
 from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
 from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
+from flexsparse.triton.pooling.naive import key_mean
 from flexsparse.triton._runtime.registry import _directly   # plain launches, as inside the op (no wrap_triton)
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
@@ -80,7 +83,8 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
         q, k, v = (x.half() for x in (q, k, v))
     table = random_table(args, device)
     block, scale = args.block, d**-0.5
-    pre = quantize_qkv(q, k, v, block, block)
+    k_mean = key_mean(k, block)                    # the selection's (pooled block sums), not timed
+    pre = quantize_qkv(q, k, v, block, block, k_mean)
     bf16_tiles = block_fwd.forward_tiles(device, d, q.dtype)
     fp8_tiles = block_fwd_fp8.forward_tiles(device, d)
 
@@ -91,9 +95,9 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
         return block_fwd_fp8.block_attend_fp8(*pre, table, block, block, scale, q.dtype, tiles)
 
     def fp8_total():
-        return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale)
+        return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale, k_mean=k_mean)
 
-    in_order_pre = with_keys_in_order(lambda: quantize_qkv(q, k, v, block, block))
+    in_order_pre = with_keys_in_order(lambda: quantize_qkv(q, k, v, block, block, k_mean))
     gluon = block_fwd_fp8.gluon_runs(pre[0], table, block, block)
 
     def fp8_in_order():
@@ -110,7 +114,7 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
-    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_qkv, q, k, v, block, block)),
+    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_qkv, q, k, v, block, block, k_mean)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
                      ("fp8_no_defer", fp8_no_defer if gluon else None)):
