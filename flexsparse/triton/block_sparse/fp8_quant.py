@@ -7,9 +7,8 @@ fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head 
 
 K's mean comes from the caller where its selection pooled the keys (the block sums it has: no pass over K), else
 from ``pooling.naive.key_mean``; it is ``k.mean(dtype=float32)``'s up to fp32 rounding, and any mean gives the same
-attention up to quantization (the LSE takes the shift back). V's amax over N is taken in the pass that quantizes K
-(per key block, then torch over the blocks): bit for bit ``channel_scales``'s amax, one pass over V fewer than
-a pass of its own.
+attention up to quantization (the LSE takes the shift back). V's amax over N is taken by the programs that quantize
+K's blocks (per key block, then torch over the blocks; no launch of its own): bit for bit ``channel_scales``'s amax.
 
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score

@@ -75,7 +75,7 @@ def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, 
     o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     logit_h = indices.shape[2] if alpha_logit.shape[0] > 1 else 0
     extra = (q, o_s if store else q, o_l if store else q, rows_h, rows_z, alpha_logit, logit_h)  # q: unused slots
-    launch_attention(_mix_fp8_kernel, quantize_qkv(q, k, v, block_q, block_k, k_mean), indices, out, lse, block_q, block_k,
-                     scale, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map), BF16=q.dtype == torch.bfloat16,
-                     STORE=store)
+    launch_attention(_mix_fp8_kernel, quantize_qkv(q, k, v, block_q, block_k, k_mean), indices, out, lse, block_q,
+                     block_k, scale, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map),
+                     BF16=q.dtype == torch.bfloat16, STORE=store)
     return out, lse, o_s, o_l
