@@ -417,6 +417,7 @@ def test_op_smooths_k_with_the_given_mean():
     """``k_mean`` (a selection's ``key_mean``): the op's pre-pass smooths K with it, bit for bit the kernel on
     ``quantize_qkv(..., k_mean)``; any mean gives the attention up to quantization (the LSE takes the shift back)
     and the same gradient formula; a mean of another shape is refused, naming it."""
+    from flexsparse.triton.block_sparse import naive
     bsz, n, block_q, block_k, heads, kv_heads, d, topk = CASES[1]
     q, k, v = (x.requires_grad_() for x in make_qkv(bsz, heads, kv_heads, n, d))
     selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
@@ -427,11 +428,13 @@ def test_op_smooths_k_with_the_given_mean():
         pre = quantize_qkv(q, k, v, block_q, block_k, shift)
         want_o, want_lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
         own_o, own_lse = block_op.block_attn_fp8(q, k, v, selection.indices, block_q, block_k, scale, False)
+        plain, _ = naive.block_sparse_attention(q, k, v, selection, scale)
     assert torch.equal(pre[4], shift[:, :, 0]) and torch.equal(o, want_o) and torch.equal(lse, want_lse)
-    assert 0 < ts.rel_err(o, own_o) < 0.05 and ts.rel_err(lse, own_lse) < 1e-2       # K quantized otherwise
+    # K quantized otherwise: each output within the e4m3 error (~5 % on iid inputs) of the unquantized branch
+    assert 0 < ts.rel_err(o, own_o) < 0.1 and ts.rel_err(lse, own_lse) < 1e-2
+    assert ts.rel_err(o, plain) < 0.08 and ts.rel_err(own_o, plain) < 0.08
     do = torch.randn_like(o)
     got = torch.autograd.grad((o * do).sum(), (q, k, v))
-    from flexsparse.triton.block_sparse import naive
     want = naive.block_sparse_attention_backward(do, None, q.detach(), k.detach(), v.detach(), selection, scale,
                                                  o.detach(), lse.detach())
     assert all(ts.rel_err(a, b) < 1e-5 for a, b in zip(got, want))
