@@ -169,10 +169,10 @@ def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None, v: to
     scales = torch.empty(bsz, heads, t, device=x.device, dtype=torch.float32)
     v_amax = None if v is None else torch.empty(bsz, heads, d, t, device=x.device, dtype=torch.float32)
     bb, bd = pow2(block, 16), pow2(d, 16)
-    v_args = (x, x, 0, 0, 0) if v is None else (v, v_amax, *v.stride()[:3])     # x: unused slots (registry.launcher)
+    v_src, v_strides = (x, (0, 0, 0)) if v is None else (v, v.stride()[:3])      # x: unused slots (registry.launcher)
     launcher(_quant_blocks_kernel)[(t, bsz * heads)](
-        x, x if mean is None else mean.contiguous(), out, scales, v_args[0], v_args[1], *x.stride()[:3],
-        *v_args[2:], heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
+        x, x if mean is None else mean.contiguous(), out, scales, v_src, x if v is None else v_amax, *x.stride()[:3],
+        *v_strides, heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
         EMULATE=out.dtype != E4M3, num_warps=block_warps(bb * bd, v is not None))
     return out, scales, None if v_amax is None else v_amax.amax(dim=3)
 
