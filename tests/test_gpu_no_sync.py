@@ -34,14 +34,22 @@ def test_gpu_sync_debug_mode_catches_a_synchronizing_call():
         x.sum().item()
 
 
+# every method of the registry on backend="triton" with its example config, and the block methods with "quant"
+CONFIGS = [METHODS[name].example for name in triton_methods()] + [
+    {**METHODS[name].example, "quant": {}} for name in triton_methods("block") if name != "vsa"]
+
+
 @gpu
 @pytest.mark.parametrize("n", [16384, 16000])
-@pytest.mark.parametrize("method", triton_methods())
-def test_gpu_eager_forward_backward_never_synchronizes(method, n):
-    """Every method of the registry on ``backend="triton"``, its example config."""
-    heads, dim = 4, 64
-    module = flexsparse.SparseAttention(METHODS[method].example, head_dim=dim, num_heads=heads, seq_len=n,
-                                        backend="triton").cuda()
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda cfg: cfg["method"] + ("_fp8" if "quant" in cfg else ""))
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_eager_forward_backward_never_synchronizes(config, dim, n):
+    """Forward, forward+backward and a ``no_grad`` forward at head dims 64 and 128 (the FP8 forward runs the
+    Triton kernel at 64 and the Gluon one at 128 on Hopper)."""
+    if "quant" in config:
+        pytest.importorskip("torchao")
+    heads = 4
+    module = flexsparse.SparseAttention(config, head_dim=dim, num_heads=heads, seq_len=n, backend="triton").cuda()
     q, k, v = (torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn_like(q)
