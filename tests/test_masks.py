@@ -1,4 +1,6 @@
 """Pooling, log weights, block top-K and CSR->CSC."""
+import warnings
+
 import pytest
 import torch
 
@@ -159,3 +161,17 @@ def test_kept_constant_is_built_once_per_key_and_device_and_again_in_a_trace():
     assert kept_constant(("test", object()), like, build) is not first and len(builds) == 2
     traced = make_fx(lambda x: kept_constant(key, x, build) + x, tracing_mode="fake")(like)
     assert len(builds) == 3 and torch.equal(traced(torch.ones(3)), torch.arange(3) + 1.0)
+
+
+def test_level_table_traces_without_a_dynamo_warning(monkeypatch):
+    """The triton backend builds the table inside a user's compiled region: dynamo traces its code and warns about
+    no ``functools.lru_cache`` (a warning that speaks of possible silent incorrectness)."""
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())    # warned once per process otherwise
+    torch._dynamo.reset()
+    n = int(torch.randint(20, 200, ()))
+    traced = torch.compile(lambda x: x + level_table(x.shape[0], 4, (2,)).tokens(1), backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = traced(torch.zeros(n))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    assert torch.equal(out, torch.full((n,), float(level_table(n, 4, (2,)).tokens(1))))

@@ -98,8 +98,13 @@ def level_table(n: int, block: int, topk) -> Levels:
     """The level table of length ``n``, block ``b`` and ``topk = (K_1, ..., K_L)`` (cached: every op of a call
     asks for it). Raises ``ValueError`` where a selection row could not be filled (``K_L`` over the top level's
     tokens, or ``K_l`` over the fewest candidates a parent set can have, ``fewest_candidates``): the kernels would
-    read unwritten selection slots; and where the kernels' int32 arithmetic would overflow (module docstring)."""
-    return _level_table(int(n), int(block), tuple(int(k) for k in topk))
+    read unwritten selection slots; and where the kernels' int32 arithmetic would overflow (module docstring).
+    In a compiled region dynamo traces the table's code (its arguments are constants there), not the cache, which it
+    cannot honour and warns about."""
+    args = int(n), int(block), tuple(int(k) for k in topk)
+    if torch.compiler.is_compiling():
+        return _level_table.__wrapped__(*args)
+    return _level_table(*args)
 
 
 def fewest_candidates(n: int, block: int, level: int, parents: int) -> int:
