@@ -10,9 +10,11 @@ median, and the least with every launch through Triton's own path, in rounds alt
 Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside the launch path
 (flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it: argument
 binding and specialization, cache lookup, the launch itself), in total and per kernel. Writes
-``bench_out/host_time.json`` and prints a table.
+``bench_out/host_time.json`` and prints a table. ``--stages``: instead, where a forward+backward's host time goes on
+the autograd engine's device thread and on the calling thread (``backward_stages``).
 
     python benchmarks/gpu_host_time.py [--n 4096] [--methods topk llsa sla sla2 vsa] [--rounds 5] [--core 3]
+    python benchmarks/gpu_host_time.py --stages [--methods ...]
 """
 from __future__ import annotations
 
@@ -116,6 +118,70 @@ def calls(fn, n: int):
             "fwd+bwd, one thread": one_thread}
 
 
+def python_loop_us() -> float:
+    """Microseconds of a fixed pure-Python loop: the interpreter's speed on the thread that runs it."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(2000):
+        total += i
+    return 1e6 * (time.perf_counter() - start)
+
+
+def backward_stages(fn, n: int, calls: int = 240) -> dict[str, dict[str, float]]:
+    """``{"engine thread": ..., "calling thread": ...}``: medians (µs) over ``calls`` forward+backward calls of
+    ``fn(q, k, v)`` on fresh ``(1, 1, n, 64)`` bf16 leaves, alternating the two threads in blocks of 40: ``in`` from
+    ``autograd.grad`` to the start of the output's backward node, ``body`` that node, ``out`` from its end back to
+    the caller (a pre-hook and a hook on the node mark them); ``loop`` and ``loop in backward``: ``python_loop_us``
+    on the calling thread before the call and in the node's pre-hook (between ``in`` and ``body``). A method whose
+    output node is its whole backward (one node) puts all its backward's host time in ``body``."""
+    q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
+    marks: dict[str, float] = {}
+
+    def pre_hook(grad_outputs):
+        marks["start"] = time.perf_counter()
+        marks["loop in backward"] = python_loop_us()
+        marks["body"] = time.perf_counter()
+
+    def hook(grad_inputs, grad_outputs):
+        marks["end"] = time.perf_counter()
+
+    def one(multithreaded: bool) -> dict[str, float]:
+        with torch.autograd.set_multithreading_enabled(multithreaded):
+            loop = python_loop_us()
+            out = fn(q, k, v)
+            out.grad_fn.register_prehook(pre_hook)
+            out.grad_fn.register_hook(hook)
+            called = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), grad)
+            returned = time.perf_counter()
+        return {"in": 1e6 * (marks["start"] - called), "body": 1e6 * (marks["end"] - marks["body"]),
+                "out": 1e6 * (returned - marks["end"]), "loop": loop, "loop in backward": marks["loop in backward"]}
+
+    threads = {"engine thread": True, "calling thread": False}
+    for _ in range(20):
+        for multithreaded in threads.values():
+            one(multithreaded)
+    torch.cuda.synchronize()
+    samples: dict[str, list] = {name: [] for name in threads}
+    for _ in range(calls // 80):
+        for name, multithreaded in threads.items():
+            samples[name] += [one(multithreaded) for _ in range(40)]
+            torch.cuda.synchronize()
+    return {name: {key: statistics.median(s[key] for s in rows) for key in rows[0]} for name, rows in samples.items()}
+
+
+def stages_main(args) -> None:
+    rows = []
+    for name in args.methods:
+        fn = build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda")
+        for thread, stages in backward_stages(fn, args.n).items():
+            rows.append([name, thread, *(f"{stages[key]:.0f}" for key in ("in", "body", "out")),
+                         f"{stages['loop']:.0f}", f"{stages['loop in backward']:.0f}"])
+    print(tabulate(rows, headers=["method", "backward on", "in us", "body us", "out us", "loop us (caller)",
+                                  "loop us (in backward)"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4096)
@@ -125,9 +191,14 @@ def main() -> None:
     parser.add_argument("--core", type=int, help="pin the process to this CPU before CUDA starts: the autograd "
                         "engine's device thread, created later, inherits it, so the backward runs on the core that "
                         "ran the forward")
+    parser.add_argument("--stages", action="store_true", help="where a forward+backward's host time goes on each "
+                        "thread (backward_stages) instead of the host times")
     args = parser.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
+    if args.stages:
+        stages_main(args)
+        return
     rows, results = [], {}
     for name in ["sdpa"] + args.methods:
         fn = (F.scaled_dot_product_attention if name == "sdpa"
