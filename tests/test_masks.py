@@ -163,11 +163,10 @@ def test_kept_constant_is_built_once_per_key_and_device_and_again_in_a_trace():
     assert len(builds) == 3 and torch.equal(traced(torch.ones(3)), torch.arange(3) + 1.0)
 
 
-def test_level_table_traces_without_a_dynamo_warning(monkeypatch):
+def test_level_table_traces_without_a_dynamo_warning():
     """The triton backend builds the table inside a user's compiled region: dynamo traces its code and warns about
     no ``functools.lru_cache`` (a warning that speaks of possible silent incorrectness)."""
-    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())    # warned once per process otherwise
-    torch._dynamo.reset()
+    torch._dynamo.reset()                  # also forgets the warnings dynamo gives once per process
     n = int(torch.randint(20, 200, ()))
     traced = torch.compile(lambda x: x + level_table(x.shape[0], 4, (2,)).tokens(1), backend="eager", fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:
