@@ -5,7 +5,7 @@ and measures each variant's error against the bf16 output, on random or recorded
     python benchmarks/gpu_fp8.py --backend torch --out fp8_torch.json       # B=2 H=8 D=64 N=65536, sla 95 %
     python benchmarks/gpu_fp8.py --backend flex                             # only p="none" variants run
     python benchmarks/gpu_fp8.py --backend triton                           # the FP8 kernel (variant fp8 only)
-    python benchmarks/gpu_fp8.py --backend triton --variants bf16 fp8 --kernels   # + where each forward's time goes
+    python benchmarks/gpu_fp8.py --backend triton --variants bf16 fp8 --kernels   # + where each call's time goes
     python benchmarks/gpu_fp8.py --backend torch --qkv dit_qkv.pt           # recorded q, k, v (B, H, N, D)
     python benchmarks/gpu_fp8.py --device cpu --n 4096 --batch 1 --heads 2  # smoke run of the script on CPU
 
@@ -16,6 +16,7 @@ For each variant (``bf16``: no quant; then the ``quant`` configs of ``VARIANTS``
 ``method_fwd_bwd`` forward + backward of the whole method (QAT training: the quantized forward and the
                 softmax backward at its output; triton runs no second, unquantized forward);
 ``method_fwd_kernels_ms`` (``--kernels``) the method forward's time by kernel (CUDA) or ATen op (CPU), profiler;
+``method_fwd_bwd_kernels_ms`` (``--kernels``, with the backward) the same of forward + backward;
 ``rel_l2_branch`` / ``rel_l2_method``  ||o - o_bf16|| / ||o_bf16|| of the same backend's outputs;
 ``speedup_*``   bf16 time / variant time.
 A variant the backend cannot run is recorded with the reason (the backend's ``quant_unsupported``);
@@ -61,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--qkv", help="torch.save'd dict with q, k, v (B, H, N, D) recorded from a model (e.g. the DiT)")
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip forward+backward")
-    p.add_argument("--kernels", action="store_true", help="the method forward's time by kernel (profiler)")
+    p.add_argument("--kernels", action="store_true", help="the method forward's (and forward+backward's) time by "
+                   "kernel (profiler)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the results as JSON")
     return p.parse_args(argv)
@@ -133,6 +135,8 @@ def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict
         result["method_fwd_kernels_ms"] = attempt(lambda: kernel_times(method, device))
     if args.backward:
         result["method_fwd_bwd"] = attempt(lambda: time_spread(train_step, device))
+        if args.kernels:
+            result["method_fwd_bwd_kernels_ms"] = attempt(lambda: kernel_times(train_step, device))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
