@@ -400,8 +400,9 @@ def test_importing_flexsparse_needs_no_torchao_and_quant_says_how_to_get_it():
 
 
 def test_fp8_benchmark_script_runs_on_cpu(tmp_path):
-    """benchmarks/gpu_fp8.py at a tiny size: errors, speedups and the forward's time by ATen op for the torch
-    backend; a backend that cannot run a variant (triton with int8 Q, K) is recorded with the reason, not a crash."""
+    """benchmarks/gpu_fp8.py at a tiny size: errors, speedups and the forward's and forward+backward's time by ATen
+    op for the torch backend; a backend that cannot run a variant (triton with int8 Q, K) is recorded with the
+    reason, not a crash."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_fp8.py"
@@ -414,6 +415,8 @@ def test_fp8_benchmark_script_runs_on_cpu(tmp_path):
     fp8 = report["results"]["fp8"]
     ops = fp8["method_fwd_kernels_ms"]
     assert ops and all(ms > 0 for ms in ops.values()) and list(ops.values()) == sorted(ops.values(), reverse=True)
+    step_ops = fp8["method_fwd_bwd_kernels_ms"]
+    assert all(ms > 0 for ms in step_ops.values()) and any("Backward" in name for name in step_ops)
     assert 0.01 < fp8["rel_l2_branch"] < 0.08 and fp8["rel_l2_method"] == fp8["rel_l2_branch"]   # zero-init proj
     assert fp8["speedup_branch_fwd"] > 0 and isinstance(fp8["method_fwd_bwd"], dict)
     assert (tmp_path / "fp8.json").is_file()
