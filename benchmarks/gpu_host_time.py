@@ -99,12 +99,17 @@ def launch_us(call) -> dict[str, float]:
     return {name: 1e6 * seconds / CALLS for name, seconds in spent.items()}
 
 
+def leaves(n: int) -> tuple[torch.Tensor, ...]:
+    """Fresh ``(1, 1, n, 64)`` bf16 CUDA q, k, v leaves and an upstream gradient of their shape."""
+    q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
+
+
 def calls(fn, n: int):
     """``{"fwd": ..., "fwd+bwd": ..., "fwd+bwd, one thread": ...}`` calls of ``fn(q, k, v)`` on fresh
     ``(1, 1, n, 64)`` bf16 leaves; the last runs the backward on the calling thread
     (``torch.autograd.set_multithreading_enabled(False)``) instead of the autograd engine's device thread."""
-    q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
+    q, k, v, grad = leaves(n)
 
     def forward():
         with torch.no_grad():
@@ -134,8 +139,7 @@ def backward_stages(fn, n: int, calls: int = 240) -> dict[str, dict[str, float]]
     the caller (a pre-hook and a hook on the node mark them); ``loop`` and ``loop in backward``: ``python_loop_us``
     on the calling thread before the call and in the node's pre-hook (between ``in`` and ``body``). A method whose
     output node is its whole backward (one node) puts all its backward's host time in ``body``."""
-    q, k, v = (torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, device="cuda")
+    q, k, v, grad = leaves(n)
     marks: dict[str, float] = {}
 
     def pre_hook(grad_outputs):

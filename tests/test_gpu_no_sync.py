@@ -13,7 +13,7 @@ import torch
 
 import flexsparse
 from flexsparse.methods import METHODS
-from triton_support import gpu, triton_methods
+from triton_support import fp8_methods, gpu, triton_methods
 
 
 @contextlib.contextmanager
@@ -34,9 +34,9 @@ def test_gpu_sync_debug_mode_catches_a_synchronizing_call():
         x.sum().item()
 
 
-# every method of the registry on backend="triton" with its example config, and the block methods with "quant"
+# every method of the registry on backend="triton" with its example config, and those the FP8 kernel runs with "quant"
 CONFIGS = [METHODS[name].example for name in triton_methods()] + [
-    {**METHODS[name].example, "quant": {}} for name in triton_methods("block") if name != "vsa"]
+    {**METHODS[name].example, "quant": {}} for name in fp8_methods()]
 
 
 @gpu

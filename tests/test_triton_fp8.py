@@ -27,8 +27,6 @@ pytest.importorskip("torchao")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import dataclasses  # noqa: E402
-
 import flexsparse  # noqa: E402
 from flexsparse import backends  # noqa: E402
 from flexsparse.backends import BACKENDS  # noqa: E402
@@ -340,20 +338,12 @@ def test_half_precision_inputs(dtype):
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
 
 
-def fp8_methods() -> list[str]:
-    """The methods of the registry whose quantized sparse branch the FP8 kernel runs: a ``quant`` config key, and the
-    triton backend takes their branch with the default ``QuantConfig``."""
-    return [name for name in ts.triton_methods()
-            if "quant" in {field.name for field in dataclasses.fields(METHODS[name].config)}
-            and TRITON.quant_unsupported(QuantConfig(), METHODS[name].sparse_branch) is None]
-
-
 # the CPU cases: each FP8 method's registry example on 16-token query and 8-token key blocks with K = 3 or 40% of
 # the key blocks, changed as listed here
 VARIANTS = {"sla": {"block_size": 16, "negligible_ratio": 0.2}, "sla2": {"block_q": 32, "block_k": 16}}
 METHOD_CONFIGS = [ts.example_config(name, **ts.merged({"block_q": 16, "block_k": 8, "topk": 3, "topk_ratio": 0.4},
                                                       VARIANTS.get(name, {})))
-                  for name in fp8_methods()]
+                  for name in ts.fp8_methods()]
 
 
 def _params(cfg: dict, d: int, heads: int, n: int, device="cpu") -> dict:
@@ -537,7 +527,7 @@ def test_triton_refuses_what_the_kernel_cannot_run_and_auto_skips_it(method, qua
     cpu = torch.device("cpu")
     with ts.interpreter_env(True):
         assert backends.resolve("auto", METHODS[method], cpu, True, quant=QuantConfig(**quant)).name == "torch"
-        for name in fp8_methods():
+        for name in ts.fp8_methods():
             assert backends.resolve("auto", METHODS[name], cpu, True, quant=QuantConfig()).name == "triton"
     with pytest.raises(ValueError, match="backend 'triton' cannot run config key 'quant'"):
         TRITON.block_sparse_attention(q, k, v, random_selection(1, 2, 64, 64, 16, 16, 2), 0.25,
@@ -687,7 +677,7 @@ def test_gpu_structured_inputs_error_against_bf16():
     assert ts.rel_err(o, plain) < 0.03
 
 
-GPU_METHODS = [cfg for cfg in ts.GPU_METHODS if cfg["method"] in fp8_methods()]   # the FP8 kernel's methods
+GPU_METHODS = [cfg for cfg in ts.GPU_METHODS if cfg["method"] in ts.fp8_methods()]   # the FP8 kernel's methods
 
 
 @gpu

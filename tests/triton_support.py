@@ -27,6 +27,18 @@ def triton_methods(branch: str | None = None) -> list[str]:
             if "triton" in method.backends and (branch is None or method.sparse_branch == branch)]
 
 
+def fp8_methods() -> list[str]:
+    """The methods of the registry whose quantized sparse branch the FP8 kernel runs: a ``quant`` config key, and the
+    triton backend takes their branch with the default ``QuantConfig``."""
+    import dataclasses
+    from flexsparse.backends import BACKENDS
+    from flexsparse.config import QuantConfig
+    from flexsparse.methods import METHODS
+    return [name for name in triton_methods()
+            if "quant" in {field.name for field in dataclasses.fields(METHODS[name].config)}
+            and BACKENDS["triton"].quant_unsupported(QuantConfig(), METHODS[name].sparse_branch) is None]
+
+
 def example_config(method: str, **changes) -> dict:
     """The registry's example config of ``method`` with ``changes``: ``topk`` and ``topk_ratio`` apply only where the
     example has that key (a method has one or the other); ``block_size`` replaces every block key (``block_q`` and
