@@ -10,10 +10,11 @@ tile sweeps of both kernels.
 Selection: a random index table keeping ``--ratio`` (5 %) of the ``--block`` (64)-token key blocks of every
 query block, ascending (the kernels' work does not depend on which blocks). For each head dim:
 ``bf16_ms``        ``block_sparse.fwd.block_forward`` (bf16 q, k, v, fp32 accumulation), the baseline;
-``prepass_ms``     ``block_sparse.fp8_quant.quantize_qkv`` (Q per block, K per block with V's amax, V per channel
-                   transposed) with K's mean given, as a method's selection gives it (``BlockSelection.key_mean``,
+``prepass_ms``     ``block_sparse.fp8_quant.quantize_kv`` (K per block with V's amax, V per channel transposed)
+                   with K's mean given, as a method's selection gives it (``BlockSelection.key_mean``,
                    made once outside the timing);
-``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on the pre-pass outputs (the kernel alone);
+``fp8_kernel_ms``  ``block_sparse.fwd_fp8.block_attend_fp8`` on q and the pre-pass outputs (the kernel alone, which
+                   quantizes Q's blocks itself; the Gluon kernel after ``quantize_blocks(q)``);
 ``fp8_total_ms``   pre-pass + the default kernel (``block_forward_fp8``, what ``backend="triton"`` runs, K's mean
                    given);
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
@@ -46,7 +47,7 @@ from flexsparse.triton.block_sparse import fwd as block_fwd
 from flexsparse.triton.block_sparse import fp8_quant
 from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
-from flexsparse.triton.block_sparse.fp8_quant import quantize_qkv
+from flexsparse.triton.block_sparse.fp8_quant import quantize_kv, quantize_qkv
 from flexsparse.triton.pooling.naive import key_mean
 from flexsparse.triton._runtime.registry import _directly   # plain launches, as inside the op (no wrap_triton)
 
@@ -92,20 +93,20 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
         return block_fwd.block_forward(q, k, v, table, block, block, scale, tiles)
 
     def fp8_kernel(tiles=fp8_tiles):
-        return block_fwd_fp8.block_attend_fp8(*pre, table, block, block, scale, q.dtype, tiles)
+        return block_fwd_fp8.block_attend_fp8(q, pre[2:], table, block, block, scale, tiles)
 
     def fp8_total():
         return block_fwd_fp8.block_forward_fp8(q, k, v, table, block, block, scale, k_mean=k_mean)
 
     in_order_pre = with_keys_in_order(lambda: quantize_qkv(q, k, v, block, block, k_mean))
-    gluon = block_fwd_fp8.gluon_runs(pre[0], table, block, block)
+    gluon = block_fwd_fp8.gluon_runs(pre[2], table, block, block)
 
     def fp8_in_order():
         if gluon:
             return with_keys_in_order(lambda: block_fwd_ws_fp8.ws_block_attend_fp8(
                 *in_order_pre, table, block, block, scale, q.dtype, {"defer_rescale": False}))
-        return with_keys_in_order(lambda: block_fwd_fp8.block_attend_fp8(*in_order_pre, table, block, block, scale,
-                                                                          q.dtype))
+        return with_keys_in_order(lambda: block_fwd_fp8.block_attend_fp8(q, in_order_pre[2:], table, block, block,
+                                                                          scale))
 
     def fp8_no_defer():
         return block_fwd_ws_fp8.ws_block_attend_fp8(*pre, table, block, block, scale, q.dtype,
@@ -114,7 +115,7 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
-    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_qkv, q, k, v, block, block, k_mean)),
+    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_kv, k, v, block, k_mean)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
                      ("fp8_no_defer", fp8_no_defer if gluon else None)):

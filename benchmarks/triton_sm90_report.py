@@ -260,14 +260,14 @@ def main():
                  dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
     for permuted in (False, True):
         jobs.append((f"block fwd fp8 PERMUTED={int(permuted)}", block_fwd_fp8._block_fwd_fp8_kernel,
-                     dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                     dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
                           LSE="*fp32"),
                      dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
                           FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, **geo),
                      ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     jobs.append(("sparse linear mix fp8", mix_fp8._mix_fp8_kernel,
-                 dict(Q8=f8, K8=f8, VT8=f8, QS="*fp32", KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
-                      LSE="*fp32", Q=q, OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
+                 dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                      LSE="*fp32", OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
                  dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
                       EMULATE=False, PERMUTED=True, EPS=1e-6, FMAP=0, BF16=dt == "bf16", STORE=True, **geo),
                  ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))

@@ -71,7 +71,7 @@ ONE_BLOCK_PER_STEP = dict(BM=64, BN=64, KB=1, warps=4, stages=2, fresh_acc=True)
 def kernel_tiles(pre, indices: torch.Tensor, block_q: int, block_k: int) -> dict:
     """The key-tile order of the kernel ``block_attend_fp8`` runs on these inputs, for ``emulate_kernel``: the Gluon
     kernel's one key block per step, or the Triton kernel's default tiles."""
-    if gluon_runs(pre[0], indices, block_q, block_k):
+    if gluon_runs(pre[2], indices, block_q, block_k):
         return ONE_BLOCK_PER_STEP
     return forward_tiles(pre[0].device, pre[0].shape[-1])
 
@@ -255,7 +255,7 @@ def test_kernel_matches_its_emulation_and_the_fake_quant_spec(bsz, n, block_q, b
     selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
     assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == q.shape[:3]
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
@@ -279,13 +279,13 @@ def test_kernel_with_permuted_keys(bsz, n, block_q, block_k, heads, kv_heads, d,
     selection = random_selection(bsz, heads, n, n, block_q, block_k, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
     assert fp8_quant.permutes_keys(block_k) == (block_k % 16 == 0)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale, forward_tiles(q.device, d))
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
     monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
-    in_order = block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k), selection.indices, block_q, block_k, scale,
-                                q.dtype)
+    in_order = block_attend_fp8(q, quantize_qkv(q, k, v, block_q, block_k)[2:], selection.indices, block_q, block_k,
+                                scale)
     assert ts.rel_err(o, in_order[0]) < 1e-5 and torch.equal(lse, in_order[1])
 
 
@@ -320,7 +320,7 @@ def test_tile_overrides(name, monkeypatch):
     q, k, v = make_qkv(1, 2, 1, 90, 16)
     selection = random_selection(1, 2, 90, 90, block_q, block_k, topk)
     pre = quantize_qkv(q, k, v, block_q, block_k)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, 0.3, q.dtype)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, 0.3)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, 0.3, forward_tiles(q.device, 16))
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-5
 
@@ -416,7 +416,7 @@ def test_op_smooths_k_with_the_given_mean():
     o, lse = block_op.block_attn_fp8(q, k, v, selection.indices, block_q, block_k, scale, False, shift)
     with torch.no_grad():
         pre = quantize_qkv(q, k, v, block_q, block_k, shift)
-        want_o, want_lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+        want_o, want_lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
         own_o, own_lse = block_op.block_attn_fp8(q, k, v, selection.indices, block_q, block_k, scale, False)
         plain, _ = naive.block_sparse_attention(q, k, v, selection, scale)
     assert torch.equal(pre[4], shift[:, :, 0]) and torch.equal(o, want_o) and torch.equal(lse, want_lse)
@@ -586,7 +586,7 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, scale,
                                       kernel_tiles(pre, selection.indices, block_q, block_k))
     assert o.dtype == torch.bfloat16
@@ -614,9 +614,9 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, 64, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, 64)
-    assert gluon_runs(pre[0], selection.indices, block_q, 64)
-    want_o, want_lse = block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype, ONE_BLOCK_PER_STEP)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype)
+    assert gluon_runs(pre[2], selection.indices, block_q, 64)
+    want_o, want_lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, ONE_BLOCK_PER_STEP)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale)
     assert o.dtype == q.dtype and lse.shape == want_lse.shape
     assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
     emulated, _ = emulate_kernel(pre, selection.indices, block_q, 64, scale, ONE_BLOCK_PER_STEP)
@@ -638,17 +638,17 @@ def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_hea
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
-    o, lse = block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
     tiles = kernel_tiles(pre, selection.indices, block_q, block_k)
     assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < 5e-3
-    if gluon_runs(pre[0], selection.indices, block_q, block_k):
+    if gluon_runs(pre[2], selection.indices, block_q, block_k):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
         undeferred, undeferred_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
                                                          {"defer_rescale": False})
         assert ts.rel_err(undeferred, o) < 3e-3 and torch.equal(undeferred_lse, lse)
     monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
     in_order = quantize_qkv(q, k, v, block_q, block_k)
-    want_o, want_lse = block_attend_fp8(*in_order, selection.indices, block_q, block_k, scale, q.dtype)
+    want_o, want_lse = block_attend_fp8(q, in_order[2:], selection.indices, block_q, block_k, scale)
     assert ts.rel_err(o, want_o) < 3e-3 and torch.equal(lse, want_lse)
 
 

@@ -1,5 +1,7 @@
 """FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``fwd_fp8``): Q per query block, smoothed K
-per key block, V per channel stored transposed (docs/methods.md "FP8 QAT", "FP8 Triton forward").
+per key block, V per channel stored transposed (docs/methods.md "FP8 QAT", "FP8 Triton forward"). The Triton FP8
+kernels quantize Q's blocks themselves as they load them (``fwd_fp8.quantized_query``, ``block_scale``), the same
+values; the Gluon ones take ``quantize_blocks``'.
 
 Scales are ``flexsparse.quant.formats``'s bit for bit: ``s = 448 / max(amax, 1e-12)`` divided in fp64 and
 rounded to fp32 (torchao's ``amax_to_scale``), values ``e4m3(clamp(x * s, -448, 448))`` with ``x * s`` in
@@ -96,6 +98,14 @@ def stored_keys(n: int) -> torch.Tensor:
 
 
 @triton.jit
+def block_scale(amax):
+    """The e4m3 scale of an fp32 ``amax``: ``448 / max(amax, 1e-12)`` divided in fp64, rounded to fp32 (torchao's
+    ``amax_to_scale``)."""
+    return (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64))).to(
+        tl.float32)
+
+
+@triton.jit
 def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
                          BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
                          HAS_V: tl.constexpr, EMULATE: tl.constexpr):
@@ -121,9 +131,7 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h
     if SMOOTH:
         mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
         x = tl.where(ok, x - mean[None, :], 0.0)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = (tl.full([], 448.0, tl.float64) / tl.maximum(amax.to(tl.float64), tl.full([], 1e-12, tl.float64)))
-    scale = scale.to(tl.float32)
+    scale = block_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
     tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
     tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
@@ -205,8 +213,14 @@ def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = F
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
                  k_mean: torch.Tensor | None = None):
-    """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_blocks``,
-    ``quantize_keys``, ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``).
+    """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)``, ``quantize_blocks(q, block_q)``
+    and ``quantize_kv``'s five. The Triton FP8 kernels take ``quantize_kv``'s and quantize Q's blocks themselves."""
+    return (*quantize_blocks(q, block_q), *quantize_kv(k, v, block_k, k_mean))
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_k: int, k_mean: torch.Tensor | None = None):
+    """The pre-pass of K and V: ``(k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_keys``,
+    ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``).
     ``k_mean``: the smoothing mean ``mean_N(k)`` ``(B, Hk, 1, D)`` or ``(B, Hk, D)`` fp32 where the caller has it
     (module docstring), else taken here; returned ``(B, Hk, D)`` contiguous."""
     bsz, kv_heads, _, d = k.shape
@@ -217,7 +231,6 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int
         raise ValueError(f"k_mean must hold one mean per batch, KV head and channel of k {tuple(k.shape)}, "
                          f"(B, Hk, 1, D) or (B, Hk, D); got shape {tuple(k_mean.shape)}")
     k_mean = k_mean.reshape(bsz, kv_heads, d).to(torch.float32).contiguous()
-    q8, q_scales = quantize_blocks(q, block_q)
     k8, k_scales, v_amax = quantize_keys(k, v, block_k, k_mean)
     vt8, v_scales = quantize_v_transposed(v, v_amax, permutes_keys(block_k))
-    return q8, q_scales, k8, k_scales, k_mean, vt8, v_scales
+    return k8, k_scales, k_mean, vt8, v_scales

@@ -1,6 +1,8 @@
 """FP8 (e4m3) block-sparse attention forward over an index table (docs/methods.md "FP8 QAT", "FP8 Triton
-forward"): ``fwd``'s walk over each query block's selected key blocks, on the pre-quantized tensors of
-``fp8_quant``.
+forward"): ``fwd``'s walk over each query block's selected key blocks, on the K and V of ``fp8_quant``'s pre-pass
+(``quantize_kv``). Each program quantizes its query tile itself (``quantized_query``: the query block's amax, over
+the block's other tiles too where a block takes several programs), the values and scale of ``quantize_blocks``
+bit for bit: Q needs no pass and no launch of its own (the kernel takes about the time that pass took).
 
 Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
 scale per program, the key block's reciprocal K scale: a scalar per step, so the running max is ``max(s) c``
@@ -35,7 +37,7 @@ from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
 from .gluon import block_fwd_ws_fp8
 from .._runtime.registry import launcher, launching_directly
 from ..common.jit import LN2, LOG2E, load_tile, store_row_values, store_tile
-from .fp8_quant import E4M3, permuted_columns, permutes_keys, quantize_qkv, to_e4m3
+from .fp8_quant import E4M3, block_scale, permuted_columns, permutes_keys, quantize_blocks, quantize_kv, to_e4m3
 from .._runtime.sizes import pow2
 from .._runtime.tiles import overrides
 
@@ -56,14 +58,38 @@ def load_columns(base, keys, stride, dim, key_ok, D: tl.constexpr, BD: tl.conste
 
 
 @triton.jit
-def attend_fp8(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
+def quantized_query(Q, Q8, qblk, rows, row_ok, dim, NQ, BLOCK_Q: tl.constexpr, TILE_Q: tl.constexpr,
+                    Q_SPLIT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, MASK_Q: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """Rows ``rows`` of query block ``qblk`` of the ``(NQ, D)`` slab at ``Q`` in e4m3
+    (``fp8_quant.to_e4m3``) and the block's scale: ``fp8_quant.quantize_blocks``' values and scale. The block's amax
+    covers its ``Q_SPLIT`` tiles (the other programs' tiles loaded for it alone). The e4m3 tile goes through ``Q8``
+    (the same slab in e4m3: stored, then loaded after a barrier), so that the score dot takes it as loaded data,
+    from shared memory: a tile computed in registers took triton 3.6's path of a register first operand for the
+    fp8 ``wgmma``, reloaded at every key step, and its scores were wrong on the H200."""
+    x = load_tile(Q, rows, D, dim, row_ok, D, BD, MASK_Q).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if Q_SPLIT > 1:
+        for other in tl.static_range(Q_SPLIT):
+            rows_o, ok_o = chunk_rows(qblk, other, BLOCK_Q, TILE_Q, NQ)
+            y = load_tile(Q, rows_o, D, dim, ok_o, D, BD, True).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    scale = block_scale(amax)
+    store_tile(Q8, to_e4m3(x * scale, EMULATE), rows, D, dim, row_ok, D, BD, MASK_Q)
+    tl.debug_barrier()
+    return load_tile(Q8, rows, D, dim, row_ok, D, BD, MASK_Q), scale
+
+
+@triton.jit
+def attend_fp8(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
                BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
                K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
                STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr):
     """The query tile of this program (``program_id``: query tile, batch x head) over its selected key blocks:
     ``(o, lse, bh, qblk, rows, row_ok, dim)``, o ``(BM, BD)`` fp32 and the natural-log LSE ``(BM,)`` of its rows
-    ``rows`` (real where ``row_ok``) of query block ``qblk`` of flat head ``bh``; ``dim = arange(BD)``."""
+    ``rows`` (real where ``row_ok``) of query block ``qblk`` of flat head ``bh``; ``dim = arange(BD)``. ``Q``: q
+    ``(B, H, NQ, D)`` contiguous in its own dtype, ``Q8`` its e4m3 slab written here (``quantized_query``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -73,8 +99,8 @@ def attend_fp8(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, 
     qblk = pid // Q_SPLIT
     rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, TILE_Q, NQ)
     dim = tl.arange(0, BD)
-    q = load_tile(Q8 + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
-    q_scale = tl.load(QS + bh.to(tl.int64) * TQ + qblk)
+    q, q_scale = quantized_query(Q + q_head, Q8 + q_head, qblk, rows, row_ok, dim, NQ, BLOCK_Q, TILE_Q, Q_SPLIT, D,
+                                 BD, MASK_Q, EMULATE)
     q_factor = SCALE2 / q_scale
     k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
     shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)   # the smoothing's LSE term
@@ -120,7 +146,7 @@ def attend_fp8(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, 
 
 
 @triton.jit
-def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
+def _block_fwd_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -128,7 +154,7 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
                           STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
                           PERMUTED: tl.constexpr):
     o, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
-        Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
+        Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED)
     store_tile(O + bh.to(tl.int64) * NQ * D, o, rows, D, dim, row_ok, D, BD, MASK_Q)
@@ -138,7 +164,8 @@ def _block_fwd_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP,
 def forward_tiles(device: torch.device, d: int) -> dict:
     """Tile caps ``BM``/``BN``, key blocks per step ``KB``, warps and pipeline stages of the FP8 forward (the keys
     of tile kind ``block_fwd``) and ``fresh_acc`` (``P V`` of each tile into a fresh fp32 accumulator, added to ``acc``;
-    False: accumulated inside the fp8 MMA, faster, less precise), with ``tiles.overrides("block_fwd_fp8")``.
+    False: accumulated inside the fp8 MMA, faster, less precise) and ``maxnreg`` (registers per thread of a direct
+    launch, ``launch_attention``; uncapped by default), with ``tiles.overrides("block_fwd_fp8")``.
     At D <= 64 query tiles of 64 rows (4 warps): 128-query blocks on two programs each took 1781 µs against 2024 on
     one 128-row tile of 8 warps (B2 H8 N65536, 5 % of 64-key blocks, H200)."""
     if device.type == "cpu":
@@ -150,59 +177,58 @@ def forward_tiles(device: torch.device, d: int) -> dict:
     return {**base, **overrides("block_fwd_fp8")}
 
 
-def gluon_runs(q8, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:
+def gluon_runs(k8, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:
     """Whether ``block_attend_fp8`` runs the Gluon kernel: default tiles (no ``tiles``, no ``FLEXSPARSE_TRITON_TILES``
-    override of ``block_fwd_fp8``) and what ``fwd_ws_fp8.supported`` takes."""
+    override of ``block_fwd_fp8``) and what ``fwd_ws_fp8.supported`` takes (``k8``: the pre-pass's K)."""
     return (block_fwd_ws_fp8 is not None and tiles is None and not overrides("block_fwd_fp8")
-            and block_fwd_ws_fp8.supported(q8, indices, block_q, block_k))
+            and block_fwd_ws_fp8.supported(k8, indices, block_q, block_k))
 
 
 def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None,
                       k_mean: torch.Tensor | None = None):
     """FP8 block-sparse attention: O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32 of the
-    quantized forward (``fp8_quant`` pre-pass, then the kernel).
+    quantized forward (``fp8_quant.quantize_kv``'s pre-pass, then ``block_attend_fp8``).
 
-    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``, any float dtype; indices: ``(B, H, Tq, K)`` int32 key-block
-    ids (contiguous); k_mean: K's smoothing mean ``(B, Hk, 1, D)`` fp32 where the caller has it
-    (``fp8_quant.quantize_qkv``)."""
-    return block_attend_fp8(*quantize_qkv(q, k, v, block_q, block_k, k_mean), indices, block_q, block_k, scale,
-                            q.dtype, tiles)
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``, any float dtype, contiguous; indices: ``(B, H, Tq, K)`` int32
+    key-block ids (contiguous); k_mean: K's smoothing mean ``(B, Hk, 1, D)`` fp32 where the caller has it
+    (``fp8_quant.quantize_kv``)."""
+    return block_attend_fp8(q, quantize_kv(k, v, block_k, k_mean), indices, block_q, block_k, scale, tiles)
 
 
-def block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q: int, block_k: int,
-                     scale: float, out_dtype: torch.dtype, tiles: dict | None = None):
-    """The kernel alone on ``fp8_quant.quantize_qkv``'s outputs: O ``(B, H, Nq, D)`` in ``out_dtype``, LSE fp32.
-    Where ``gluon_runs`` the warp-specialized Gluon kernel (``fwd_ws_fp8``) runs instead."""
-    if gluon_runs(q8, indices, block_q, block_k, tiles):
+def block_attend_fp8(q, kv, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
+    """The kernel on q and ``fp8_quant.quantize_kv``'s outputs ``kv``: O ``(B, H, Nq, D)`` in q's dtype, LSE fp32.
+    Where ``gluon_runs`` the warp-specialized Gluon kernel (``fwd_ws_fp8``) runs on ``quantize_blocks(q)``."""
+    if gluon_runs(kv[0], indices, block_q, block_k, tiles):
         run = block_fwd_ws_fp8.ws_block_attend_fp8 if launching_directly() else block_fwd_ws_fp8.block_attn_fp8_ws
-        return run(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indices, block_q, block_k, scale, out_dtype)
-    bsz, heads, nq, d = q8.shape
-    o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
-    lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
-    launch_attention(_block_fwd_fp8_kernel, (q8, q_scales, k8, k_scales, k_mean, vt8, v_scales), indices, o, lse,
-                     block_q, block_k, scale, tiles)
+        return run(*quantize_blocks(q, block_q), *kv, indices, block_q, block_k, scale, q.dtype)
+    o = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    launch_attention(_block_fwd_fp8_kernel, q, kv, indices, o, lse, block_q, block_k, scale, tiles)
     return o, lse
 
 
-def launch_attention(kernel, prepass, indices, o, lse, block_q: int, block_k: int, scale: float,
+def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int, scale: float,
                      tiles: dict | None = None, extra: tuple = (), **constexprs) -> None:
     """Launch ``kernel`` over the FP8 forward's grid (one program per query tile and batch x head) with
-    ``_block_fwd_fp8_kernel``'s arguments (from ``prepass``, ``fp8_quant.quantize_qkv``'s seven outputs, the index
-    table and the outputs ``o`` and ``lse``), then ``extra`` and ``constexprs``: the Triton FP8 forward's launch,
-    shared by the kernels that run ``attend_fp8``. ``tiles``: ``forward_tiles``'s by default."""
-    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = prepass
-    bsz, heads, nq, d = q8.shape
+    ``_block_fwd_fp8_kernel``'s arguments (q contiguous, ``kv`` from ``fp8_quant.quantize_kv``, the index table and
+    the outputs ``o`` and ``lse``), then ``extra`` and ``constexprs``: the Triton FP8 forward's launch, shared by the
+    kernels that run ``attend_fp8``. ``tiles``: ``forward_tiles``'s by default; its ``maxnreg`` caps the registers
+    per thread of a direct (eager) launch (``wrap_triton`` takes no ``maxnreg``)."""
+    k8, k_scales, k_mean, vt8, v_scales = kv
+    bsz, heads, nq, d = q.shape
     nk, np_ = k8.shape[2], vt8.shape[3]
     tq, topk = indices.shape[2], indices.shape[3]
-    emulate = q8.dtype != E4M3
-    tiles = tiles or forward_tiles(q8.device, d)
+    emulate = k8.dtype != E4M3
+    tiles = tiles or forward_tiles(q.device, d)
     kb = tiles["KB"]
     if not emulate:                                         # fp8 dots reduce over >= 32 keys
         kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
+    q8 = torch.empty(q.shape, device=q.device, dtype=k8.dtype)               # written by the kernel, then unused
     launcher(kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
-        q8, k8, vt8, q_scales, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
+        q, q8, k8, vt8, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
         np_ // 16, tq, k_scales.shape[2], topk, *extra, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
-        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo, **constexprs)
+        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo, **constexprs,
+        **({"maxnreg": tiles["maxnreg"]} if tiles.get("maxnreg") and launching_directly() else {}))

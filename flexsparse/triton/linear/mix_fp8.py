@@ -17,14 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_sparse.fp8_quant import quantize_qkv
-from ..block_sparse.fwd_fp8 import attend_fp8, launch_attention
+from ..block_sparse.fp8_quant import quantize_kv
+from ..block_sparse.fwd_fp8 import attend_fp8, forward_tiles, launch_attention
 from ..common.jit import load_tile, store_row_values, store_tile
 from .fwd import combine, feature_code, linear_output, mix_operands
 
+# Registers per thread of a direct launch that stores O_s and O_l (training; sm_90, triton 3.6, D = 64): uncapped
+# 165-167 (3 programs of 4 warps per SM), capped 128 and no spill (4 per SM). SLA2 97 % D = 64 training step, B2 H8
+# N65536, H200, two rounds: 7.862 / 8.049 ms capped, 8.011 / 8.066 uncapped (bf16 7.880 / 7.967); the forward alone
+# took 1.858 / 1.943 capped, 1.841 / 1.851 uncapped, so it stays uncapped.
+STORE_MAXNREG = 128
+
 
 @triton.jit
-def _mix_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, Q, OS, OL,
+def _mix_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, OS, OL,
                     ROWS_H, ROWS_Z, LOGIT, logit_h, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                     D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
@@ -33,7 +39,7 @@ def _mix_fp8_kernel(Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, N
                     PERMUTED: tl.constexpr, EPS: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
                     STORE: tl.constexpr):
     o_s, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
-        Q8, K8, VT8, QS, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
+        Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED)
     store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
@@ -74,8 +80,9 @@ def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, 
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
     logit_h = indices.shape[2] if alpha_logit.shape[0] > 1 else 0
-    extra = (q, o_s if store else q, o_l if store else q, rows_h, rows_z, alpha_logit, logit_h)  # q: unused slots
-    launch_attention(_mix_fp8_kernel, quantize_qkv(q, k, v, block_q, block_k, k_mean), indices, out, lse, block_q,
-                     block_k, scale, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map),
+    extra = (o_s if store else q, o_l if store else q, rows_h, rows_z, alpha_logit, logit_h)  # q: unused slots
+    tiles = {"maxnreg": STORE_MAXNREG if store and q.is_cuda else None, **forward_tiles(q.device, q.shape[-1])}
+    launch_attention(_mix_fp8_kernel, q, quantize_kv(k, v, block_k, k_mean), indices, out, lse, block_q, block_k,
+                     scale, tiles, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map),
                      BF16=q.dtype == torch.bfloat16, STORE=store)
     return out, lse, o_s, o_l
