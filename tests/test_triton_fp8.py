@@ -326,6 +326,21 @@ def test_tile_overrides(name, monkeypatch):
 
 
 @cpu_only
+def test_kernel_scales_a_query_block_by_its_amax_over_its_programs():
+    """A query block of several programs (32 rows, 16-row tiles in the interpreter) takes one scale, its amax, as
+    ``quantize_blocks``: with an outlier row in each block's first tile, the second tile's rows are quantized on the
+    block's coarse grid, not on a finer one of their own."""
+    q, k, v = make_qkv(1, 2, 1, 60, 16)
+    q[:, :, ::32] *= 50.0
+    selection = random_selection(1, 2, 60, 60, 32, 16, 2)
+    pre = quantize_qkv(q, k, v, 32, 16)
+    assert not torch.equal(quantize_blocks(q, 16)[1][:, :, 1::2], pre[1])       # the tiles' own scales differ
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, 32, 16, 0.3)
+    want_o, want_lse = emulate_kernel(pre, selection.indices, 32, 16, 0.3, forward_tiles(q.device, 16))
+    assert ts.rel_err(o, want_o) < 1e-5 and ts.rel_err(lse, want_lse) < 1e-6
+
+
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(dtype):
     """fp16/bf16 q, k, v: the pre-pass reads them, the output is in their dtype."""
