@@ -207,8 +207,9 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
 
 def supported(k8: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: int) -> bool:
     """Whether ``ws_block_attend_fp8`` takes this call (``k8``: the pre-pass's K): CUDA sm_90 e4m3 tensors, D = 128,
-    query blocks of 64 or a multiple of 64 rows, key blocks of 64, at least one block per row. At D = 64 the Triton kernel is the faster
-    one (1.83 ms against 2.13 at its best tiles with a fresh accumulator; B2 H8 N65536, 5 % of blocks, H200)."""
+    query blocks of 64 or a multiple of 64 rows, key blocks of 64, at least one block per row. At D = 64 the Triton
+    kernel is the faster one (1.83 ms against 2.13 at its best tiles with a fresh accumulator; B2 H8 N65536, 5 % of
+    blocks, H200)."""
     if k8.device.type != "cuda" or torch.cuda.get_device_capability(k8.device)[0] != 9:
         return False
     return (k8.dtype == torch.float8_e4m3fn and k8.shape[3] == 128 and block_k == 64 and block_q % 64 == 0
