@@ -1,7 +1,7 @@
 """Compile the LLSA, block-sparse, FP8 (SLA2's mixed one too), block top-K and masked linear kernels for sm_90
 without a GPU and report registers, spills, shared memory and the matrix instructions in the SASS (HGMMA = Hopper
-wgmma, QGMMA its fp8 form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the runner times calls on a device,
-this reads the compiled code of each kernel, offline.
+wgmma, QGMMA its fp8 form; HMMA = the older mma.sync path). Not a ``python -m flexsparse`` case: the runner times
+calls on a device, this reads the compiled code of each kernel, offline.
 
 Uses the ptxas/cuobjdump that ship with the triton wheel. ``python benchmarks/triton_sm90_report.py
 [--d 64] [--dtype bf16] [--only NAME_PART] [--sass KERNEL] [--loops]``. Numbers come from this machine's triton,
