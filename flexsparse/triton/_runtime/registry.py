@@ -30,6 +30,12 @@ def launching_directly() -> bool:
     return getattr(_STATE, "direct", False)
 
 
+def register_cap(cap: int | None) -> dict:
+    """``{"maxnreg": cap}`` for a launch where ``cap`` is set and the kernel launches directly, else ``{}``:
+    ``wrap_triton`` takes no ``maxnreg``, so traced launches run uncapped (same results)."""
+    return {"maxnreg": cap} if cap and launching_directly() else {}
+
+
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 

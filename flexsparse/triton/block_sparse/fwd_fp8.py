@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .fwd import chunk_rows, geometry, list_rows, list_steps, tile_split
 from .gluon import block_fwd_ws_fp8
-from .._runtime.registry import launcher, launching_directly
+from .._runtime.registry import launcher, launching_directly, register_cap
 from ..common.jit import LN2, LOG2E, load_tile, store_row_values, store_tile
 from .fp8_quant import E4M3, block_scale, permuted_columns, permutes_keys, quantize_blocks, quantize_kv, to_e4m3
 from .._runtime.sizes import pow2
@@ -213,7 +213,7 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
     ``_block_fwd_fp8_kernel``'s arguments (q contiguous, ``kv`` from ``fp8_quant.quantize_kv``, the index table and
     the outputs ``o`` and ``lse``), then ``extra`` and ``constexprs``: the Triton FP8 forward's launch, shared by the
     kernels that run ``attend_fp8``. ``tiles``: ``forward_tiles``'s by default; its ``maxnreg`` caps the registers
-    per thread of a direct (eager) launch (``wrap_triton`` takes no ``maxnreg``)."""
+    per thread of a direct launch (``registry.register_cap``)."""
     k8, k_scales, k_mean, vt8, v_scales = kv
     bsz, heads, nq, d = q.shape
     nk, np_ = k8.shape[2], vt8.shape[3]
@@ -231,4 +231,4 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
         np_ // 16, tq, k_scales.shape[2], topk, *extra, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
         PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo, **constexprs,
-        **({"maxnreg": tiles["maxnreg"]} if tiles.get("maxnreg") and launching_directly() else {}))
+        **register_cap(tiles.get("maxnreg")))

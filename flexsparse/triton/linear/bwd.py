@@ -30,7 +30,7 @@ from .._runtime.registry import launcher
 from ..common.csc import block_csc
 from .._runtime.sizes import cdiv, pow2
 from .fwd import block_tokens, dense, dot, feature, feature_code, feature_grad, linear_tiles, split, state_dtype
-from .._runtime.registry import launching_directly
+from .._runtime.registry import register_cap
 
 
 @triton.jit
@@ -133,13 +133,12 @@ def _key_grad_kernel(K, V, DHQ, DZQ, DHT, DZT, OFFSETS, LISTS, DK_ADD, DV_ADD, D
         tl.store(DK + ptr, dk.to(DK.dtype.element_ty), mask=mask)
 
 
-def register_cap(tiles: dict, kernel: str, n_split: int) -> dict:
+def tile_register_cap(tiles: dict, kernel: str, n_split: int) -> dict:
     """``{"maxnreg": cap}`` for ``kernel`` (``"dq"``, ``"dkv"``) when ``tiles`` caps its registers (the cap
     ``{kernel}_maxnreg_split`` applies to programs of several tiles, ``n_split > 1``, e.g. 128-row query blocks)
     and the kernel launches directly (eager; ``torch.compile``'s ``wrap_triton`` takes no ``maxnreg``, so traced
     launches run uncapped: same results, measured 0.06-0.14 ms slower, docs/triton_sla_pieces.md); else ``{}``."""
-    cap = tiles.get(f"{kernel}_maxnreg" if n_split == 1 else f"{kernel}_maxnreg_split")
-    return {"maxnreg": cap} if cap and launching_directly() else {}
+    return register_cap(tiles.get(f"{kernel}_maxnreg" if n_split == 1 else f"{kernel}_maxnreg_split"))
 
 
 def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skipped: torch.Tensor,
@@ -170,7 +169,7 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         q, do, q if weight is None else weight, rows_h, rows_z, q if o_l is None else o_l,
         dq if add is None else add[0], dq, d_hq, d_zq, float(eps), nq, tq, D=d, BD=bd, BLOCK_Q=block_q, TILE=tile,
         SPLIT=n_split, FMAP=fmap, BF16=bf16, ADD=add is not None, SAVED=o_l is not None, PROJ=weight is not None,
-        PARTS=parts, num_warps=tiles["warps"], **register_cap(tiles, "dq", n_split // parts))
+        PARTS=parts, num_warps=tiles["warps"], **tile_register_cap(tiles, "dq", n_split // parts))
     if not gather:        # the tiles' partial state gradients summed by the keep^T matmul (keep rows repeated)
         from .dense import key_sums
         d_ht, d_zt = key_sums(skipped, d_hq, d_zq, kv_heads, tk, parts)
@@ -185,5 +184,5 @@ def linear_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         k, v, d_hq, d_zq, d_ht, d_zt, offsets, lists, *((dk, dv) if add is None else add[1:]), dk, dv, nk, tq, tk,
         lists.shape[-1], kv_heads, group, D=d, BD=bd, BLOCK_K=block_k, TILE=tile, SPLIT=n_split, FMAP=fmap,
         BF16=bf16, GATHER=gather, STAGES=tiles["stages"], ADD=add is not None, num_warps=tiles["warps"],
-        **register_cap(tiles, "dkv", n_split))
+        **tile_register_cap(tiles, "dkv", n_split))
     return dq, dk, dv
