@@ -265,12 +265,14 @@ def main():
                      dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
                           FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, **geo),
                      ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
-    jobs.append(("sparse linear mix fp8", mix_fp8._mix_fp8_kernel,
-                 dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
-                      LSE="*fp32", OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
-                 dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"], FRESH_ACC=ff["fresh_acc"],
-                      EMULATE=False, PERMUTED=True, EPS=1e-6, FMAP=0, BF16=dt == "bf16", STORE=True, **geo),
-                 ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
+    for store in (False, True):
+        jobs.append((f"sparse linear mix fp8 STORE={int(store)}", mix_fp8._mix_fp8_kernel,
+                     dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
+                          LSE="*fp32", OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
+                     dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
+                          FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=True, EPS=1e-6, FMAP=0,
+                          BF16=dt == "bf16", STORE=store, **geo),
+                     ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         if args.only not in name:
             continue
