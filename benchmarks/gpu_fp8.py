@@ -6,13 +6,15 @@ and measures each variant's error against the bf16 output, on random or recorded
     python benchmarks/gpu_fp8.py --backend flex                             # only p="none" variants run
     python benchmarks/gpu_fp8.py --backend triton                           # the FP8 kernel (variant fp8 only)
     python benchmarks/gpu_fp8.py --backend triton --variants bf16 fp8 --kernels   # + where each call's time goes
+    python benchmarks/gpu_fp8.py --backend triton --variants bf16 fp8 --compile   # the module under torch.compile
     python benchmarks/gpu_fp8.py --backend torch --qkv dit_qkv.pt           # recorded q, k, v (B, H, N, D)
     python benchmarks/gpu_fp8.py --device cpu --n 4096 --batch 1 --heads 2  # smoke run of the script on CPU
 
 For each variant (``bf16``: no quant; then the ``quant`` configs of ``VARIANTS``) on the chosen backend:
 ``branch_fwd``  the sparse softmax branch alone, selection precomputed, under no_grad (the FP8 target:
                 >= 1.3x faster than ``bf16``);
-``method_fwd``  the whole method (selection, both branches) under no_grad;
+``method_fwd``  the whole method (selection, both branches) under no_grad (``--compile``: the module compiled by
+                ``torch.compile`` in its default mode, here and in ``method_fwd_bwd``);
 ``method_fwd_bwd`` forward + backward of the whole method (QAT training: the quantized forward and the
                 softmax backward at its output; triton runs no second, unquantized forward);
 ``method_fwd_kernels_ms`` (``--kernels``) the method forward's time by kernel (CUDA) or ATen op (CPU), profiler;
@@ -64,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-backward", dest="backward", action="store_false", help="skip forward+backward")
     p.add_argument("--kernels", action="store_true", help="the method forward's (and forward+backward's) time by "
                    "kernel (profiler)")
+    p.add_argument("--compile", action="store_true", help="time the method under torch.compile (default mode)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the results as JSON")
     return p.parse_args(argv)
@@ -112,14 +115,16 @@ def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict
         with torch.no_grad():
             return attend(q, branch_k.to(q.dtype), v, selection, scale, quant=module.config.quant)[0]
 
+    run = torch.compile(module) if args.compile else module
+
     def method():
         with torch.no_grad():
-            return module(q, k, v)
+            return run(q, k, v)
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
     def train_step():
-        module(*leaves).float().square().mean().backward()
+        run(*leaves).float().square().mean().backward()
 
     for key, fn in (("branch", branch), ("method", method)):
         out = attempt(fn)
