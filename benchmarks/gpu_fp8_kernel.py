@@ -49,7 +49,7 @@ from flexsparse.triton.block_sparse import fwd_fp8 as block_fwd_fp8
 from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
 from flexsparse.triton.block_sparse.fp8_quant import quantize_kv, quantize_qkv
 from flexsparse.triton.pooling.naive import key_mean
-from flexsparse.triton._runtime.registry import _directly   # plain launches, as inside the op (no wrap_triton)
+from flexsparse.triton._runtime.registry import directly   # plain launches, as inside the op (no wrap_triton)
 
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
 SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only
@@ -115,7 +115,7 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
     out = {"keys_per_query": keys, "bf16_tiles": bf16_tiles, "fp8_tiles": fp8_tiles}
-    for name, fn in (("bf16", bf16), ("prepass", lambda: _directly(quantize_kv, k, v, block, k_mean)),
+    for name, fn in (("bf16", bf16), ("prepass", lambda: directly(quantize_kv, k, v, block, k_mean)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
                      ("fp8_no_defer", fp8_no_defer if gluon else None)):

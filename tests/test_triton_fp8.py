@@ -739,7 +739,7 @@ def test_gpu_methods_quantized_forward_and_gradients(cfg):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [c for c in GPU_METHODS if c["method"] != "sla2"], ids=lambda c: c["method"])
+@pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
 def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
     """fullgraph compile of forward + backward with quant on triton: one graph, no breaks, no recompiles over
     3 steps with new inputs; matches eager."""

@@ -74,7 +74,7 @@ class Op:
 
     def direct(self, *args, **kwargs):
         """The body with plain kernel launches (``launching_directly``)."""
-        return _directly(self.body, *args, **kwargs)
+        return directly(self.body, *args, **kwargs)
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """The op's autograd formula (``torch.library``'s), also run by the direct path's ``autograd.Function``."""
@@ -82,7 +82,7 @@ class Op:
         self._function = _autograd_function(self, backward, setup_context)
 
 
-def _directly(function: Callable, *args, **kwargs):
+def directly(function: Callable, *args, **kwargs):
     """``function(*args, **kwargs)`` with plain kernel launches (``launching_directly``)."""
     previous = launching_directly()
     _STATE.direct = True
@@ -108,7 +108,7 @@ def _autograd_function(op: Op, backward: Callable, setup_context: Callable) -> t
 
     def differentiate(ctx, *grads):
         if _eager_plain([grad for grad in grads if grad is not None]):
-            return _directly(backward, ctx, *grads)
+            return directly(backward, ctx, *grads)
         return backward(ctx, *grads)
 
     members = {"forward": staticmethod(forward), "backward": staticmethod(differentiate)}

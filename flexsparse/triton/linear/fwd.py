@@ -203,6 +203,13 @@ def feature_code(name: str) -> int:
     return FEATURE_MAPS.index(name)
 
 
+def mixed_outputs(q: torch.Tensor, store: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(out, lse, o_s, o_l)`` of a forward that mixes the branches in its epilogue: out like q, the LSE
+    ``(B, H, Nq)`` fp32, O_s and O_l like q where ``store`` (the backward reads them), else empty."""
+    side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side
+
+
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """Storage dtype of the block states and their gradients: bf16 for bf16 inputs, else fp32."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

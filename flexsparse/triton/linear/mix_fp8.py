@@ -17,15 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .._runtime.registry import directly
 from ..block_sparse.fp8_quant import quantize_kv
 from ..block_sparse.fwd_fp8 import attend_fp8, forward_tiles, launch_attention
 from ..common.jit import load_tile, store_row_values, store_tile
-from .fwd import combine, feature_code, linear_output, mix_operands
+from .fwd import combine, feature_code, linear_output, mix_operands, mixed_outputs
 
 # Registers per thread of a direct launch that stores O_s and O_l (training; sm_90, triton 3.6, D = 64): uncapped
 # 165-167 (3 programs of 4 warps per SM), capped 128 and no spill (4 per SM). SLA2 97 % D = 64 training step, B2 H8
 # N65536, H200, two rounds: 7.862 / 8.049 ms capped, 8.011 / 8.066 uncapped (bf16 7.880 / 7.967); the forward alone
-# took 1.858 / 1.943 capped, 1.841 / 1.851 uncapped, so it stays uncapped.
+# took 1.858 / 1.943 capped, 1.841 / 1.851 uncapped, so it stays uncapped. Traced graphs run the storing variant
+# through ``sparse_linear_fp8_stored`` for the cap (``wrap_triton`` takes no ``maxnreg``).
 STORE_MAXNREG = 128
 
 
@@ -77,8 +79,7 @@ def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; indices ``(B, H, Tq, K)`` int32; all contiguous."""
     if weight_t is not None or bias is not None or alpha_logit is None:
         raise ValueError("sparse_linear_forward_fp8 mixes by alpha_logit only (weight_t and bias None)")
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
+    out, lse, o_s, o_l = mixed_outputs(q, store)
     logit_h = indices.shape[2] if alpha_logit.shape[0] > 1 else 0
     extra = (o_s if store else q, o_l if store else q, rows_h, rows_z, alpha_logit, logit_h)  # q: unused slots
     tiles = {"maxnreg": STORE_MAXNREG if store and q.is_cuda else None, **forward_tiles(q.device, q.shape[-1])}
@@ -86,3 +87,22 @@ def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, 
                      scale, tiles, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map),
                      BF16=q.dtype == torch.bfloat16, STORE=store)
     return out, lse, o_s, o_l
+
+
+@torch.library.custom_op("flexsparse::sparse_linear_fp8_stored", mutates_args=())
+def sparse_linear_fp8_stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                             rows_h: torch.Tensor, rows_z: torch.Tensor, weight_t: torch.Tensor | None,
+                             bias: torch.Tensor | None, alpha_logit: torch.Tensor | None, block_q: int, block_k: int,
+                             scale: float, feature_map: str, eps: float, store: bool,
+                             k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+    """``sparse_linear_forward_fp8`` as an opaque custom op launching its kernels directly: what a traced graph
+    runs for the variant that stores O_s and O_l, so that it keeps ``STORE_MAXNREG``."""
+    return directly(sparse_linear_forward_fp8, q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q,
+                    block_k, scale, feature_map, eps, store, k_mean)
+
+
+@sparse_linear_fp8_stored.register_fake
+def _sparse_linear_fp8_stored_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
+                                   scale, feature_map, eps, store, k_mean=None):
+    return mixed_outputs(q, store)

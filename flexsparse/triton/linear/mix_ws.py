@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .._runtime.registry import launcher
 from ..block_sparse import fwd_ws as block_fwd_ws
 from ..block_sparse.fwd_ws import LOG2E, attend, store_lse, store_rows
-from .fwd import feature_code
+from .fwd import feature_code, mixed_outputs
 
 MIX_PROJECTION, MIX_ALPHA = 1, 2
 
@@ -149,13 +149,12 @@ def linear_operands(q, rows_h, weight_t, gl_dtype, store: bool):
     """The linear epilogue's launch operands: TMA descriptors of ``rows_h`` and ``weight_t`` (``(D, D)`` tiles in
     ``gl_dtype``; ``rows_h``'s stands in where ``weight_t`` is None), the mix code, and the empty ``out``, ``lse``
     and ``o_s``, ``o_l`` (empty unless ``store``)."""
-    bsz, heads, nq, d = q.shape
+    d = q.shape[-1]
     square = block_fwd_ws.shared_layout(d, d, gl_dtype)      # square_layout's, built once
     h_desc = block_fwd_ws.descriptor(rows_h.view(-1, d), [d, d], square)
     w_desc = h_desc if weight_t is None else block_fwd_ws.descriptor(weight_t, [d, d], square)
     mix = MIX_ALPHA if weight_t is None else MIX_PROJECTION
-    o_s, o_l = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
-    return h_desc, w_desc, mix, torch.empty_like(q), q.new_empty(bsz, heads, nq, dtype=torch.float32), o_s, o_l
+    return h_desc, w_desc, mix, *mixed_outputs(q, store)
 
 
 def ws_sparse_linear_forward(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
@@ -197,5 +196,4 @@ def sparse_linear_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 @sparse_linear_ws.register_fake
 def _sparse_linear_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
                            feature_map, eps, store):
-    side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side
+    return mixed_outputs(q, store)

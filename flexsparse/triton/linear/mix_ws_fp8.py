@@ -18,7 +18,7 @@ from .._runtime.registry import launcher
 from ..block_sparse import fwd_ws as block_fwd_ws
 from ..block_sparse import fwd_ws_fp8
 from ..block_sparse.fp8_quant import permutes_keys, quantize_qkv
-from .fwd import feature_code
+from .fwd import feature_code, mixed_outputs
 from .mix_ws import MIX_ALPHA, linear_epilogue, linear_operands, square_layout
 
 
@@ -159,5 +159,4 @@ def sparse_linear_fp8_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
 @sparse_linear_fp8_ws.register_fake
 def _sparse_linear_fp8_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
                                feature_map, eps, store, k_mean=None):
-    side = (torch.empty_like(q), torch.empty_like(q)) if store else (q.new_empty(0), q.new_empty(0))
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *side
+    return mixed_outputs(q, store)

@@ -253,12 +253,12 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
     if fp8:
-        from .mix_fp8 import sparse_linear_forward_fp8
+        from .mix_fp8 import sparse_linear_forward_fp8, sparse_linear_fp8_stored
         if mix_ws_fp8 is not None and not overrides("block_fwd_fp8") and mix_ws_fp8.supported(q, indices, block_q,
                                                                                               block_k):
             run = mix_ws_fp8.ws_sparse_linear_forward_fp8 if launching_directly() else mix_ws_fp8.sparse_linear_fp8_ws
         elif alpha_logit is not None and q.shape[-1] <= MIXED_FP8_MAX_D:
-            run = sparse_linear_forward_fp8
+            run = sparse_linear_forward_fp8 if launching_directly() or not store_linear else sparse_linear_fp8_stored
         else:
             return None
     elif q.dtype == torch.bfloat16 and gluon_runs(q, k, v, indices, block_q, block_k):
