@@ -221,8 +221,8 @@ def default_tiles(d: int) -> dict:
     (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168
     registers; 80, three programs per SM with the producer's warp padded to a warpgroup, does not compile: ptxas
     needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away
-    from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with permuted keys (sm_90,
-    triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two runs."""
+    from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with
+    permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two runs."""
     return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True)
 
 
