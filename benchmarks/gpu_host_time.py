@@ -5,10 +5,11 @@ Per method (its example config, parameters moved off their initial values as the
 forward and forward+backward (gradients of q, k, v for a fixed upstream gradient), the latter also with the backward
 on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), at B1 H1 D64 bf16, where the GPU
 work per call is far below the host's. Host time: wall time of 100 calls in a row without a sync, divided by 100
-(the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and their
-median, and the least with every launch through Triton's own path, in rounds alternating with the others.
-Kernels: CUDA kernels of one call in the profiler. Launch: the host time per call inside the launch path
-(flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it: argument
+(the queue stays short of the GPU, so this is the host's issue rate), the least of ``--rounds`` rounds and the
+median, in three modes in alternating rounds: small calls replaying CUDA graphs (``flexsparse.eager_graphs``, the
+default), eager (``FLEXSPARSE_EAGER_GRAPHS=0``), and eager with every launch through Triton's own path.
+Kernels (eager): CUDA kernels of one call in the profiler. Launch (eager): the host time per call inside the launch
+path (flexsparse's ``FastLaunch.launch``, or Triton's ``JITFunction.run`` where a launch goes through it: argument
 binding and specialization, cache lookup, the launch itself), in total and per kernel. Writes
 ``bench_out/host_time.json`` and prints a table. ``--stages``: instead, where a forward+backward's host time goes on
 the autograd engine's device thread and on the calling thread (``backward_stages``).
@@ -37,19 +38,25 @@ from flexsparse.methods import METHODS
 CALLS = 100
 
 
+MODES = {"graphs": ("1", True), "eager": ("0", True), "eager, Triton's launch path": ("0", False)}
+
+
 def host_ms(call, rounds: int) -> dict[str, tuple[float, float]]:
-    """``{"fast": (least, median), "triton": (least, median)}`` over ``rounds`` of the host milliseconds per call of
-    ``CALLS`` calls in a row, with eager launches through ``FastLaunch`` and through Triton's ``JITFunction.run``
-    (``fast_launch.ENABLED``), rounds alternating so that both see the same host."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    per_call = {"fast": [], "triton": []}
-    enabled = fast_launch.ENABLED
+    """``(least, median)`` by mode (``MODES``) over ``rounds`` of the host milliseconds per call of ``CALLS`` calls in
+    a row: small calls through CUDA graphs (``flexsparse.eager_graphs``), eager with launches through ``FastLaunch``,
+    and eager through Triton's ``JITFunction.run`` (``fast_launch.ENABLED``); rounds alternate so that every mode
+    sees the same host."""
+    enabled, graphs = fast_launch.ENABLED, os.environ.get("FLEXSPARSE_EAGER_GRAPHS")
+    per_call = {mode: [] for mode in MODES}
     try:
+        for mode, (use_graphs, fast) in MODES.items():
+            os.environ["FLEXSPARSE_EAGER_GRAPHS"] = use_graphs
+            for _ in range(20):
+                call()
+        torch.cuda.synchronize()
         for _ in range(rounds):
-            for mode in per_call:
-                fast_launch.ENABLED = enabled and mode == "fast"
+            for mode, (use_graphs, fast) in MODES.items():
+                os.environ["FLEXSPARSE_EAGER_GRAPHS"], fast_launch.ENABLED = use_graphs, enabled and fast
                 start = time.perf_counter()
                 for _ in range(CALLS):
                     call()
@@ -57,7 +64,15 @@ def host_ms(call, rounds: int) -> dict[str, tuple[float, float]]:
                 torch.cuda.synchronize()
     finally:
         fast_launch.ENABLED = enabled
+        _restore("FLEXSPARSE_EAGER_GRAPHS", graphs)
     return {mode: (min(times), statistics.median(times)) for mode, times in per_call.items()}
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def kernels_per_call(call) -> int:
@@ -209,17 +224,17 @@ def main() -> None:
               else build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda"))
         for phase, call in calls(fn, args.n).items():
             times = host_ms(call, args.rounds)
-            count = kernels_per_call(call)
-            launches = launch_us(call)
-            (least, median), (triton_least, _) = times["fast"], times["triton"]
-            results[f"{name} {phase}"] = {"host_ms": least, "host_median_ms": median,
-                                          "host_ms_triton_launch": triton_least, "kernels": count,
-                                          "launch_us": launches}
-            rows.append([name, phase, f"{least:.3f}", f"{median:.3f}", f"{triton_least:.3f}", count,
-                         f"{sum(launches.values()):.0f}",
+            os.environ["FLEXSPARSE_EAGER_GRAPHS"] = "0"
+            count, launches = kernels_per_call(call), launch_us(call)
+            os.environ.pop("FLEXSPARSE_EAGER_GRAPHS")
+            results[f"{name} {phase}"] = {"host_ms": {mode: least for mode, (least, _) in times.items()},
+                                          "host_median_ms": {mode: median for mode, (_, median) in times.items()},
+                                          "kernels": count, "launch_us": launches}
+            rows.append([name, phase, *(f"{times[mode][0]:.3f}" for mode in MODES), f"{times['graphs'][1]:.3f}",
+                         count, f"{sum(launches.values()):.0f}",
                          ", ".join(f"{kernel.strip('_')} {us:.0f}" for kernel, us in launches.items())])
-    print(tabulate(rows, headers=["method", "phase", "host ms (least)", "host ms (median)",
-                                  "least, Triton's launch path", "kernels", "launch us", "by kernel"]))
+    print(tabulate(rows, headers=["method", "phase", *(f"host ms, {mode}" for mode in MODES), "median, graphs",
+                                  "kernels (eager)", "launch us (eager)", "by kernel"]))
     os.makedirs(args.out, exist_ok=True)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "n": args.n, "core": args.core}
     with open(os.path.join(args.out, "host_time.json"), "w") as f:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import backends
+from . import backends, eager_graphs
 from ._checks import check_flag, check_qkv, resolve_scale
 from .backends.text_keys import WithTextKeys
 from .config import Config, Joint
@@ -82,26 +82,50 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
     chosen = backends.resolve(backend, method, q.device, needs_grad, needs_lse=needs_lse, dtype=q.dtype,
                               blocks=blocks, head_dim=q.shape[-1], quant=getattr(cfg, "quant", None),
                               batch_heads=q.shape[0] * q.shape[1])
+    if ring is not None:
+        q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
+        with _without_autocast(q.device.type):
+            out, lse = ring_attention(q, k, v, method, cfg, chosen, scale=scale,
+                                      params=method.check_params(cfg, q, params), need_lse=return_lse, parallel=ring)
+        return _returned(out, lse, return_lse)
+    steps = chosen if joint is None else WithTextKeys(chosen, whole[1][:, :, text], whole[2][:, :, text], joint.mask)
+    names = sorted(params) if params else []
+    values = [params[name] for name in names]
+
+    def select_attend(q, k, v, *values):
+        return _select_attend(q, k, v, cfg, fitted, method, chosen, steps, scale, needs_lse, dict(zip(names, values)),
+                              needs_grad)
+    if joint is None and chosen.graphs_small_calls and eager_graphs.applies(q, [q, k, v, *values]):
+        key = eager_graphs.call_key(method.name, fitted, chosen.name, scale, needs_lse, tuple(names),
+                                    *(eager_graphs.tensor_key(x) for x in (q, k, v, *values)))
+        out, lse = eager_graphs.run(key, select_attend, [q, k, v, *values])
+    else:
+        out, lse = select_attend(q, k, v, *values)
+    if joint is not None:
+        keys = joint.mask
+        if keys is not None:   # the text mask over the whole sequence: every visual key attended
+            keys = joint.join(keys, keys.new_ones(q.shape[0], q.shape[2]), dim=1)
+        with _without_autocast(q.device.type):
+            o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
+                                                      need_lse=return_lse, key_mask=keys)
+        out = joint.join(o_text.to(out.dtype), out, dim=2)
+        lse = joint.join(lse_text.to(lse.dtype), lse, dim=2) if return_lse else None
+    return _returned(out, lse, return_lse)
+
+
+def _select_attend(q, k, v, cfg: Config, fitted: Config, method, chosen, steps, scale: float, needs_lse: bool,
+                   params: dict, needs_grad: bool):
+    """The method's select and attend steps (``steps``: the resolved backend ``chosen``, or it with text keys):
+    ``(o, lse or None)``."""
     q, k, v = chosen.prepare_inputs(q, k, v, keep_views=method.keeps_views, needs_grad=needs_grad)
     with _without_autocast(q.device.type):
         params = method.check_params(cfg, q, params)
-        if ring is not None:
-            out, lse = ring_attention(q, k, v, method, cfg, chosen, scale=scale, params=params, need_lse=return_lse,
-                                      parallel=ring)
-        else:
-            selection = method.select(q, k, v, fitted, chosen, params)
-            steps = chosen if joint is None else WithTextKeys(chosen, whole[1][:, :, text], whole[2][:, :, text],
-                                                              joint.mask)
-            out, lse = steps.attend(method, q, k, v, selection, fitted, scale=scale, params=params,
-                                    need_lse=needs_lse)
-        if joint is not None:
-            keys = joint.mask
-            if keys is not None:   # the text mask over the whole sequence: every visual key attended
-                keys = joint.join(keys, keys.new_ones(q.shape[0], q.shape[2]), dim=1)
-            o_text, lse_text = chosen.dense_attention(whole[0][:, :, text], whole[1], whole[2], scale,
-                                                      need_lse=return_lse, key_mask=keys)
-            out = joint.join(o_text.to(out.dtype), out, dim=2)
-            lse = joint.join(lse_text.to(lse.dtype), lse, dim=2) if return_lse else None
+        selection = method.select(q, k, v, fitted, chosen, params)
+        return steps.attend(method, q, k, v, selection, fitted, scale=scale, params=params, need_lse=needs_lse)
+
+
+def _returned(out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool):
+    """``(o, lse)`` as ``_attend`` returns them: the LSE in fp32 (fp64 for fp64 inputs) or ``None``."""
     if not return_lse:
         return out, None
     return out, (lse if lse.dtype == torch.float64 else lse.float())

@@ -36,6 +36,8 @@ class Backend:
     """PyTorch implementations of every step (the ``torch`` backend as it is; see the module docstring)."""
 
     name = "torch"
+    # small eager CUDA calls replay CUDA graphs (flexsparse.eager_graphs): a backend whose steps capture
+    graphs_small_calls = False
 
     def attend(self, method, q, k, v, selection, cfg, **kwargs):
         """``method``'s attend (and combine) step on this backend; the reference backend runs its dense spec."""

@@ -49,6 +49,7 @@ class TritonBackend(Backend):
     """Every step on the Triton ops (module docstring)."""
 
     name = "triton"
+    graphs_small_calls = True
 
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         if not HAS_TRITON:

@@ -1,0 +1,127 @@
+"""Small eager calls through CUDA graphs (``flexsparse.eager_graphs``): every method on ``backend="triton"`` gives the
+outputs, LSE and gradients (q, k, v and the parameters) of the eager path with the graphs off, on fresh inputs at
+every call, with forwards of several calls run before their backwards (the layers of a model), ``no_grad``
+evaluation between training steps, and the version check of saved tensors. The graphs run on CUDA only; on CPU
+the calls stay eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexsparse import eager_graphs
+from flexsparse.bench.measure import build_module
+from flexsparse.methods import METHODS
+from triton_support import gpu, triton_methods
+
+HEADS, DIM = 4, 64
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """A fresh graph cache; ``graphs(on)`` turns the graphs on or off."""
+    eager_graphs.clear()
+    yield lambda on: monkeypatch.setenv("FLEXSPARSE_EAGER_GRAPHS", "1" if on else "0")
+    eager_graphs.clear()
+
+
+def _inputs(n: int, batch: int = 2, dtype=torch.bfloat16):
+    return [torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=dtype) for _ in range(4)]
+
+
+def _step(module, q, k, v, grad, return_lse=False):
+    """Output (and LSE) and the gradients of q, k, v and the trainable parameters of one call."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    params = [p for p in module.parameters() if p.requires_grad]
+    result = module(*leaves, return_lse=return_lse)
+    outputs = result if return_lse else (result,)
+    loss = (outputs[0].float() * grad.float()).sum() + (outputs[1].sum() if return_lse else 0)
+    return [x.detach() for x in outputs], torch.autograd.grad(loss, leaves + params)
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+def _captured() -> list:
+    return [entry for entry in eager_graphs._CALLS.entries.values() if isinstance(entry, eager_graphs.CapturedCall)]
+
+
+@gpu
+@pytest.mark.parametrize("n", [4096, 1000])
+@pytest.mark.parametrize("method", triton_methods())
+def test_gpu_graphed_calls_equal_eager(method, n, graphs):
+    """Training calls and ``no_grad`` evaluation alternate; every call on fresh inputs."""
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, n, "cuda")
+    for call in range(6):     # per key: eager, capture, replay
+        q, k, v, grad = _inputs(n)
+        graphs(False)
+        want = _step(module, q, k, v, grad, return_lse=call % 2 == 1)
+        with torch.no_grad():
+            want_eval = module(q, k, v)
+        graphs(True)
+        got = _step(module, q, k, v, grad, return_lse=call % 2 == 1)
+        with torch.no_grad():
+            got_eval = module(q, k, v)
+        _assert_same(got[0] + list(got[1]), want[0] + list(want[1]))
+        _assert_same([got_eval], [want_eval])
+    assert len(_captured()) == 3      # evaluation, training with and without the LSE
+
+
+@gpu
+@pytest.mark.parametrize("method", triton_methods())
+def test_gpu_graphed_forwards_before_backwards(method, graphs):
+    """Three layers of one shape: every forward runs before the first backward, as in a model."""
+    n = 2048
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, n, "cuda")
+    params = [p for p in module.parameters() if p.requires_grad]
+    steps = [[x.requires_grad_(i < 3) for i, x in enumerate(_inputs(n))] for _ in range(3)]
+
+    def run():
+        outs = [module(q, k, v) for q, k, v, _ in steps]
+        loss = sum((out.float() * grad.float()).sum() for out, (*_, grad) in zip(outs, steps))
+        leaves = [x for q, k, v, _ in steps for x in (q, k, v)]
+        return [out.detach() for out in outs] + list(torch.autograd.grad(loss, leaves + params))
+
+    graphs(False)
+    want = run()
+    graphs(True)
+    for _ in range(3):     # the first call of the key runs eagerly, the second captures
+        got = run()
+    _assert_same(got, want)
+    assert len(_captured()) == 1
+
+
+@gpu
+def test_gpu_graphed_call_checks_saved_versions(graphs):
+    module = build_module(METHODS["topk"].example, "triton", DIM, HEADS, 1024, "cuda")
+    q, k, v, grad = _inputs(1024)
+    q.requires_grad_()
+    for _ in range(2):
+        module(q, k, v).backward(grad)
+    assert len(_captured()) == 1
+    out = module(q, k, v)
+    with torch.no_grad():
+        q.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
+
+
+@gpu
+def test_gpu_large_calls_stay_eager(graphs):
+    n = eager_graphs.MAX_QUERY_ROWS // HEADS + 64
+    module = build_module(METHODS["topk"].example, "triton", DIM, HEADS, n, "cuda")
+    q, k, v, _ = _inputs(n, batch=1)
+    with torch.no_grad():
+        for _ in range(3):
+            module(q, k, v)
+    assert not eager_graphs._CALLS.entries
+
+
+def test_cpu_calls_stay_eager(graphs):
+    import flexsparse
+    q, k, v = (torch.randn(1, 2, 128, 32) for _ in range(3))
+    for _ in range(3):
+        flexsparse.attention(q, k, v, {"method": "topk", "block_size": 32, "topk": 2}, backend="torch")
+    assert not eager_graphs.applies(q, [q, k, v])
+    assert not eager_graphs._CALLS.entries
