@@ -1,5 +1,6 @@
-"""GPU benchmark of every method on ``backend="triton"`` eager, under ``torch.compile(mode="reduce-overhead")`` and
-under ``torch.cuda.make_graphed_callables``. Not a ``python -m flexsparse`` case: the runner times one call, this
+"""GPU benchmark of every method on ``backend="triton"`` eager (small calls replaying flexsparse's own CUDA graphs,
+``flexsparse.eager_graphs``, and with them off), under ``torch.compile(mode="reduce-overhead")`` and under
+``torch.cuda.make_graphed_callables``. Not a ``python -m flexsparse`` case: the runner times one call, this
 times the calls a training loop makes, with their graph bookkeeping.
 
 Per method (its example config, parameters moved off their initial values as the runner does) and N: the
@@ -26,7 +27,7 @@ from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
 
 B, H, D = 2, 8, 64
-KINDS = ("eager", "reduce-overhead", "make_graphed_callables")
+KINDS = ("eager", "eager, no graphs", "reduce-overhead", "make_graphed_callables")
 
 
 def attention_fn(kind: str, method: str | None, n: int, sample):
@@ -45,6 +46,12 @@ def attention_fn(kind: str, method: str | None, n: int, sample):
 
 def time_loop(kind: str, method: str | None, q, k, v, grad) -> dict:
     """Forward and training-step medians (ms) of one loop kind, and its setup time (s)."""
+    if kind == "eager, no graphs":
+        os.environ["FLEXSPARSE_EAGER_GRAPHS"] = "0"
+        try:
+            return time_loop("eager", method, q, k, v, grad)
+        finally:
+            del os.environ["FLEXSPARSE_EAGER_GRAPHS"]
     start = time.time()
     torch._dynamo.reset()
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

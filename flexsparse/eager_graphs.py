@@ -18,6 +18,8 @@ Eligible: CUDA tensors of plain types outside ``torch.compile``, functorch trans
 B * H * Nq <= ``MAX_QUERY_ROWS`` (B2 H8 N16384): the copies cost GPU time, which larger calls, bound by their GPU
 work, would pay without gain. ``FLEXSPARSE_EAGER_GRAPHS=0`` turns the graphs off. At most ``CACHE_SIZE`` keys keep
 their graphs (least recently used dropped); a key whose capture fails runs eagerly from then on, with one warning.
+Calls under saved-tensor hooks (non-reentrant activation checkpointing, offloading) stay eager: a recomputation
+must save the tensors its original forward saved, and a key's first call and later ones save different ones.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def applies(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
     if os.environ.get("FLEXSPARSE_EAGER_GRAPHS", "1") == "0":
         return False
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return False
     return all(type(x) in _PLAIN for x in tensors) and not torch.cuda.is_current_stream_capturing()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from flexsparse import eager_graphs
 from flexsparse.bench.measure import build_module
@@ -70,6 +71,23 @@ def test_gpu_graphed_calls_equal_eager(method, n, graphs):
 
 @gpu
 @pytest.mark.parametrize("method", triton_methods())
+def test_gpu_graphed_gqa_equals_eager(method, graphs):
+    """k and v with half of q's heads, fp16."""
+    n = 2048
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, n, "cuda").half()
+    for _ in range(3):
+        q, grad = (torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.float16) for _ in range(2))
+        k, v = (torch.randn(1, HEADS // 2, n, DIM, device="cuda", dtype=torch.float16) for _ in range(2))
+        graphs(False)
+        want = _step(module, q, k, v, grad)
+        graphs(True)
+        got = _step(module, q, k, v, grad)
+        _assert_same(got[0] + list(got[1]), want[0] + list(want[1]))
+    assert len(_captured()) == 1
+
+
+@gpu
+@pytest.mark.parametrize("method", triton_methods())
 def test_gpu_graphed_forwards_before_backwards(method, graphs):
     """Three layers of one shape: every forward runs before the first backward, as in a model."""
     n = 2048
@@ -90,6 +108,57 @@ def test_gpu_graphed_forwards_before_backwards(method, graphs):
         got = run()
     _assert_same(got, want)
     assert len(_captured()) == 1
+
+
+@gpu
+@pytest.mark.parametrize("method", triton_methods())
+def test_gpu_graph_replays_never_synchronize(method, graphs):
+    """After a key's eager call and its capture (which synchronizes once), its replays make no synchronizing call
+    (``test_gpu_no_sync`` checks the eager kernels)."""
+    n = 4096
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, n, "cuda")
+    q, k, v, grad = _inputs(n)
+    q.requires_grad_()
+
+    def calls():
+        module(q, k, v).backward(grad)
+        with torch.no_grad():
+            module(q, k, v)
+
+    calls()
+    calls()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(_captured()) == 2
+
+
+@gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("method", ["topk", "sla2"])
+def test_gpu_graphs_under_activation_checkpointing(method, reentrant, graphs):
+    """Non-reentrant checkpointing (saved-tensor hooks) keeps the calls eager; reentrant checkpointing runs its
+    forward without gradients and recomputes with them, both through graphs."""
+    n = 2048
+    module = build_module(METHODS[method].example, "triton", DIM, HEADS, n, "cuda")
+    q, k, v, grad = _inputs(n)
+    q.requires_grad_()
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step():
+        out = torch.utils.checkpoint.checkpoint(module, q, k, v, use_reentrant=reentrant)
+        return [out.detach(), *torch.autograd.grad((out.float() * grad.float()).sum(), [q, *params])]
+
+    graphs(False)
+    want = step()
+    graphs(True)
+    for _ in range(3):
+        got = step()
+    _assert_same(got, want)
+    assert len(_captured()) == (2 if reentrant else 0)
 
 
 @gpu

@@ -43,9 +43,11 @@ CONFIGS = [METHODS[name].example for name in triton_methods()] + [
 @pytest.mark.parametrize("n", [16384, 16000])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda cfg: cfg["method"] + ("_fp8" if "quant" in cfg else ""))
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_eager_forward_backward_never_synchronizes(config, dim, n):
+def test_gpu_eager_forward_backward_never_synchronizes(config, dim, n, monkeypatch):
     """Forward, forward+backward and a ``no_grad`` forward at head dims 64 and 128 (the FP8 forward runs the
-    Triton kernel at 64 and the Gluon one at 128 on Hopper)."""
+    Triton kernel at 64 and the Gluon one at 128 on Hopper), every kernel launched eagerly (no CUDA graphs:
+    ``test_eager_graphs`` checks their replays)."""
+    monkeypatch.setenv("FLEXSPARSE_EAGER_GRAPHS", "0")
     if "quant" in config:
         pytest.importorskip("torchao")
     heads = 4
