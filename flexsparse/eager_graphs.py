@@ -121,13 +121,18 @@ class CapturedCall:
         self._warm_up(steps, records)
         self.pool = torch.cuda.graph_pool_handle()
         self.forward_graph = torch.cuda.CUDAGraph()
-        self.saved: list[torch.Tensor] = []            # the forward's saved tensors that are not inputs
+        self.saved: list[torch.Tensor] = []            # the forward's saved tensors that are not inputs (static)
         self.saved_inputs: list[int] = []              # indices of the inputs the forward saves
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if records else contextlib.nullcontext()
-        with torch.cuda.graph(self.forward_graph, pool=self.pool, capture_error_mode="thread_local"), hooks:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        with torch.cuda.graph(self.forward_graph, pool=self.pool, capture_error_mode="thread_local"), \
+                hooks if records else contextlib.nullcontext():
             outputs = steps(*self.inputs)
         self.layout = [x is not None for x in outputs]
         self.outputs = [x for x in outputs if x is not None]
+        # a saved output is kept through the call's copy of that output; the other saved tensors are copied
+        self.saved_outputs = [next((i for i, x in enumerate(self.outputs) if _same(saved, x)), None)
+                              for saved in self.saved]
+        self.kept = [saved for saved, output in zip(self.saved, self.saved_outputs) if output is None]
         self.grad_outputs = [x.requires_grad for x in self.outputs]
         self.backward_graph = None
         if records:
@@ -185,19 +190,23 @@ class CapturedCall:
         with torch.no_grad():
             torch._foreach_copy_(self.inputs, list(inputs))
             self.forward_graph.replay()
-            sources = self.outputs + (self.saved if keep else [])
+            sources = self.outputs + (self.kept if keep else [])
             copies = [torch.empty_like(x) for x in sources]
             torch._foreach_copy_(copies, sources)
         return copies[:len(self.outputs)], copies[len(self.outputs):]
 
-    def replay_backward(self, inputs: Sequence[torch.Tensor], saved: Sequence[torch.Tensor],
-                        grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """The gradients of the inputs for ``grad_outputs`` of a call whose inputs and saved tensors are given."""
+    def replay_backward(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                        kept: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]) -> list:
+        """The gradients of the inputs (``None`` where there is none) for ``grad_outputs`` of a call with these
+        inputs, outputs and copies of its other saved tensors (``replay_forward``)."""
         with torch.no_grad():
             grad_outputs = [torch.zeros_like(x) if grad is None else grad
                             for x, grad in zip(self.grads_in, grad_outputs)]
-            targets = self.saved + self.grads_in + [self.inputs[i] for i in self.saved_inputs]
-            sources = [*saved, *grad_outputs, *(inputs[i] for i in self.saved_inputs)]
+            saved_outputs = [(saved, outputs[i]) for saved, i in zip(self.saved, self.saved_outputs) if i is not None]
+            targets = [*self.kept, *(saved for saved, _ in saved_outputs), *self.grads_in,
+                       *(self.inputs[i] for i in self.saved_inputs)]
+            sources = [*kept, *(output for _, output in saved_outputs), *grad_outputs,
+                       *(inputs[i] for i in self.saved_inputs)]
             torch._foreach_copy_(targets, sources)
             self.backward_graph.replay()
             present = [x for x in self.grads if x is not None]
@@ -212,23 +221,24 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: CapturedCall, *inputs):
-        outputs, saved = call.replay_forward(inputs, keep=True)
-        ctx.call, ctx.inputs = call, len(inputs)
-        ctx.save_for_backward(*inputs, *saved)
+        outputs, kept = call.replay_forward(inputs, keep=True)
+        ctx.call, ctx.counts = call, (len(inputs), len(outputs))
+        ctx.save_for_backward(*inputs, *outputs, *kept)
         ctx.mark_non_differentiable(*(x for x, needs in zip(outputs, call.grad_outputs) if not needs))
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        call = ctx.call
+        call, (inputs, outputs) = ctx.call, ctx.counts
         tensors = ctx.saved_tensors
-        inputs, saved = tensors[:ctx.inputs], tensors[ctx.inputs:]
         wanted = [grad for grad, needs in zip(grad_outputs, call.grad_outputs) if needs]
-        return (None, *call.replay_backward(inputs, saved, wanted))
+        grads = call.replay_backward(tensors[:inputs], tensors[inputs:inputs + outputs], tensors[inputs + outputs:],
+                                     wanted)
+        return (None, *grads)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same view of the same memory."""
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
-

@@ -148,9 +148,12 @@ def test_gpu_graphs_under_activation_checkpointing(method, reentrant, graphs):
     q.requires_grad_()
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def step():
+    def step():     # .backward(): reentrant checkpointing does not take autograd.grad
+        for x in (q, *params):
+            x.grad = None
         out = torch.utils.checkpoint.checkpoint(module, q, k, v, use_reentrant=reentrant)
-        return [out.detach(), *torch.autograd.grad((out.float() * grad.float()).sum(), [q, *params])]
+        (out.float() * grad.float()).sum().backward()
+        return [out.detach(), *(x.grad for x in (q, *params))]
 
     graphs(False)
     want = step()
