@@ -197,3 +197,47 @@ def test_cpu_calls_stay_eager(graphs):
         flexsparse.attention(q, k, v, {"method": "topk", "block_size": 32, "topk": 2}, backend="torch")
     assert not eager_graphs.applies(q, [q, k, v])
     assert not eager_graphs._CALLS.entries
+
+
+class _StandIn:
+    """A ``CapturedCall`` stand-in: records its captures, replays by calling the steps (CPU)."""
+
+    captures: list = []
+
+    def __init__(self, steps, inputs):
+        if getattr(steps, "fails", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.steps = steps
+        _StandIn.captures.append(steps)
+
+    def __call__(self, inputs):
+        return ("replayed", *self.steps(*inputs))
+
+
+def test_cpu_first_call_eager_second_captures_then_replays(graphs, monkeypatch):
+    monkeypatch.setattr(eager_graphs, "CapturedCall", _StandIn)
+    _StandIn.captures = []
+    steps = lambda x: (x + 1, None)    # noqa: E731
+    x = torch.zeros(2)
+    assert eager_graphs.run(("a",), steps, [x])[1] is None          # eager: a plain result
+    assert eager_graphs.run(("a",), steps, [x])[0] == "replayed"    # captured, then replayed
+    assert eager_graphs.run(("a",), steps, [x])[0] == "replayed"
+    assert _StandIn.captures == [steps]
+
+    def failing(x):
+        return (x, None)
+    failing.fails = True
+    eager_graphs.run(("b",), failing, [x])
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert eager_graphs.run(("b",), failing, [x])[1] is None
+    assert eager_graphs.run(("b",), failing, [x])[1] is None        # eager from then on, no second capture try
+    assert len(_StandIn.captures) == 1
+
+
+def test_cpu_cache_keeps_the_most_recent_keys(graphs, monkeypatch):
+    monkeypatch.setattr(eager_graphs, "CapturedCall", _StandIn)
+    x = torch.zeros(1)
+    for key in range(eager_graphs.CACHE_SIZE + 3):
+        eager_graphs.run((key,), lambda x: (x, None), [x])
+    eager_graphs.run((3,), lambda x: (x, None), [x])
+    assert list(eager_graphs._CALLS.entries) == [(key,) for key in [*range(4, eager_graphs.CACHE_SIZE + 3), 3]]
