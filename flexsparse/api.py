@@ -96,8 +96,8 @@ def _attend(q, k, v, cfg: Config, method, backend: str, scale: float, return_lse
         return _select_attend(q, k, v, cfg, fitted, method, chosen, steps, scale, needs_lse, dict(zip(names, values)),
                               needs_grad)
     if joint is None and chosen.graphs_small_calls and eager_graphs.applies(q, [q, k, v, *values]):
-        key = eager_graphs.call_key(method.name, fitted, chosen.name, scale, needs_lse, tuple(names),
-                                    *(eager_graphs.tensor_key(x) for x in (q, k, v, *values)))
+        key = eager_graphs.call_key(method.name, fitted, chosen.name, chosen.capture_settings(), scale, needs_lse,
+                                    tuple(names), *(eager_graphs.tensor_key(x) for x in (q, k, v, *values)))
         out, lse = eager_graphs.run(key, select_attend, [q, k, v, *values])
     else:
         out, lse = select_attend(q, k, v, *values)

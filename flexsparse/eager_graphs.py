@@ -3,10 +3,10 @@ graphs of its forward and backward instead.
 
 At N <= 16K an eager call of a sparse method costs its host time (Python, a few ATen ops, 3-18 kernel launches;
 ``docs/host_time.md``). A backend that sets ``Backend.graphs_small_calls`` has such calls run here: the first call
-of a key (the method, its fitted config, the backend, shapes, dtypes, device, stream, scale, LSE, grad mode and
-which inputs need gradients) runs eagerly, which compiles and tunes its kernels; the next one captures a forward
-graph, and where gradients are recorded a backward graph, on static copies of the inputs; every later call copies
-its inputs in, replays, and copies the outputs out.
+of a key (the method, its fitted config, the backend and its capture settings, shapes, dtypes, device, stream,
+scale, LSE, grad mode and which inputs need gradients) runs eagerly, which compiles and tunes its kernels; the next
+one captures a forward graph, and where gradients are recorded a backward graph, on static copies of the inputs;
+every later call copies its inputs in, replays, and copies the outputs out.
 
 One static set serves every call of a key, so a call keeps what its backward needs: the tensors the forward saves
 for the backward (caught by ``saved_tensors_hooks`` during the capture) are copied out after each forward replay
@@ -14,12 +14,13 @@ into the call's own autograd node, and copied back before its backward replay. M
 of a DiT) may run their forwards before any backward. Saved tensors and inputs go through ``save_for_backward``,
 so an in-place change to them fails the backward as it does eagerly. The backward is once differentiable.
 
-Eligible: CUDA tensors of plain types outside ``torch.compile``, functorch transforms and another capture, with
-B * H * Nq <= ``MAX_QUERY_ROWS`` (B2 H8 N16384): the copies cost GPU time, which larger calls, bound by their GPU
-work, would pay without gain. ``FLEXSPARSE_EAGER_GRAPHS=0`` turns the graphs off. At most ``CACHE_SIZE`` keys keep
-their graphs (least recently used dropped); a key whose capture fails runs eagerly from then on, with one warning.
-Calls under saved-tensor hooks (non-reentrant activation checkpointing, offloading) stay eager: a recomputation
-must save the tensors its original forward saved, and a key's first call and later ones save different ones.
+Eligible: CUDA tensors of plain types on the current device outside ``torch.compile``, functorch transforms and
+another capture, with B * H * Nq <= ``MAX_QUERY_ROWS`` (B2 H8 N16384): the copies cost GPU time, which larger calls,
+bound by their GPU work, would pay without gain. ``FLEXSPARSE_EAGER_GRAPHS=0`` turns the graphs off. At most
+``CACHE_SIZE`` keys keep their graphs (least recently used dropped); a key whose capture fails runs eagerly from
+then on, with one warning. Calls under saved-tensor hooks (non-reentrant activation checkpointing, offloading) stay
+eager: a recomputation must save the tensors its original forward saved, and a key's first call and later ones save
+different ones.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def applies(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a call on q ``(B, H, Nq, D)`` and ``tensors`` (every tensor input) runs through graphs here."""
     if q.device.type != "cuda" or q.shape[0] * q.shape[1] * q.shape[2] > MAX_QUERY_ROWS:
         return False
-    if os.environ.get("FLEXSPARSE_EAGER_GRAPHS", "1") == "0":
+    if os.environ.get("FLEXSPARSE_EAGER_GRAPHS", "1") == "0" or q.device.index != torch.cuda.current_device():
         return False
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False

@@ -39,6 +39,10 @@ class Backend:
     # small eager CUDA calls replay CUDA graphs (flexsparse.eager_graphs): a backend whose steps capture
     graphs_small_calls = False
 
+    def capture_settings(self) -> tuple:
+        """Process settings read at call time that change what a call launches (part of a captured call's key)."""
+        return ()
+
     def attend(self, method, q, k, v, selection, cfg, **kwargs):
         """``method``'s attend (and combine) step on this backend; the reference backend runs its dense spec."""
         return method.attend(q, k, v, selection, cfg, self, **kwargs)

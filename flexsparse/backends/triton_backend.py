@@ -51,6 +51,9 @@ class TritonBackend(Backend):
     name = "triton"
     graphs_small_calls = True
 
+    def capture_settings(self) -> tuple:
+        return (os.environ.get("FLEXSPARSE_TRITON_TILES"),)     # the tile overrides (triton._runtime.tiles)
+
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         if not HAS_TRITON:
             return "triton is not installed (pip install 'flexsparse[triton]')"
