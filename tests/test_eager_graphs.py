@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from flexsparse import eager_graphs
 from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
-from triton_support import gpu, triton_methods
+from triton_support import fp8_methods, gpu, triton_methods
 
 HEADS, DIM = 4, 64
 
@@ -67,6 +67,27 @@ def test_gpu_graphed_calls_equal_eager(method, n, graphs):
         _assert_same(got[0] + list(got[1]), want[0] + list(want[1]))
         _assert_same([got_eval], [want_eval])
     assert len(_captured()) == 3      # evaluation, training with and without the LSE
+
+
+@gpu
+@pytest.mark.parametrize("method", fp8_methods())
+def test_gpu_graphed_fp8_calls_equal_eager(method, graphs):
+    """The FP8 sparse branch (``quant``): training calls and ``no_grad`` evaluation on fresh inputs."""
+    pytest.importorskip("torchao")
+    n = 4096
+    module = build_module({**METHODS[method].example, "quant": {}}, "triton", DIM, HEADS, n, "cuda")
+    for _ in range(3):
+        q, k, v, grad = _inputs(n)
+        graphs(False)
+        want = _step(module, q, k, v, grad)
+        with torch.no_grad():
+            want_eval = module(q, k, v)
+        graphs(True)
+        got = _step(module, q, k, v, grad)
+        with torch.no_grad():
+            got_eval = module(q, k, v)
+        _assert_same(got[0] + list(got[1]) + [got_eval], want[0] + list(want[1]) + [want_eval])
+    assert len(_captured()) == 2
 
 
 @gpu
