@@ -36,8 +36,6 @@ from flexsparse.triton._runtime import fast_launch
 from flexsparse.methods import METHODS
 
 CALLS = 100
-
-
 MODES = {"graphs": ("1", True), "eager": ("0", True), "eager, Triton's launch path": ("0", False)}
 
 
@@ -224,9 +222,9 @@ def main() -> None:
               else build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda"))
         for phase, call in calls(fn, args.n).items():
             times = host_ms(call, args.rounds)
-            os.environ["FLEXSPARSE_EAGER_GRAPHS"] = "0"
+            previous, os.environ["FLEXSPARSE_EAGER_GRAPHS"] = os.environ.get("FLEXSPARSE_EAGER_GRAPHS"), "0"
             count, launches = kernels_per_call(call), launch_us(call)
-            os.environ.pop("FLEXSPARSE_EAGER_GRAPHS")
+            _restore("FLEXSPARSE_EAGER_GRAPHS", previous)
             results[f"{name} {phase}"] = {"host_ms": {mode: least for mode, (least, _) in times.items()},
                                           "host_median_ms": {mode: median for mode, (_, median) in times.items()},
                                           "kernels": count, "launch_us": launches}
