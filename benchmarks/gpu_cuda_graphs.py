@@ -47,11 +47,14 @@ def attention_fn(kind: str, method: str | None, n: int, sample):
 def time_loop(kind: str, method: str | None, q, k, v, grad) -> dict:
     """Forward and training-step medians (ms) of one loop kind, and its setup time (s)."""
     if kind == "eager, no graphs":
-        os.environ["FLEXSPARSE_EAGER_GRAPHS"] = "0"
+        previous, os.environ["FLEXSPARSE_EAGER_GRAPHS"] = os.environ.get("FLEXSPARSE_EAGER_GRAPHS"), "0"
         try:
             return time_loop("eager", method, q, k, v, grad)
         finally:
-            del os.environ["FLEXSPARSE_EAGER_GRAPHS"]
+            if previous is None:
+                del os.environ["FLEXSPARSE_EAGER_GRAPHS"]
+            else:
+                os.environ["FLEXSPARSE_EAGER_GRAPHS"] = previous
     start = time.time()
     torch._dynamo.reset()
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -197,12 +197,11 @@ class CapturedCall:
         return copies[:len(self.outputs)], copies[len(self.outputs):]
 
     def replay_backward(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                        kept: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]) -> list:
-        """The gradients of the inputs (``None`` where there is none) for ``grad_outputs`` of a call with these
-        inputs, outputs and copies of its other saved tensors (``replay_forward``)."""
+                        kept: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list:
+        """The gradients of the inputs (``None`` where there is none) for ``grad_outputs`` (materialized by autograd:
+        never ``None``) of a call with these inputs, outputs and copies of its other saved tensors
+        (``replay_forward``)."""
         with torch.no_grad():
-            grad_outputs = [torch.zeros_like(x) if grad is None else grad
-                            for x, grad in zip(self.grads_in, grad_outputs)]
             saved_outputs = [(saved, outputs[i]) for saved, i in zip(self.saved, self.saved_outputs) if i is not None]
             targets = [*self.kept, *(saved for saved, _ in saved_outputs), *self.grads_in,
                        *(self.inputs[i] for i in self.saved_inputs)]

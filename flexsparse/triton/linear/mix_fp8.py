@@ -68,13 +68,13 @@ def _mix_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK
 def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
                               block_k: int, scale: float, feature_map: str, eps: float, store: bool,
                               k_mean: torch.Tensor | None = None):
-    """``(out, lse, o_s, o_l)``: the FP8 sparse branch over ``indices`` (``fp8_quant.quantize_kv``'s pre-pass, then
-    one kernel that quantizes Q itself) mixed with the masked linear branch of the query-block states
+    """``(out, lse, o_s, o_l)``: the FP8 sparse branch over ``indices`` (``fp8_quant.quantize_kv``'s pre-pass, then one
+    kernel that quantizes Q itself) mixed with the masked linear branch of the query-block states
     ``rows_h (B, H, Tq, D, D)`` (``fwd.state_dtype``) and ``rows_z (B, H, Tq, D)`` fp32 as SLA2's
     ``O_l + alpha (O_s - O_l)``, ``alpha = sigmoid(alpha_logit)`` (``alpha_logit (1 or H, Tq)`` in any float dtype;
-    alpha rounded to q's dtype in the kernel). o_s (the FP8 branch's output in q's dtype) and o_l ``(B, H, Nq, D)`` when ``store``, else empty.
-    The arguments of ``mix_ws_fp8.ws_sparse_linear_forward_fp8`` (``k_mean`` the pre-pass's); weight_t and bias must
-    be None (no projection).
+    alpha rounded to q's dtype in the kernel). o_s (the FP8 branch's output in q's dtype) and o_l ``(B, H, Nq, D)`` when
+    ``store``, else empty. The arguments of ``mix_ws_fp8.ws_sparse_linear_forward_fp8`` (``k_mean`` the pre-pass's);
+    weight_t and bias must be None (no projection).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; indices ``(B, H, Tq, K)`` int32; all contiguous."""
     if weight_t is not None or bias is not None or alpha_logit is None:
