@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -220,3 +221,30 @@ def test_patched_sdpa_honours_enable_gqa():
     with pytest.raises(ValueError, match="grouped-query attention needs enable_gqa=True"):
         sdpa(q, k, v)
     torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True), fs.attention(q, k, v, LLSA))
+
+
+@pytest.mark.parametrize("table, match", [
+    ('{"block_fwd": {"BMM": 32}}', "kind 'block_fwd' has no key 'BMM'; its keys: BM, BN, KB, stages, warps"),
+    ('{"blockfwd": {"BM": 32}}', "FLEXSPARSE_TRITON_TILES has no kind 'blockfwd'; the kinds: fwd, bwd"),
+    ('{"block_fwd": {"BM": 32}', "FLEXSPARSE_TRITON_TILES is not JSON"),
+    ('{"block_fwd": 32}', "FLEXSPARSE_TRITON_TILES must map kinds"),
+])
+def test_tile_overrides_that_no_tile_choice_reads_are_errors(table, match, monkeypatch):
+    """A misspelt kind or key of ``FLEXSPARSE_TRITON_TILES`` (``python -m flexsparse --tiles``) would change nothing;
+    a call's first tile choice raises (the block top-K's here, before the forward's)."""
+    from flexsparse.triton.block_sparse.fwd import forward_tiles
+    from flexsparse.triton.selection.block_topk import topk_tiles
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", table)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        topk_tiles(64)
+        forward_tiles(torch.device("cpu"), 16, torch.float32)
+
+
+def test_tile_overrides_take_the_keys_a_kernel_reads_where_set(monkeypatch):
+    from flexsparse.triton.linear.fwd import linear_tiles
+    from flexsparse.triton.selection.hierarchy import SELECT_TILES
+    from flexsparse.triton._runtime.tiles import with_overrides
+    monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", '{"linear": {"dq_maxnreg": 96, "TQ": 32}, "select": {"parents": 2}}')
+    tiles = linear_tiles(torch.device("cpu"), 64, torch.float32)                # the CPU tiles have no caps
+    assert tiles["dq_maxnreg"] == 96 and tiles["TQ"] == 32
+    assert with_overrides("select", {}, SELECT_TILES) == {"parents": 2}

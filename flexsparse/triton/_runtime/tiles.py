@@ -4,7 +4,8 @@ Kinds and their keys (modules under ``flexsparse/triton/``): ``fwd`` / ``bwd`` (
 ``llsa.bwd.backward_tiles``), ``block_fwd`` / ``block_bwd`` (block-sparse: ``block_sparse.fwd.forward_tiles``,
 ``block_sparse.bwd.backward_tiles``),
 ``linear`` (SLA's masked linear branch, forward and backward: ``linear.fwd.linear_tiles``, keys ``TQ``, ``TK``,
-``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg``),
+``warps``, ``stages``, ``dense_ratio``, ``dense_ratio_bwd``, ``dq_maxnreg``, ``dkv_maxnreg`` and their ``_split``
+forms),
 ``block_topk`` (``selection.block_topk.topk_tiles``: ``BM``, ``BN``, ``BK``, ``WARPS``, ``STAGES`` of the score
 tiles, ``SELECT_WARPS`` per row, ``FUSED_TILE``, ``FUSED_SCORES``, ``FUSED_ROWS``, ``FUSED_WARPS`` of the one-kernel
 path of small calls),
@@ -13,7 +14,7 @@ path of small calls),
 ``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``,
 ``bucket``; ``selection.hierarchy``'s module docstring),
 ``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pooling.pool.first_pass_warps``).
-Read at every call.
+Read at every call; a kind or key that no tile choice reads is an error naming it (``with_overrides``).
 """
 from __future__ import annotations
 
@@ -21,13 +22,38 @@ import json
 import os
 
 
-def overrides(kind: str) -> dict:
-    """The overrides of ``kind`` (see the module docstring) from the environment, ``{}`` when unset."""
+KINDS = ("fwd", "bwd", "block_fwd", "block_bwd", "linear", "block_topk", "block_fwd_fp8", "select", "pool")
+
+
+def _table() -> dict:
+    """The environment's table of overrides, ``{}`` when unset; an error that names what is wrong otherwise."""
     text = os.environ.get("FLEXSPARSE_TRITON_TILES")
     if not text:
         return {}
-    table = json.loads(text)
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES is not JSON ({exc}): {text!r}") from None
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError("FLEXSPARSE_TRITON_TILES must map kinds ('fwd', 'bwd', 'block_fwd', 'block_bwd', "
-                         f"'linear', 'block_topk', 'block_fwd_fp8', 'select', 'pool') to dicts, got {text!r}")
-    return table.get(kind, {})
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES must map kinds ({', '.join(KINDS)}) to dicts, got {text!r}")
+    unknown = sorted(set(table) - set(KINDS))
+    if unknown:
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES has no kind {unknown[0]!r}; the kinds: {', '.join(KINDS)}")
+    return table
+
+
+def overrides(kind: str) -> dict:
+    """The overrides of ``kind`` (see the module docstring) from the environment, ``{}`` when unset."""
+    return _table().get(kind, {})
+
+
+def with_overrides(kind: str, base: dict, optional: tuple[str, ...] = ()) -> dict:
+    """``base`` updated with ``overrides(kind)``. A key in neither ``base`` nor ``optional`` (keys a kernel reads
+    only where it has them) is an error that names it and the kind's keys: a misspelt key would otherwise change
+    nothing."""
+    given = overrides(kind)
+    unknown = sorted(set(given) - set(base) - set(optional))
+    if unknown:
+        raise ValueError(f"FLEXSPARSE_TRITON_TILES: kind {kind!r} has no key {unknown[0]!r}; its keys: "
+                         f"{', '.join(sorted({*base, *optional}))}")
+    return {**base, **given}

@@ -31,7 +31,7 @@ from ..common.jit import LOG2E, load_tile, mm, store_tile
 from .gluon import block_bwd_ws, block_fwd_ws
 from .._runtime.sizes import cdiv, pow2, repeat_rows, static
 from .._runtime.registry import launching_directly
-from .._runtime.tiles import overrides
+from .._runtime.tiles import overrides, with_overrides
 
 # Head dims where the warp-specialized Gluon kernels (sm_90) replace the Triton ones; H200, 5 % of 64x64 blocks,
 # ms Gluon / Triton per kernel: dK/dV (no GQA) at B2 H8 N65536 D64 3.54-3.66 / ~4.0 (at D=128 it spills: 5.7 /
@@ -155,7 +155,7 @@ def backward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
         wide = d > 64
         base = dict(DQ_BM=64, DQ_BN=64, DQ_KB=1, DKV_BN=64, DKV_BM=64, DKV_QB=1, dq_warps=4,
                     dq_stages=2 if wide else 3, dkv_warps=8 if d > 128 else 4, dkv_stages=2)
-    return {**base, **overrides("block_bwd")}
+    return with_overrides("block_bwd", base)
 
 
 def longest_first(offsets: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..common.jit import LN2, LOG2E, load_tile, mm, softmax_step, store_row_valu
 from .gluon import block_fwd_ws
 from .._runtime.sizes import cdiv, pow2
 from .._runtime.registry import launching_directly
-from .._runtime.tiles import overrides
+from .._runtime.tiles import overrides, with_overrides
 
 WS_HEAD_DIMS = (64, 128)  # head dims where the warp-specialized Gluon forward runs (sm_90): H200, 5 % of 64x64
 # blocks, ms Gluon / Triton: B2 H8 N65536 D64 2.07 / 2.27, B2 H16 N32760 D128 1.83 / 2.23
@@ -135,7 +135,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
         base = dict(BM=64, BN=32, KB=1, warps=8, stages=2)
     else:
         base = dict(BM=128, BN=64, KB=1, warps=None, stages=3 if d <= 128 else 2)
-    return {**base, **overrides("block_fwd")}
+    return with_overrides("block_fwd", base)
 
 
 def gluon_runs(q, k, v, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:

@@ -39,7 +39,7 @@ from .._runtime.registry import launcher, launching_directly, register_cap
 from ..common.jit import LN2, LOG2E, load_tile, store_row_values, store_tile
 from .fp8_quant import E4M3, block_scale, permuted_columns, permutes_keys, quantize_blocks, quantize_kv, to_e4m3
 from .._runtime.sizes import pow2
-from .._runtime.tiles import overrides
+from .._runtime.tiles import overrides, with_overrides
 
 LOG2_448 = tl.constexpr(8.807354922057604)
 
@@ -175,7 +175,7 @@ def forward_tiles(device: torch.device, d: int) -> dict:
         base = dict(BM=64, BN=128, KB=1, warps=None, stages=3, fresh_acc=True)
     else:
         base = dict(BM=128, BN=64, KB=1, warps=None, stages=2, fresh_acc=True)
-    return {**base, **overrides("block_fwd_fp8")}
+    return with_overrides("block_fwd_fp8", base, ("maxnreg",))
 
 
 def gluon_runs(k8, indices, block_q: int, block_k: int, tiles: dict | None = None) -> bool:

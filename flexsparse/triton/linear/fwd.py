@@ -28,9 +28,10 @@ import triton.language as tl
 from ...config import FEATURE_MAPS
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 DENSE_NEVER = 2.0  # a dense_ratio no skipped table reaches (S <= Tk)
+REGISTER_CAPS = ("dq_maxnreg", "dq_maxnreg_split", "dkv_maxnreg", "dkv_maxnreg_split")  # linear_tiles' keys where set
 
 
 @triton.jit
@@ -241,7 +242,7 @@ def linear_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
     else:
         base = dict(TQ=64, TK=64, warps=8, stages=3, dense_ratio=0.005, dense_ratio_bwd=0.005, dq_maxnreg=128,
                     dkv_maxnreg=128, dkv_maxnreg_split=128)
-    return {**base, **overrides("linear")}
+    return with_overrides("linear", base, REGISTER_CAPS)
 
 
 def dense(skipped: torch.Tensor, tk: int, tiles: dict, backward: bool = False) -> bool:

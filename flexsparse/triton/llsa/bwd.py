@@ -48,7 +48,7 @@ from .entry_dkv import entry_dkv, entry_scratch
 from .fwd import (HOIST_RUNS, batched_blocks, coarse_bases, coarse_keys, coarse_keys_from_runs, coarse_launch,
                   coarse_rows, fine_bases, fine_ids, fine_launch, fine_tokens, fused_launch, hoisting, listed_runs,
                   step_blocks)
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 
 @triton.jit
@@ -476,7 +476,7 @@ def backward_tiles(device: torch.device, d: int, block: int, dtype: torch.dtype)
         if dtype.itemsize > 2:  # fp32: chunks that fit shared memory (see fwd.forward_tiles)
             base.update(BM=max(64, fq), BN=32, FN=64, QR=64, fine_stages=2, warps=4, fused_WN=16, top_stages=2,
                         dkv_coarse_stages=2, dkv_stages=2, entry_stages=2, hoist_runs=0, fine_hoist=False)
-    return {**base, **overrides("bwd")}
+    return with_overrides("bwd", base)
 
 
 def llsa_backward(do, dlse, q, k, v, kc, vc, sel, offsets, rows, o, lse, levels: Levels, scale: float,

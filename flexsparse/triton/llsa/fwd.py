@@ -44,7 +44,7 @@ from ..common.jit import (KV_OFF, LN2, LOG2E, SEL_OFF, T, TOPK, load_rows, load_
                           softmax_step, sparse_keys, store_rows)
 from .._runtime.sizes import cdiv, pow2
 from ...masks.levels import Levels
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 
 HOIST_RUNS = 8  # most runs (selected coarse tokens) in a list whose loops hoist their key rows (module docstring)
@@ -370,7 +370,7 @@ def forward_tiles(device: torch.device, d: int, dtype: torch.dtype) -> dict:
                     hoist_runs=HOIST_RUNS if d <= 128 else 0, hoist_stages=3)
         if dtype.itemsize > 2:
             base.update(BM=64, BN=32, WN=16, FN=64, warps=4, fine_stages=2, hoist_runs=0)
-    return {**base, **overrides("fwd")}
+    return with_overrides("fwd", base)
 
 
 def hoisting(levels: Levels, even: bool, tiles: dict) -> dict:

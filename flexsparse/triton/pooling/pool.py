@@ -15,7 +15,7 @@ import triton.language as tl
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
 from ...masks.levels import SPAN, Levels
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def first_pass(levels: Levels, d: int, device: torch.device) -> tuple[int, int, 
     (up_tokens, up_off), dst_tokens = (levels.rows[2][:2] if up else (0, 0)), levels.rows[1][0]
     keep = up and levels.levels > 2
     constants = dict(D=d, BD=bd, BLOCK=levels.block, TT=pow2(step), STEP=step, UP=up, KEEP_SUMS=keep,
-                     num_warps=overrides("pool").get("warps", first_pass_warps(step, bd, keep)))
+                     num_warps=with_overrides("pool", {}, ("warps",)).get("warps", first_pass_warps(step, bd, keep)))
     return cdiv(dst_tokens, step), 3 if up else 2, (dst_tokens, up_off, up_tokens), constants
 
 

@@ -54,7 +54,7 @@ import triton.language as tl
 from ..common.bisect import INT_MIN, first_k_rows, ordered_key, store_taken
 from .._runtime.registry import launcher
 from .._runtime.sizes import cdiv, pow2
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 ROW_LIMIT = 16384
 SCRATCH = 1 << 23  # fp32 scores per launch pair (32 MB: meant to stay in L2 between the two kernels)
@@ -222,11 +222,10 @@ def topk_tiles(tk: int) -> dict:
     head dim, padded) and ``FUSED_SCORES`` scores score and select in one kernel, ``FUSED_ROWS`` rows
     per program on ``FUSED_WARPS`` warps (module docstring; overrides: kind ``block_topk`` of ``tiles``)."""
     bt = pow2(tk, 16)
-    tiles = {"BM": 64, "BN": 64, "BK": 64, "WARPS": 4, "STAGES": 3,
-             "SELECT_WARPS": max(1, min(16, bt // _KEYS_PER_WARP)),
-             "FUSED_TILE": 256 * 64, "FUSED_SCORES": 1 << 21, "FUSED_ROWS": 16, "FUSED_WARPS": 4}
-    tiles.update(overrides("block_topk"))
-    return tiles
+    return with_overrides("block_topk", {"BM": 64, "BN": 64, "BK": 64, "WARPS": 4, "STAGES": 3,
+                                         "SELECT_WARPS": max(1, min(16, bt // _KEYS_PER_WARP)),
+                                         "FUSED_TILE": 256 * 64, "FUSED_SCORES": 1 << 21, "FUSED_ROWS": 16,
+                                         "FUSED_WARPS": 4})
 
 
 def select_scores(scores: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, row0: int = 0,

@@ -19,9 +19,9 @@ whose address ``torch.compile``'s write analysis sees as depending on the pyrami
 which LLSA's calls do not. Ties go to the smallest key id (candidates are laid out in id order: the parent's
 selection is ascending); rows are stored ascending. The result
 equals ``naive.hierarchical_topk`` on the same pyramids (exactly where the products are exact, as on the
-tests' grid values). Tuning overrides (``tiles.overrides("select")``): ``parents`` (``CHILD_PARENTS``),
-``top_split`` (``TOP_PARTS``), ``child_split`` (``CHILD_PARTS``), ``top_warps``, ``top_precision``, ``bucket``
-(the children's int32 pass, default on).
+tests' grid values). Tuning overrides (kind ``select`` of ``tiles``, ``SELECT_TILES``): ``parents``
+(``CHILD_PARENTS``), ``top_split`` (``TOP_PARTS``), ``child_split`` (``CHILD_PARTS``), ``top_warps``,
+``top_precision``, ``bucket`` (the children's int32 pass, default on).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from ..common.jit import KV_OFF, SEL_OFF, T, TOPK, program_heads
 from ...masks import levels as level_columns
 from .._runtime.sizes import cdiv, pow2
 from ...masks.levels import Levels
-from .._runtime.tiles import overrides
+from .._runtime.tiles import with_overrides
 
 SEARCH_BISECT, SEARCH_PACKED = 0, 1  # store_top's searches (module docstring)
 PACKED = tl.constexpr(SEARCH_PACKED)  # the same, in the kernels
@@ -228,6 +228,7 @@ DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tok
 DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys). A level's whole fp32 keys in shared
 # memory take 260 KB at 1024 x 64, over sm_90's 227 KB (benchmarks/sm90_fit.py); with its head-dim chunks the dense
 # kernel takes 66 KB at 1024 x 32, but wider dense levels are not measured, so the bound stays
+SELECT_TILES = ("parents", "top_split", "child_split", "top_warps", "top_precision", "bucket")
 CHILD_PARENTS = 1  # parents per program below the top level (H100, B2 H8 b16 K8, us, one warp each: N65536 D64
 # 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186. With a bisection search, H200: 2 parents 102
 # against 111 with 1 and 110 with 4)
@@ -307,7 +308,7 @@ def hierarchical_topk(q_pyr: torch.Tensor, k_pyr: torch.Tensor, levels: Levels,
     top, block = levels.levels, levels.block
     args = (q_pyr, k_pyr, sel, meta, q_pyr.stride(0), q_pyr.stride(1), k_pyr.stride(0), k_pyr.stride(1),
             heads, heads // k_pyr.shape[1], levels.selection_size)
-    bc, bd, tiles = pow2(levels.tokens(top), 16), pow2(d, 16), overrides("select")
+    bc, bd, tiles = pow2(levels.tokens(top), 16), pow2(d, 16), with_overrides("select", {}, SELECT_TILES)
     if bc <= DENSE_TOP_TOKENS and bc * bd <= dense_limit:
         kp = pow2(levels.topk[-1])
         how, split = row_search(True, bc, kp, tiles)
