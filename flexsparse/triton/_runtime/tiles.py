@@ -52,7 +52,7 @@ def with_overrides(kind: str, base: dict, optional: tuple[str, ...] = ()) -> dic
     only where it has them) is an error that names it and the kind's keys: a misspelt key would otherwise change
     nothing."""
     given = overrides(kind)
-    unknown = sorted(set(given) - set(base) - set(optional))
+    unknown = sorted(set(given) - set(base) - set(optional)) if given else ()
     if unknown:
         raise ValueError(f"FLEXSPARSE_TRITON_TILES: kind {kind!r} has no key {unknown[0]!r}; its keys: "
                          f"{', '.join(sorted({*base, *optional}))}")
