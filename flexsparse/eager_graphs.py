@@ -39,11 +39,19 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _EAGER = "eager"        # a key whose capture failed
 
 
+def enabled() -> bool:
+    """``FLEXSPARSE_EAGER_GRAPHS``: ``1`` (the default) or ``0``; any other value is an error naming it."""
+    value = os.environ.get("FLEXSPARSE_EAGER_GRAPHS") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"FLEXSPARSE_EAGER_GRAPHS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def applies(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a call on q ``(B, H, Nq, D)`` and ``tensors`` (every tensor input) runs through graphs here."""
-    if q.device.type != "cuda" or q.shape[0] * q.shape[1] * q.shape[2] > MAX_QUERY_ROWS:
+    if not enabled() or q.device.type != "cuda" or q.shape[0] * q.shape[1] * q.shape[2] > MAX_QUERY_ROWS:
         return False
-    if os.environ.get("FLEXSPARSE_EAGER_GRAPHS", "1") == "0" or q.device.index != torch.cuda.current_device():
+    if q.device.index != torch.cuda.current_device():
         return False
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False

@@ -1,5 +1,8 @@
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -248,3 +251,22 @@ def test_tile_overrides_take_the_keys_a_kernel_reads_where_set(monkeypatch):
     tiles = linear_tiles(torch.device("cpu"), 64, torch.float32)                # the CPU tiles have no caps
     assert tiles["dq_maxnreg"] == 96 and tiles["TQ"] == 32
     assert with_overrides("select", {}, SELECT_TILES) == {"parents": 2}
+
+
+def test_eager_graphs_switch_takes_0_or_1(monkeypatch):
+    from flexsparse import eager_graphs
+    q = torch.zeros(1, 1, 16, 8)
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("FLEXSPARSE_EAGER_GRAPHS", value)
+        assert eager_graphs.enabled() is on and not eager_graphs.applies(q, [q])      # CPU calls stay eager
+    monkeypatch.setenv("FLEXSPARSE_EAGER_GRAPHS", "false")
+    with pytest.raises(ValueError, match="FLEXSPARSE_EAGER_GRAPHS must be 0 or 1, got 'false'"):
+        eager_graphs.applies(q, [q])
+
+
+def test_launch_switch_takes_fast_or_triton():
+    """``FLEXSPARSE_TRITON_LAUNCH`` is read at import: a misspelt value stops the import with an error naming it."""
+    code = "import flexsparse.triton._runtime.fast_launch"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "FLEXSPARSE_TRITON_LAUNCH": "trition"})
+    assert run.returncode != 0 and "FLEXSPARSE_TRITON_LAUNCH must be 'fast' or 'triton', got 'trition'" in run.stderr

@@ -17,7 +17,8 @@ instrumentation knobs set) goes through ``JITFunction.run``, which compiles wher
 returns is kept for the key (``MAX_KEYS`` keys per kernel, then the table starts over: a model run at many
 lengths).
 
-``FLEXSPARSE_TRITON_LAUNCH=triton`` (read at import) keeps every launch on Triton's own path.
+``FLEXSPARSE_TRITON_LAUNCH=triton`` (read at import; ``fast``, the default, or ``triton``) keeps every launch on
+Triton's own path.
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ try:
 except ImportError:                                             # a Triton without Gluon
     GluonDescriptor = None
 
-ENABLED = os.environ.get("FLEXSPARSE_TRITON_LAUNCH", "fast") != "triton"
+LAUNCH = os.environ.get("FLEXSPARSE_TRITON_LAUNCH") or "fast"
+if LAUNCH not in ("fast", "triton"):
+    raise ValueError(f"FLEXSPARSE_TRITON_LAUNCH must be 'fast' or 'triton', got {LAUNCH!r}")
+ENABLED = LAUNCH == "fast"
 MAX_KEYS = 4096                     # compiled-kernel entries per kernel before the table starts over
 MAX_ENCODED = 256                   # encoded TMA descriptors per kernel argument before that table starts over
 _UNKEYED = object()
