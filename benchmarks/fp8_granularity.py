@@ -1,4 +1,4 @@
-"""Which quantization granularity the FP8 sparse branch needs on real attention inputs (CPU, about a minute).
+"""Which quantization granularity the FP8 sparse branch needs on real attention inputs (CPU, under a minute).
 Not a ``python -m flexsparse`` case: no kernel runs; the branch is emulated in fp32 with the operands rounded to
 e4m3 as each recipe would round them.
 
