@@ -14,7 +14,7 @@ rel L2 of the FP8 branch against the unquantized one on the same ``topk`` select
     single pass         K per block as it comes; V per block of tokens
 
 on the q, k, v that block 1 of the example DiT receives (``tests/data/dit128_sla2_block1.pt``, N = 16384), the same
-keys plus a common offset (``--offsets``: a per-channel offset of that many times the RMS key entry, sign random;
+keys plus a common offset (``--offsets``: a per-channel offset of that many times the RMS key entry, random signs;
 an offset of 4 makes the mean ~97 % of the keys' norm), and iid Gaussian inputs of the same shape. Q per query
 block and P (static scale 448) are rounded in all four.
 
