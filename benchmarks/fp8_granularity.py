@@ -29,6 +29,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
+from flexsparse.backends import BACKENDS
+from flexsparse.config import Config
+from flexsparse.methods import METHODS
+from flexsparse.quant import quantized_softmax
 from flexsparse.quant.formats import channel_scales, fake_quant, fake_quant_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,17 +48,15 @@ def real_qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(recorded[name].float() for name in ("q", "k", "v"))
 
 
-def top_blocks(q: torch.Tensor, k: torch.Tensor, topk: int) -> torch.Tensor:
-    """``(B, H, T, topk)`` key-block ids of each query block: the top-K of the pooled scores (``topk``'s rule)."""
-    b, h, n, d = q.shape
-    pooled_q = q.view(b, h, n // BLOCK, BLOCK, d).mean(3)
-    pooled_k = k.view(b, h, n // BLOCK, BLOCK, d).mean(3)
-    return (pooled_q @ pooled_k.transpose(-1, -2)).topk(topk, dim=-1).indices
+def top_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk: int) -> torch.Tensor:
+    """``(B, H, T, topk)`` key-block ids of each query block: ``topk``'s selection on the torch backend."""
+    cfg = Config.from_dict({"method": "topk", "block_size": BLOCK, "topk": topk})
+    return METHODS["topk"].select(q, k, v, cfg, BACKENDS["torch"], {}).indices.long()
 
 
 def branch(q, k, v, blocks: torch.Tensor, round_p: bool) -> torch.Tensor:
-    """The sparse softmax branch ``(B, H, N, D)`` over ``blocks``; with ``round_p`` P = exp(S - m) on the e4m3 grid
-    of the static scale 448, the row sum unrounded."""
+    """The sparse softmax branch ``(B, H, N, D)`` over ``blocks``; with ``round_p`` the FP8 numerator of the spec
+    (``quant.quantized_softmax``)."""
     b, h, n, d = q.shape
     t = n // BLOCK
     keys = (blocks[..., None] * BLOCK + torch.arange(BLOCK)).flatten(-2)           # (B, H, T, K)
@@ -63,17 +65,14 @@ def branch(q, k, v, blocks: torch.Tensor, round_p: bool) -> torch.Tensor:
         for j in range(h):
             kk, vv = k[i, j][keys[i, j]], v[i, j][keys[i, j]]                       # (T, K, D)
             s = torch.einsum("tqd,tkd->tqk", q[i, j].view(t, BLOCK, d), kk) * d ** -0.5
-            p = torch.exp(s - s.amax(-1, keepdim=True))
-            total = p.sum(-1, keepdim=True)
-            if round_p:
-                p = (p * 448).to(torch.float8_e4m3fn).float() / 448
-            out[i, j] = (torch.einsum("tqk,tkd->tqd", p, vv) / total).reshape(n, d)
+            p = quantized_softmax(s)[0] if round_p else torch.softmax(s, dim=-1)
+            out[i, j] = torch.einsum("tqk,tkd->tqd", p, vv).reshape(n, d)
     return out
 
 
 def errors(q, k, v, topk: int) -> dict:
     """Rel L2 of the FP8 branch against the unquantized one under each recipe."""
-    blocks = top_blocks(q, k, topk)
+    blocks = top_blocks(q, k, v, topk)
     want = branch(q, k, v, blocks, False)
     mean = k.mean(2, keepdim=True)
     smoothed = fake_quant_blocks(k - mean, BLOCK) + mean

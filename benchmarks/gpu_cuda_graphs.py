@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from triton.testing import do_bench
 
+from flexsparse.bench import env_var
 from flexsparse.bench.measure import build_module
 from flexsparse.methods import METHODS
 
@@ -47,14 +48,8 @@ def attention_fn(kind: str, method: str | None, n: int, sample):
 def time_loop(kind: str, method: str | None, q, k, v, grad) -> dict:
     """Forward and training-step medians (ms) of one loop kind, and its setup time (s)."""
     if kind == "eager, no graphs":
-        previous, os.environ["FLEXSPARSE_EAGER_GRAPHS"] = os.environ.get("FLEXSPARSE_EAGER_GRAPHS"), "0"
-        try:
+        with env_var("FLEXSPARSE_EAGER_GRAPHS", "0"):
             return time_loop("eager", method, q, k, v, grad)
-        finally:
-            if previous is None:
-                del os.environ["FLEXSPARSE_EAGER_GRAPHS"]
-            else:
-                os.environ["FLEXSPARSE_EAGER_GRAPHS"] = previous
     start = time.time()
     torch._dynamo.reset()
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

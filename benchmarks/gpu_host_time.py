@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from triton.runtime.jit import JITFunction
 
+from flexsparse.bench import env_var
 from flexsparse.bench.measure import build_module
 from flexsparse.triton._runtime import fast_launch
 from flexsparse.methods import METHODS
@@ -44,33 +45,26 @@ def host_ms(call, rounds: int) -> dict[str, tuple[float, float]]:
     a row: small calls through CUDA graphs (``flexsparse.eager_graphs``), eager with launches through ``FastLaunch``,
     and eager through Triton's ``JITFunction.run`` (``fast_launch.ENABLED``); rounds alternate so that every mode
     sees the same host."""
-    enabled, graphs = fast_launch.ENABLED, os.environ.get("FLEXSPARSE_EAGER_GRAPHS")
+    enabled = fast_launch.ENABLED
     per_call = {mode: [] for mode in MODES}
     try:
         for mode, (use_graphs, fast) in MODES.items():
-            os.environ["FLEXSPARSE_EAGER_GRAPHS"] = use_graphs
-            for _ in range(20):
-                call()
+            with env_var("FLEXSPARSE_EAGER_GRAPHS", use_graphs):
+                for _ in range(20):
+                    call()
         torch.cuda.synchronize()
         for _ in range(rounds):
             for mode, (use_graphs, fast) in MODES.items():
-                os.environ["FLEXSPARSE_EAGER_GRAPHS"], fast_launch.ENABLED = use_graphs, enabled and fast
-                start = time.perf_counter()
-                for _ in range(CALLS):
-                    call()
-                per_call[mode].append(1e3 * (time.perf_counter() - start) / CALLS)
-                torch.cuda.synchronize()
+                fast_launch.ENABLED = enabled and fast
+                with env_var("FLEXSPARSE_EAGER_GRAPHS", use_graphs):
+                    start = time.perf_counter()
+                    for _ in range(CALLS):
+                        call()
+                    per_call[mode].append(1e3 * (time.perf_counter() - start) / CALLS)
+                    torch.cuda.synchronize()
     finally:
         fast_launch.ENABLED = enabled
-        _restore("FLEXSPARSE_EAGER_GRAPHS", graphs)
     return {mode: (min(times), statistics.median(times)) for mode, times in per_call.items()}
-
-
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def kernels_per_call(call) -> int:
@@ -222,9 +216,8 @@ def main() -> None:
               else build_module(METHODS[name].example, "triton", 64, 1, args.n, "cuda"))
         for phase, call in calls(fn, args.n).items():
             times = host_ms(call, args.rounds)
-            previous, os.environ["FLEXSPARSE_EAGER_GRAPHS"] = os.environ.get("FLEXSPARSE_EAGER_GRAPHS"), "0"
-            count, launches = kernels_per_call(call), launch_us(call)
-            _restore("FLEXSPARSE_EAGER_GRAPHS", previous)
+            with env_var("FLEXSPARSE_EAGER_GRAPHS", "0"):
+                count, launches = kernels_per_call(call), launch_us(call)
             results[f"{name} {phase}"] = {"host_ms": {mode: least for mode, (least, _) in times.items()},
                                           "host_median_ms": {mode: median for mode, (_, median) in times.items()},
                                           "kernels": count, "launch_us": launches}

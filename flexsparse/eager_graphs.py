@@ -71,28 +71,20 @@ def tensor_key(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.dtype, x.device, x.requires_grad
 
 
-class _Calls:
-    """Per key: the eager calls seen so far (an int), the ``CapturedCall`` or ``_EAGER``; least recently used
-    first."""
-
-    def __init__(self):
-        self.entries: collections.OrderedDict = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-
-_CALLS = _Calls()
+_CALLS: collections.OrderedDict = collections.OrderedDict()   # key: eager calls so far, CapturedCall or _EAGER (LRU)
+_LOCK = threading.Lock()
 
 
 def run(key: tuple, steps: Callable, inputs: Sequence[torch.Tensor]) -> tuple:
     """``steps(*inputs)`` (a tuple of tensors or ``None``) for the call ``key``: eagerly on the key's first call,
     from its graphs after that (module docstring)."""
-    with _CALLS.lock:
-        entry = _CALLS.entries.get(key, 0)
+    with _LOCK:
+        entry = _CALLS.get(key, 0)
         if isinstance(entry, int):
-            _CALLS.entries[key] = entry + 1
-        _CALLS.entries.move_to_end(key)
-        while len(_CALLS.entries) > CACHE_SIZE:
-            _CALLS.entries.popitem(last=False)
+            _CALLS[key] = entry + 1
+        _CALLS.move_to_end(key)
+        while len(_CALLS) > CACHE_SIZE:
+            _CALLS.popitem(last=False)
     if entry == 0 or entry == _EAGER:
         return steps(*inputs)
     if isinstance(entry, int):
@@ -102,8 +94,8 @@ def run(key: tuple, steps: Callable, inputs: Sequence[torch.Tensor]) -> tuple:
             warnings.warn(f"flexsparse: this call shape runs eagerly, its CUDA graph capture failed: {error}",
                           RuntimeWarning, stacklevel=4)
             entry = _EAGER
-        with _CALLS.lock:
-            _CALLS.entries[key] = entry
+        with _LOCK:
+            _CALLS[key] = entry
         if entry == _EAGER:
             return steps(*inputs)
     return entry(inputs)
@@ -111,8 +103,8 @@ def run(key: tuple, steps: Callable, inputs: Sequence[torch.Tensor]) -> tuple:
 
 def clear() -> None:
     """Drop every captured graph (their memory is freed once no pending backward holds them)."""
-    with _CALLS.lock:
-        _CALLS.entries.clear()
+    with _LOCK:
+        _CALLS.clear()
 
 
 class CapturedCall:

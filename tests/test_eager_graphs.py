@@ -45,7 +45,7 @@ def _assert_same(got, want):
 
 
 def _captured() -> list:
-    return [entry for entry in eager_graphs._CALLS.entries.values() if isinstance(entry, eager_graphs.CapturedCall)]
+    return [entry for entry in eager_graphs._CALLS.values() if isinstance(entry, eager_graphs.CapturedCall)]
 
 
 @gpu
@@ -208,7 +208,7 @@ def test_gpu_large_calls_stay_eager(graphs):
     with torch.no_grad():
         for _ in range(3):
             module(q, k, v)
-    assert not eager_graphs._CALLS.entries
+    assert not eager_graphs._CALLS
 
 
 def test_cpu_calls_stay_eager(graphs):
@@ -217,7 +217,7 @@ def test_cpu_calls_stay_eager(graphs):
     for _ in range(3):
         flexsparse.attention(q, k, v, {"method": "topk", "block_size": 32, "topk": 2}, backend="torch")
     assert not eager_graphs.applies(q, [q, k, v])
-    assert not eager_graphs._CALLS.entries
+    assert not eager_graphs._CALLS
 
 
 class _StandIn:
@@ -261,4 +261,4 @@ def test_cpu_cache_keeps_the_most_recent_keys(graphs, monkeypatch):
     for key in range(eager_graphs.CACHE_SIZE + 3):
         eager_graphs.run((key,), lambda x: (x, None), [x])
     eager_graphs.run((3,), lambda x: (x, None), [x])
-    assert list(eager_graphs._CALLS.entries) == [(key,) for key in [*range(4, eager_graphs.CACHE_SIZE + 3), 3]]
+    assert list(eager_graphs._CALLS) == [(key,) for key in [*range(4, eager_graphs.CACHE_SIZE + 3), 3]]

@@ -141,21 +141,10 @@ def interpreter_suites(path: str):
     return test_interpreter_suite, test_interpreter_suite_exhaustive
 
 
-@contextlib.contextmanager
 def env_var(name: str, value: str | None):
-    """Environment variable ``name`` set to ``value`` inside the block (unset for None), restored after."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+    """``flexsparse.bench.env_var`` (imported at the call, as flexsparse is here: see the module docstring)."""
+    from flexsparse.bench import env_var as package_env_var
+    return package_env_var(name, value)
 
 
 def interpreter_env(on: bool):

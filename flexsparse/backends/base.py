@@ -36,7 +36,7 @@ class Backend:
     """PyTorch implementations of every step (the ``torch`` backend as it is; see the module docstring)."""
 
     name = "torch"
-    # small eager CUDA calls replay CUDA graphs (flexsparse.eager_graphs): a backend whose steps capture
+    # True where the steps can be captured: small eager CUDA calls then replay graphs (flexsparse.eager_graphs)
     graphs_small_calls = False
 
     def capture_settings(self) -> tuple:

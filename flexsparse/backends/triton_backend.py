@@ -15,6 +15,7 @@ import torch
 from ..config import QuantConfig
 from ..masks import BlockSelection, Levels, LLSASelection, accumulation_dtype, level_table, pack
 from ..triton.block_sparse import op as block_op
+from ..triton._runtime import tiles
 from ..triton._runtime.sizes import MAX_GRID_YZ
 from ..triton.common.inputs import contiguous_rows, use_kernels
 from ..triton.linear import naive as linear_naive
@@ -52,7 +53,7 @@ class TritonBackend(Backend):
     graphs_small_calls = True
 
     def capture_settings(self) -> tuple:
-        return (os.environ.get("FLEXSPARSE_TRITON_TILES"),)     # the tile overrides (triton._runtime.tiles)
+        return (os.environ.get(tiles.VARIABLE),)                # the tile overrides
 
     def unsupported(self, device, dtype, needs_grad, needs_lse, blocks, head_dim, batch_heads=1):
         if not HAS_TRITON:

@@ -6,7 +6,8 @@ the flexsparse tree on ``PYTHONPATH``), ``compare`` (``--compare REF``), ``env``
 (tables, JSON), ``plot``, ``cli``; ``inputs`` and ``scripts`` serve the standalone scripts.
 """
 from .inputs import offset_qkv, structured_qkv
-from .scripts import attempt, bench_report, rel_l2
+from .scripts import attempt, bench_report, env_var, rel_l2
 from .timing import kernel_times, time_spread
 
-__all__ = ["attempt", "bench_report", "kernel_times", "offset_qkv", "rel_l2", "structured_qkv", "time_spread"]
+__all__ = ["attempt", "bench_report", "env_var", "kernel_times", "offset_qkv", "rel_l2", "structured_qkv",
+           "time_spread"]

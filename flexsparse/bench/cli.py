@@ -7,6 +7,7 @@ terminal, the results JSON (and a plot of time against N) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -23,10 +24,11 @@ from .env import device_name, versions
 from .measure import run_cases
 from .plot import plot_times
 from .report import problems, timing_table, write_json
+from .scripts import env_var
 from .suites import SUITES
+from ..triton._runtime.tiles import VARIABLE as TILES_VARIABLE
 
 OVERRIDES = (("block_size", "--block-size"), ("topk", "--topk"), ("topk_ratio", "--topk-ratio"))
-TILES_VARIABLE = "FLEXSPARSE_TRITON_TILES"
 
 
 def positive_int(text: str) -> int:
@@ -213,17 +215,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Run:
 
 def run_here(run: Run, args) -> int:
     """Time the cases in this process; table, JSON, plot. Non-zero when no method case ran or one failed."""
-    previous = os.environ.get(TILES_VARIABLE)
-    if run.tiles is not None:
-        os.environ[TILES_VARIABLE] = run.tiles
-    try:
+    with env_var(TILES_VARIABLE, run.tiles) if run.tiles is not None else contextlib.nullcontext():
         results = run_cases([case.to_dict() for case in run.cases])
-    finally:
-        if run.tiles is not None:
-            if previous is None:
-                del os.environ[TILES_VARIABLE]
-            else:
-                os.environ[TILES_VARIABLE] = previous
     print(timing_table(results))
     for line in problems(results):
         print(line)

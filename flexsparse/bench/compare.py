@@ -17,6 +17,7 @@ from typing import Callable
 from tabulate import tabulate
 
 from .report import ms_text
+from ..triton._runtime.tiles import VARIABLE as TILES_VARIABLE
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
@@ -52,9 +53,9 @@ def run_worker(root: str, cases: list[dict], workdir: str, name: str, tiles: str
     with open(cases_path, "w") as f:
         json.dump(cases, f)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    env.pop("FLEXSPARSE_TRITON_TILES", None)
+    env.pop(TILES_VARIABLE, None)
     if tiles:
-        env["FLEXSPARSE_TRITON_TILES"] = tiles
+        env[TILES_VARIABLE] = tiles
     done = subprocess.run([sys.executable, WORKER, cases_path, results_path, "--prefix", f"[{name}] "], env=env)
     if done.returncode != 0:
         raise RuntimeError(f"the worker for {name} ({root}) exited with status {done.returncode}")

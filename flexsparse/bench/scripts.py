@@ -1,7 +1,9 @@
 """Helpers of the standalone benchmark scripts in ``benchmarks/`` and of ``examples/dit/study.py``."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import traceback
 
@@ -19,6 +21,23 @@ def attempt(work):
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None):
+    """Environment variable ``name`` set to ``value`` inside the block (unset for None), restored after."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -22,12 +22,13 @@ import json
 import os
 
 
+VARIABLE = "FLEXSPARSE_TRITON_TILES"
 KINDS = ("fwd", "bwd", "block_fwd", "block_bwd", "linear", "block_topk", "block_fwd_fp8", "select", "pool")
 
 
 def _table() -> dict:
     """The environment's table of overrides, ``{}`` when unset; an error that names what is wrong otherwise."""
-    text = os.environ.get("FLEXSPARSE_TRITON_TILES")
+    text = os.environ.get(VARIABLE)
     if not text:
         return {}
     try:

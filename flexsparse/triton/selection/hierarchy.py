@@ -40,6 +40,7 @@ from ...masks.levels import Levels
 from .._runtime.tiles import with_overrides
 
 SEARCH_BISECT, SEARCH_PACKED = 0, 1  # store_top's searches (module docstring)
+SELECT_TILES = ("parents", "top_split", "child_split", "top_warps", "top_precision", "bucket")  # tile overrides
 PACKED = tl.constexpr(SEARCH_PACKED)  # the same, in the kernels
 
 
@@ -228,7 +229,6 @@ DENSE_TOP_TOKENS = 1024  # top levels with more tokens, or with more (padded tok
 DENSE_TOP_ELEMENTS = 256 * 128  # go through block_topk (rows of up to 16K keys). A level's whole fp32 keys in shared
 # memory take 260 KB at 1024 x 64, over sm_90's 227 KB (benchmarks/sm90_fit.py); with its head-dim chunks the dense
 # kernel takes 66 KB at 1024 x 32, but wider dense levels are not measured, so the bound stays
-SELECT_TILES = ("parents", "top_split", "child_split", "top_warps", "top_precision", "bucket")
 CHILD_PARENTS = 1  # parents per program below the top level (H100, B2 H8 b16 K8, us, one warp each: N65536 D64
 # 85-86 against 96-98 with 2; N262144 L3 161-162 against 185-186. With a bisection search, H200: 2 parents 102
 # against 111 with 1 and 110 with 4)
