@@ -28,6 +28,7 @@ an out-of-memory or other failure of one measurement is recorded and the others 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -44,6 +45,7 @@ VARIANTS = {
     "fp8": {},                                      # all e4m3: Q, K per block, V per channel, P static
     "fp8_int8qk": {"qk_dtype": "int8"},             # SageAttention2: int8 Q, K; e4m3 P, V
     "fp8_p_none": {"p": "none"},                    # Q, K, V quantized, P not (what flex can run)
+    "fp8_single_pass": {"smooth_keys": False},      # K unsmoothed: Q, K quantized in the selection's pooling pass
 }
 CONFIGS = {
     "sla": lambda ratio: {"method": "sla", "block_size": 64, "topk_ratio": ratio},
@@ -89,12 +91,14 @@ def method_config(args, n: int, quant) -> dict:
 
 def branch_selection(args, q, k, v, module):
     """The method's block selection (hard) on the chosen backend and the keys its sparse branch attends (SLA2's
-    smoothed keys), computed once for the branch timings."""
+    smoothed keys), computed once for the branch timings; without the operands its pooling pass prepared, so that
+    every variant's branch time holds all of its quantization."""
     method, cfg, backend = METHODS[args.method], module.config, BACKENDS[args.backend]
     with torch.no_grad():
         params = method.check_params(cfg, q, dict(module.params.items()))
         selection = method.select(q, k, v, cfg, backend, params)
-    return (selection.mask, selection.keys) if args.method == "sla2" else (selection, k)
+    mask, keys = (selection.mask, selection.keys) if args.method == "sla2" else (selection, k)
+    return dataclasses.replace(mask, prepared=None), keys
 
 
 def run_variant(args, name: str, quant, q, k, v, device, baseline: dict) -> dict:

@@ -143,13 +143,16 @@ class QuantConfig:
     (``"fp8_e4m3"``, or ``"int8"`` as SageAttention2); ``qk``: Q and K scales per block of the method's
     query / key blocks or per (batch, head); ``v``: per channel or per (batch, head); ``p``: ``"static"``
     quantizes the softmax numerator with the static scale 448, ``"none"`` keeps P in the compute
-    precision (the only choice FlexAttention can run)."""
+    precision (the only choice FlexAttention can run); ``smooth_keys``: K minus its mean over the sequence before
+    its scales (SageAttention), or K as it comes (False: the triton backend then quantizes Q and K in the
+    selection's pooling pass, with no pass of their own)."""
 
     dtype: str = "fp8_e4m3"
     qk_dtype: str = "fp8_e4m3"
     qk: str = "per_block"
     v: str = "per_channel"
     p: str = "static"
+    smooth_keys: bool = True
 
     def __post_init__(self):
         check_choice("quant.dtype", self.dtype, ("fp8_e4m3",))
@@ -157,6 +160,7 @@ class QuantConfig:
         check_choice("quant.qk", self.qk, ("per_block", "per_tensor"))
         check_choice("quant.v", self.v, ("per_channel", "per_tensor"))
         check_choice("quant.p", self.p, ("static", "none"))
+        check_bool("quant.smooth_keys", self.smooth_keys)
 
     @classmethod
     def from_value(cls, value: Any) -> "QuantConfig | None":

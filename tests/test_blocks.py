@@ -74,9 +74,9 @@ def test_vsa_gate_needs_params_in_functional_api():
 
 @pytest.mark.parametrize("n, block_q, block_k, heads, kv_heads, topk", CASES)
 def test_block_selection_matches_bruteforce(n, block_q, block_k, heads, kv_heads, topk):
-    q, k, _ = qkv(heads=heads, kv_heads=kv_heads, n=n, d=8)
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads, n=n, d=8)
     cfg = fs.Config.from_dict({"method": "topk", "block_q": block_q, "block_k": block_k, "topk": topk})
-    sel = select_blocks(q, k, cfg, BACKENDS["torch"])
+    sel = select_blocks(q, k, v, cfg, BACKENDS["torch"])
     assert torch.equal(sel.indices, block_select_bruteforce(q, k, topk, block_q, block_k).indices)
 
 

@@ -149,7 +149,7 @@ def test_topk_and_vsa_forward_cpu(case):
     cfg = Config.from_dict({"method": "topk", "block_q": bq, "block_k": bk, "topk": topk})
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg, backend="flex", scale=scale)
-        selection = select_blocks(q, k, cfg, BACKENDS["flex"])
+        selection = select_blocks(q, k, v, cfg, BACKENDS["flex"])
         ref, _ = block_sparse_dense(*_f64(q, k, v), selection, scale)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out, flexsparse.attention(q, k, v, cfg, backend="torch", scale=scale),
@@ -218,7 +218,7 @@ def test_cpu_flex_refuses_the_block_sizes_its_kernel_gets_wrong():
     assert backends.resolve("auto", topk, cpu, needs_grad=False, blocks=(16, 8), head_dim=32).name == "flex"
     with torch.no_grad():
         out = flexsparse.attention(q, k, v, cfg)
-        selection = select_blocks(q, k, Config.from_dict(cfg), BACKENDS["torch"])
+        selection = select_blocks(q, k, v, Config.from_dict(cfg), BACKENDS["torch"])
         ref, _ = block_sparse_dense(*_f64(q, k, v), selection, q.shape[-1] ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 

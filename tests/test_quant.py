@@ -49,7 +49,7 @@ def small_case(name: str) -> tuple[dict, int, int, int]:
     return cfg, 4, 2, 75
 
 
-QUANTS = [{}, {"qk_dtype": "int8"}, {"qk": "per_tensor", "v": "per_tensor", "p": "none"}]
+QUANTS = [{}, {"qk_dtype": "int8"}, {"qk": "per_tensor", "v": "per_tensor", "p": "none", "smooth_keys": False}]
 
 
 # ------------------------------------------------------------------ hand-written reference quantizer
@@ -194,7 +194,7 @@ def _run(qkv, params, cfg, backend, quant=None):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("quant", QUANTS, ids=["fp8", "int8qk", "per_tensor-p_none"])
+@pytest.mark.parametrize("quant", QUANTS, ids=["fp8", "int8qk", "per_tensor-p_none-unsmoothed"])
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
     """Both in fp32, so that both quantize the same products x * s onto the same grid (fp64 products can
@@ -332,6 +332,35 @@ def test_backends_that_cannot_run_quant_refuse_it_and_auto_avoids_them():
     assert torch.equal(auto, flexsparse.attention(*qkv, {**cfg, "quant": {}}, backend="torch"))
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_unsmoothed_keys_are_quantized_as_they_come(backend):
+    """``smooth_keys=False``: ``topk``'s branch is the hand-written oracle on K as it comes (Q and K per block, V per
+    channel, P static; no LSE shift), fp32 inputs so that both quantize the same products; the default (smoothed)
+    forward differs from it (the keys have a common offset)."""
+    bsz, heads, kv_heads, n, d, block_q, block_k = 1, 2, 1, 45, 16, 16, 8
+    cfg = {"method": "topk", "block_q": block_q, "block_k": block_k, "topk": 3}
+    q, k, v = (torch.randn(bsz, h, n, d) for h in (heads, kv_heads, kv_heads))
+    k = k + 2.0 * torch.randn(1, kv_heads, 1, d)
+    config = {**cfg, "quant": {"smooth_keys": False}}
+    out, lse = flexsparse.attention(q, k, v, config, backend=backend, return_lse=True)
+    smoothed = flexsparse.attention(q, k, v, {**cfg, "quant": {}}, backend=backend)
+    selection = flexsparse.METHODS["topk"].select(q, k, v, Config.from_dict(cfg), backends.BACKENDS["torch"], {})
+    token_q, token_k = torch.arange(n) // block_q, torch.arange(n) // block_k
+    picked = torch.zeros(bsz, heads, selection.num_q_blocks, selection.num_k_blocks, dtype=torch.bool)
+    picked.scatter_(-1, selection.indices.long(), True)
+    q_hat = reference_fake_quant_blocks(q, block_q, "fp8_e4m3")
+    k_hat = reference_fake_quant_blocks(k, block_k, "fp8_e4m3").repeat_interleave(heads // kv_heads, dim=1)
+    v_scale = (448.0 / v.abs().amax(dim=2, keepdim=True).double()).float()
+    v_hat = (e4m3_round(v * v_scale) / v_scale).repeat_interleave(heads // kv_heads, dim=1)
+    logits = (d**-0.5 * q_hat @ k_hat.transpose(-1, -2)).masked_fill(~picked[:, :, token_q][..., token_k], -math.inf)
+    m = logits.amax(dim=-1, keepdim=True)
+    p = torch.exp(logits - m)
+    want = (e4m3_round(p * 448) / 448) @ v_hat / p.sum(dim=-1, keepdim=True)
+    want_lse = (m + p.sum(dim=-1, keepdim=True).log())[..., 0]
+    assert rel_err(out, want) < 1e-5 and rel_err(lse, want_lse) < 1e-6
+    assert rel_err(smoothed, want) > 1e-3
+
+
 @pytest.mark.parametrize("config, match", [
     *(({"method": name, "quant": {}}, f"'quant'.*not supported by method '{name}'.*{re.escape(str(QUANTIZED))}")
       for name in UNQUANTIZED),
@@ -345,9 +374,14 @@ def test_quant_config_errors(config, match):
         Config.from_dict(config)
 
 
+def test_quant_smooth_keys_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"'quant.smooth_keys' must be a bool, got str 'no'"):
+        Config.from_dict({"method": "topk", "quant": {"smooth_keys": "no"}})
+
+
 def test_quant_config_round_trips():
-    cfg = Config.from_dict({"method": "sla", "quant": {"qk_dtype": "int8", "p": "none"}})
-    assert cfg.quant == QuantConfig(qk_dtype="int8", p="none")
+    cfg = Config.from_dict({"method": "sla", "quant": {"qk_dtype": "int8", "p": "none", "smooth_keys": False}})
+    assert cfg.quant == QuantConfig(qk_dtype="int8", p="none", smooth_keys=False)
     assert Config.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["quant"]["qk_dtype"] == "int8"
     assert Config.from_dict({"method": "topk", "quant": None}).quant is None
 

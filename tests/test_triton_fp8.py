@@ -14,6 +14,7 @@ rounding emulation against the hardware cast, the error against the bf16 kernel,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -478,6 +479,87 @@ def test_methods_smooth_k_with_their_selections_mean(monkeypatch):
         assert len(means) == 1 and means[0][0] and means[0][1] < 1e-6, cfg["method"]
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
+    """``fp8_quant.pool_quantize`` (strided q, k, v, GQA, ragged blocks): e4m3 Q and unsmoothed K per block with their
+    scales bit for bit ``quantize_blocks``', V's amax ``max_N |v|``, the block means of q and k and k's block sums
+    within fp32 rounding of the PyTorch pooling (``pooling.naive.block_pooling``)."""
+    from flexsparse.triton.pooling import naive as pooling
+    q, k, v = (x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2) for x in make_qkv(2, 4, 2, 45, 24))
+    for block_q, block_k in ((16, 8), (32, 16)):
+        (q_means, k_means, k_sums), (q8, q_scales, k8, k_scales, v_amax) = fp8_quant.pool_quantize(
+            q, k, v, block_q, block_k)
+        assert all(map(torch.equal, (q8, q_scales), quantize_blocks(q, block_q)))
+        assert all(map(torch.equal, (k8, k_scales), quantize_blocks(k, block_k)))
+        assert torch.equal(v_amax, v.float().abs().amax(dim=2))
+        for got, want in zip((q_means, k_means, k_sums), pooling.block_pooling(q, k, block_q, block_k)):
+            assert got.dtype == torch.float32 and ts.rel_err(got, want) < 1e-6
+
+
+SINGLE_PASS = {"smooth_keys": False}
+
+
+@cpu_only
+@pytest.mark.parametrize("cfg", METHOD_CONFIGS, ids=lambda c: c["method"])
+def test_unsmoothed_keys_are_quantized_in_the_selections_pooling_pass(cfg, monkeypatch):
+    """``quant={"smooth_keys": False}``: the selection's pooling pass quantizes Q and K (``pool_quantize``) and the
+    FP8 branch takes them (no K pass, no mean): the same o, LSE and gradients as the kernels quantizing unsmoothed
+    inputs themselves, within the FP8 error of the torch backend's fake quantization of the unsmoothed spec, and
+    other than the smoothed forward's."""
+    n, d, heads = 75, 16, 2
+    params = _params(cfg, d, heads, n)
+    config = {**cfg, "quant": SINGLE_PASS}
+    q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(lambda: make_qkv(1, heads, 1, n, d), config,
+                                                                   params, ("triton", "torch")))
+    leaves = [q, k, v, *params.values()]
+    pooled, pooling = [], fp8_quant.pool_quantize
+    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: pooled.append(1) or pooling(*a))
+    keys_pass = fp8_quant.quantize_keys
+
+    def no_keys_pass(*args):
+        raise AssertionError("the FP8 pre-pass quantized K again")
+
+    monkeypatch.setattr(fp8_quant, "quantize_keys", no_keys_pass)
+    out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
+    assert pooled == [1]
+    grads = _loss_grads(out, lse, leaves)
+    monkeypatch.setattr(fp8_quant, "quantize_keys", keys_pass)
+    monkeypatch.setattr(type(TRITON), "quantizing_pooling", backends.base.Backend.quantizing_pooling)
+    own_out, own_lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
+    assert pooled == [1] and torch.equal(out, own_out) and torch.equal(lse, own_lse)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(grads, _loss_grads(own_out, own_lse,
+                                                                                                 leaves)))
+    with torch.no_grad():
+        spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
+        smoothed = flexsparse.attention(q, k, v, {**cfg, "quant": {}}, backend="triton", params=params)
+    assert ts.rel_err(out, spec) < 0.05 and not torch.equal(out, smoothed)
+
+
+@cpu_only
+def test_prepared_operands_serve_only_the_tensors_they_were_made_from(monkeypatch):
+    """A selection's pooled FP8 operands are used only for the q, k, v they came from: SLA2 with ``smooth_k="all"``
+    (its branches attend smoothed keys) pools without them, and a selection handed other tensors is attended as
+    if it had none."""
+    n, d, heads = 75, 16, 2
+    cfg = {**next(c for c in METHOD_CONFIGS if c["method"] == "sla2"), "smooth_k": "all", "quant": SINGLE_PASS}
+    params = _params(cfg, d, heads, n)
+    q, k, v = make_qkv(1, heads, 1, n, d)
+    pooled, pooling = [], fp8_quant.pool_quantize
+    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: pooled.append(1) or pooling(*a))
+    with torch.no_grad():
+        flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
+        assert pooled == []
+        topk = next(c for c in METHOD_CONFIGS if c["method"] == "topk")
+        selection = METHODS["topk"].select(q, k, v, Config.from_dict({**topk, "quant": SINGLE_PASS}), TRITON, {})
+        assert pooled == [1] and selection.prepared is not None
+        other_q = q.clone()
+        got = fp8_block_sparse_attention(other_q, k, v, selection, 0.25, smooth_keys=False)
+        want = fp8_block_sparse_attention(other_q, k, v, dataclasses.replace(selection, prepared=None), 0.25,
+                                          smooth_keys=False)
+    assert all(map(torch.equal, got, want))
+
+
 # ------------------------------------------------------------------------------ CPU, parent process
 
 @cpu_parent
@@ -736,6 +818,30 @@ def test_gpu_methods_quantized_forward_and_gradients(cfg):
     want = block_op.block_attn_bwd(do, dlse, q.detach(), k.detach(), v.detach(), selection.indices, o.detach(),
                                    lse.detach(), 64, 64, d**-0.5, True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
+def test_gpu_single_pass_quantization(cfg, d, monkeypatch):
+    """``quant={"smooth_keys": False}`` on e4m3 (D = 128: the Gluon kernels on sm_90): the operands of the selection's
+    pooling pass give the o, LSE and gradients of the kernels quantizing the unsmoothed inputs themselves, bit for
+    bit, within the FP8 error of the torch backend's fake quantization."""
+    n, heads = 4096, 4
+    params = _params(cfg, d, heads, n, "cuda")
+    config = {**cfg, "deterministic": True, "quant": SINGLE_PASS}
+    q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(
+        lambda: make_qkv(1, heads, 2, n, d, torch.bfloat16, "cuda"), config, params, ("triton", "torch")))
+    leaves = [q, k, v, *params.values()]
+    out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
+    grads = _loss_grads(out, lse, leaves)
+    with torch.no_grad():
+        spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
+    monkeypatch.setattr(type(TRITON), "quantizing_pooling", backends.base.Backend.quantizing_pooling)
+    own_out, own_lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
+    assert torch.equal(out, own_out) and torch.equal(lse, own_lse) and ts.rel_err(out, spec) < 0.04
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(grads, _loss_grads(own_out, own_lse,
+                                                                                                 leaves)))
 
 
 @gpu

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QuantConfig
-from ..masks import BlockSelection, LLSALayout, LLSASelection, accumulation_dtype, kv_head_index
+from ..masks import BlockSelection, LLSALayout, LLSASelection, PreparedOperands, accumulation_dtype, kv_head_index
 from ..quant import qat_attention, quantize_kv, quantizes_p
 from ..triton.block_sparse import naive as block_naive
 from ..triton.linear import naive as linear_naive
@@ -80,6 +80,12 @@ class Backend:
         """A block method's pooled q and k (``pooling.block_pooling``): q's and k's block means and k's block sums
         (the routers' key mean), differentiable."""
         return pooling.block_pooling(q, k, block_q, block_k)
+
+    def quantizing_pooling(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
+                           quant: QuantConfig | None) -> tuple[tuple[torch.Tensor, ...], PreparedOperands | None]:
+        """``block_pooling(q, k, block_q, block_k)`` and the operands of the quantized branch with ``quant`` that this
+        backend makes in the same pass (``BlockSelection.prepared``; None here: the branch quantizes its inputs)."""
+        return self.block_pooling(q, k, block_q, block_k), None
 
     def coarse_pooling(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
         """VSA's pooled tiles (``pooling.coarse_pooling``): q's and k's block means in the accumulation dtype (the

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import QuantConfig
-from ..masks import BlockSelection, Levels, LLSASelection, accumulation_dtype, level_table, pack
+from ..masks import BlockSelection, Levels, LLSASelection, PreparedOperands, accumulation_dtype, level_table, pack
 from ..triton.block_sparse import op as block_op
 from ..triton._runtime import tiles
 from ..triton._runtime.sizes import MAX_GRID_YZ
@@ -109,6 +109,20 @@ class TritonBackend(Backend):
             return super().block_pooling(q, k, block_q, block_k)
         return pooling_op.block_means_pair(q, k, block_q, block_k)
 
+    def quantizing_pooling(self, q, k, v, block_q: int, block_k: int, quant: QuantConfig | None):
+        """With ``quant`` of unsmoothed keys that the FP8 kernel runs, one pass pools q and k and quantizes them
+        (``fp8_quant.pool_quantize``: e4m3 Q and K per block, V's amax), so that the FP8 branch reads them from the
+        selection instead of a pre-pass over Q and K; eager calls on the kernels' inputs only (q, k, v of one dtype,
+        contiguous last dims), else ``block_pooling``."""
+        if (quant is None or quant.smooth_keys or self.quant_unsupported(quant, "block") is not None
+                or torch.compiler.is_compiling() or not use_kernels(q) or not q.dtype == k.dtype == v.dtype
+                or any(x.stride(-1) != 1 for x in (q, k, v))):
+            return super().quantizing_pooling(q, k, v, block_q, block_k, quant)
+        from ..triton.block_sparse import fp8_quant      # imports triton
+        with torch.no_grad():
+            pooled, tensors = fp8_quant.pool_quantize(q, k, v, block_q, block_k)
+        return pooled, PreparedOperands((q, k, v), tensors)
+
     def coarse_pooling(self, q, k, v, block_q: int, block_k: int):
         """One op in eager calls (``pooling.op.coarse_means``: one launch where the call is small)."""
         if torch.compiler.is_compiling():
@@ -151,7 +165,7 @@ class TritonBackend(Backend):
         reason = self.quant_unsupported(quant, "block")
         if reason is not None:
             raise ValueError(f"backend 'triton' cannot run config key 'quant': {reason}")
-        return fp8_block_sparse_attention(q, k, v, selection, scale, deterministic)
+        return fp8_block_sparse_attention(q, k, v, selection, scale, deterministic, quant.smooth_keys)
 
     def sparse_softmax(self, q, k, v, selection: BlockSelection, scale: float, *, deterministic: bool = False,
                        quantize_p: bool = False):
@@ -211,18 +225,30 @@ class TritonBackend(Backend):
                                                            alpha_logit, selection.block_q, selection.block_k, scale,
                                                            deterministic, feature_map, eps,
                                                            _grad_needed(q, k, v, weight, bias, alpha_logit),
-                                                           quant is not None, selection.key_mean)
+                                                           quant is not None, selection.key_mean,
+                                                           quant is None or quant.smooth_keys,
+                                                           *prepared_tensors(q, k, v, selection))
         return out, lse
 
 
-def fp8_block_sparse_attention(q, k, v, selection: BlockSelection, scale: float, deterministic: bool = False):
-    """The FP8 forward of the block-sparse branch (``flexsparse::block_attn_fp8``: K smoothed, e4m3 Q and K per
-    block, V per channel, P static; docs/methods.md "FP8 QAT"): ``o`` in q's dtype and the LSE of the unsmoothed
-    logits, with the QAT gradients (the bf16 backward kernels at this o and LSE; ``deterministic`` as
-    ``block_attn``'s). K is smoothed with the selection's ``key_mean`` where it has one."""
+def fp8_block_sparse_attention(q, k, v, selection: BlockSelection, scale: float, deterministic: bool = False,
+                               smooth_keys: bool = True):
+    """The FP8 forward of the block-sparse branch (``flexsparse::block_attn_fp8``: K smoothed with ``smooth_keys``,
+    e4m3 Q and K per block, V per channel, P static; docs/methods.md "FP8 QAT"): ``o`` in q's dtype and the LSE of
+    the unsmoothed logits, with the QAT gradients (the bf16 backward kernels at this o and LSE; ``deterministic`` as
+    ``block_attn``'s). K is smoothed with the selection's ``key_mean`` where it has one; the selection's prepared
+    operands of these q, k, v are used where it has them (``prepared_tensors``)."""
     indices = checked_indices(q, k, selection)
     return block_op.block_attn_fp8(q, k.to(q.dtype), v.to(q.dtype), indices, selection.block_q, selection.block_k,
-                                   scale, deterministic, selection.key_mean)
+                                   scale, deterministic, selection.key_mean, smooth_keys,
+                                   *prepared_tensors(q, k, v, selection))
+
+
+def prepared_tensors(q, k, v, selection: BlockSelection) -> list[torch.Tensor]:
+    """The FP8 operands the selection's pooling pass made (``quantizing_pooling``) where they are of q, k, v, else
+    ``[]``."""
+    prepared = selection.prepared
+    return prepared.tensors if prepared is not None and prepared.serves(q, k, v) else []
 
 
 def checked_indices(q: torch.Tensor, k: torch.Tensor, selection: BlockSelection) -> torch.Tensor:

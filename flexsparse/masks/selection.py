@@ -24,6 +24,20 @@ class _BlockGrid:
         return num_blocks(self.n_k, self.block_k)
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedOperands:
+    """Operands a backend's selection pass made for the attention of exactly the tensors ``sources`` (q, k, v):
+    the triton backend's e4m3 Q and K per block and V's amax from its pooling pass (``fp8_quant.pool_quantize``).
+    A backend uses them only where it attends those very tensors (``serves``); the others ignore them."""
+
+    sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    tensors: list[torch.Tensor]
+
+    def serves(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether q, k, v are the tensors these operands were made from (identity, not values)."""
+        return all(a is b for a, b in zip(self.sources, (q, k, v)))
+
+
 @dataclass(frozen=True)
 class BlockSelection(_BlockGrid):
     """Top-K key blocks per query block.
@@ -34,6 +48,7 @@ class BlockSelection(_BlockGrid):
     key_mean: optional ``(B, Hk, 1, D)`` mean over the tokens of the keys the branches attend, in the accumulation
     dtype, from the block sums the selection pooled (methods with ``quant``): the FP8 forward's smoothing mean
     without a pass over K; ``None`` where the selection has none (a backend that needs one takes it from the keys).
+    prepared: optional ``PreparedOperands`` of the backend that selected (the FP8 operands of unsmoothed keys).
     """
 
     indices: torch.Tensor
@@ -43,6 +58,7 @@ class BlockSelection(_BlockGrid):
     n_k: int
     excluded: torch.Tensor | None = None
     key_mean: torch.Tensor | None = None
+    prepared: PreparedOperands | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """FP8 quantization-aware training of a sparse softmax branch (SLA2 Sec. 5, SageAttention2 granularity).
 
-Forward (the fake-quant spec; docs/methods.md "FP8 QAT"): K smoothed (``k - mean_N k``), Q and K
+Forward (the fake-quant spec; docs/methods.md "FP8 QAT"): K smoothed (``k - mean_N k``; ``smooth_keys``), Q and K
 fake-quantized (e4m3, or int8 with ``qk_dtype="int8"``) per block of the method's query / key blocks
 (or per (b, h) with ``qk="per_tensor"``), V per channel (or per (b, h)), and with ``p="static"`` the
 softmax numerator ``P~ = exp(S - m)`` (m the row max over the attended keys) fake-quantized with the
@@ -108,11 +108,13 @@ def qat_attention(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _quantized_forward(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: QuantConfig,
                        block_q: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The fake-quantized forward of ``qat_attention``: smooth K, quantize Q, ``attend(q^, k_s, v, quant)``,
-    LSE shifted back to the unsmoothed logits."""
+    """The fake-quantized forward of ``qat_attention``: smooth K (``quant.smooth_keys``), quantize Q,
+    ``attend(q^, k_s, v, quant)``, LSE shifted back to the unsmoothed logits."""
     acc = accumulation_dtype(q.dtype)
-    k_mean = k.mean(dim=2, keepdim=True, dtype=acc)       # the Triton pre-pass's up to fp32 rounding
     q_hat = quantize_qk(q, quant, block_q)
+    if not quant.smooth_keys:
+        return attend(q_hat, k.to(acc), v, quant)
+    k_mean = k.mean(dim=2, keepdim=True, dtype=acc)       # the Triton pre-pass's up to fp32 rounding
     o_q, lse_q = attend(q_hat, k.to(acc) - k_mean, v, quant)
     if lse_q is not None:                   # smoothing shifted each row's logits by scale * q^ . mean(k)
         k_mean = k_mean[:, kv_head_index(q.shape[1], k.shape[1], q.device)]

@@ -38,14 +38,14 @@ class SLA(Method):
 
     def select(self, q, k, v, cfg, backend, params) -> BlockSelection:
         """Critical blocks ``indices (B, H, Tq, K)``, negligible blocks ``excluded`` (or None) and with ``quant``
-        the keys' mean, no grad."""
+        the keys' mean or the backend's FP8 operands, no grad."""
         topk, bottomk = sla_block_counts(cfg.topk_ratio, cfg.negligible_ratio, num_blocks(k.shape[2], cfg.block_k))
         with torch.no_grad():
-            pooled = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)
+            pooled, prepared = backend.quantizing_pooling(q, k, v, cfg.block_q, cfg.block_k, cfg.quant)
             q_bar, k_bar = backend.router_inputs(q, k, cfg.block_q, cfg.block_k, pooled)
             top, bottom = backend.block_topk(q_bar, k_bar, topk, bottomk)
         return BlockSelection(top, cfg.block_q, cfg.block_k, q.shape[2], k.shape[2], excluded=bottom,
-                              key_mean=smoothing_mean(k, cfg, backend, pooled[2]))
+                              key_mean=smoothing_mean(k, cfg, backend, pooled[2]), prepared=prepared)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         weight, bias = params["proj_weight"], params["proj_bias"]

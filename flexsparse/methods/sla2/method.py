@@ -91,13 +91,16 @@ class SLA2(Method):
         return checked
 
     def select(self, q, k, v, cfg, backend, params) -> SLA2Selection:
+        # the FP8 operands of the pooling pass serve the hard router's branch on the keys as they come
+        quant = cfg.quant if cfg.router == "hard" and cfg.smooth_k == "router" else None
         with torch.set_grad_enabled(cfg.router == "soft" and torch.is_grad_enabled()):   # the soft router trains
-            pooled = backend.block_pooling(q, k, cfg.block_q, cfg.block_k)   # for the router and the smoothing mean
+            # for the router and the smoothing mean
+            pooled, prepared = backend.quantizing_pooling(q, k, v, cfg.block_q, cfg.block_k, quant)
         mask = route(q, k, cfg, backend, params["proj_q"], params["proj_k"], pooled)  # keys never rounded
         if cfg.smooth_k == "all":                      # both branches attend the smoothed keys, one rounding
             k = smoothed_keys(k, backend.key_mean(k, cfg.block_k, pooled[2]), backend)
         elif isinstance(mask, BlockSelection) and cfg.quant is not None:     # the raw keys' mean: FP8 smoothing
-            mask = dataclasses.replace(mask, key_mean=smoothing_mean(k, cfg, backend, pooled[2]))
+            mask = dataclasses.replace(mask, key_mean=smoothing_mean(k, cfg, backend, pooled[2]), prepared=prepared)
         return SLA2Selection(mask, k)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):

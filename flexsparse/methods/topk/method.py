@@ -19,7 +19,7 @@ class TopK(Method):
     ring = "fetch_blocks"
 
     def select(self, q, k, v, cfg, backend, params):
-        return select_blocks(q, k, cfg, backend)
+        return select_blocks(q, k, v, cfg, backend)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         return backend.block_sparse_attention(q, k, v, selection, scale, deterministic=cfg.deterministic,

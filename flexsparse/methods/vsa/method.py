@@ -52,7 +52,7 @@ class VSA(Method):
 
     def select(self, q, k, v, cfg, backend, params):
         q_bar, k_bar, *tiles = backend.coarse_pooling(q, k, v, cfg.block_q, cfg.block_k)
-        return VSASelection(select_blocks(q, k, cfg, backend, pooled=(q_bar, k_bar)), *tiles)
+        return VSASelection(select_blocks(q, k, v, cfg, backend, pooled=(q_bar, k_bar)), *tiles)
 
     def attend(self, q, k, v, selection, cfg, backend, *, scale, params, need_lse):
         fine, lse = backend.block_sparse_attention(q, k, v, selection.blocks, scale, deterministic=cfg.deterministic)

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``fwd_fp8``): Q per query block, smoothed K
+"""FP8 (e4m3) pre-pass of the FP8 block-sparse forward (``fwd_fp8``): Q per query block, K (smoothed or not)
 per key block, V per channel stored transposed (docs/methods.md "FP8 QAT", "FP8 Triton forward"). The Triton FP8
 kernels quantize Q's blocks themselves as they load them (``fwd_fp8.quantized_query``, ``block_scale``), the same
 values; the Gluon ones take ``quantize_blocks``'.
@@ -9,8 +9,11 @@ fp32, round to nearest even. K is smoothed first, ``k - mean_N(k)`` per KV head 
 
 K's mean comes from the caller where its selection pooled the keys (the block sums it has: no pass over K), else
 from ``pooling.naive.key_mean``; it is ``k.mean(dtype=float32)``'s up to fp32 rounding, and any mean gives the same
-attention up to quantization (the LSE takes the shift back). V's amax over N is taken by the programs that quantize
-K's blocks (per key block, then torch over the blocks; no launch of its own): bit for bit ``channel_scales``'s amax.
+attention up to quantization (the LSE takes the shift back; zeros: K unsmoothed). V's amax over N is taken by the
+programs that quantize K's blocks (per key block, then torch over the blocks; no launch of its own): bit for bit
+``channel_scales``'s amax. Unsmoothed, Q and K need no mean, so the selection's pooling pass quantizes them
+(``pool_quantize``: the block means and sums the selection wants, e4m3 Q and K with their scales and V's amax, in
+one launch) and only V^T is left to the pre-pass.
 
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
@@ -106,17 +109,15 @@ def block_scale(amax):
 
 
 @triton.jit
-def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
-                         BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
-                         HAS_V: tl.constexpr, EMULATE: tl.constexpr):
-    """Program ``(block, b * H + h)``: e4m3 of a block of x (``MEAN`` subtracted with ``SMOOTH``) and its scale;
-    with ``HAS_V`` also the column amax of |V| over the same rows, stored at ``[bh, :, block]`` of ``(B * H, D, T)``
-    fp32 (blocks innermost: torch then reduces rows). V's blocks in programs of their own (a third grid axis) took
-    the K launch from 150 to 168 µs at D=64 and from 377 to 404 at D=128 (B2 H8 N65536, H200)."""
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
+def quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SUMS, MEANS, x_b, x_h, x_n, v_b, v_h, v_n, b, h, bh, blk, N, T,
+                   BLOCK: tl.constexpr, BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
+                   HAS_V: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_SUMS: tl.constexpr, EMULATE: tl.constexpr):
+    """Block ``blk`` of head ``(b, h)`` (flat ``bh``) of x ``(B, H, N, D)`` (strides ``x_b, x_h, x_n, 1``): its e4m3
+    values (``MEAN`` subtracted with ``SMOOTH``) to ``OUT`` (contiguous) and its scale to ``SCALE`` ``(B * H, T)``;
+    with ``HAS_MEANS`` the fp32 mean of its real rows (before any smoothing) at ``[bh, blk]`` of ``MEANS``
+    ``(B * H, T, D)``, with ``HAS_SUMS`` their sum in ``SUMS`` alike; with ``HAS_V`` the column amax of |V| over
+    the same rows at ``[bh, :, blk]`` of ``V_AMAX`` ``(B * H, D, T)`` fp32 (blocks innermost: torch then reduces
+    rows)."""
     local = tl.arange(0, BB)
     rows = blk * BLOCK + local
     dim = tl.arange(0, BD)
@@ -124,6 +125,13 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h
     row = rows.to(tl.int64)[:, None]
     x = tl.load(X + b.to(tl.int64) * x_b + h.to(tl.int64) * x_h + row * x_n + dim[None, :], mask=ok,
                 other=0.0).to(tl.float32)
+    if HAS_MEANS:
+        total = tl.sum(x, axis=0)
+        count = tl.maximum(tl.minimum(N - blk * BLOCK, BLOCK), 1).to(tl.float32)
+        at = (bh.to(tl.int64) * T + blk) * D + dim
+        tl.store(MEANS + at, total / count, mask=dim < D)
+        if HAS_SUMS:
+            tl.store(SUMS + at, total, mask=dim < D)
     if HAS_V:
         v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
         amax_v = tl.max(tl.abs(v.to(tl.float32)), axis=0)
@@ -135,6 +143,39 @@ def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h
     dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
     tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
     tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
+
+
+@triton.jit
+def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
+                         BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
+                         HAS_V: tl.constexpr, EMULATE: tl.constexpr):
+    """Program ``(block, b * H + h)``: ``quantize_block`` without sums. V's blocks in programs of their own (a third
+    grid axis) took the K launch from 150 to 168 µs at D=64 and from 377 to 404 at D=128 (B2 H8 N65536, H200)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SCALE, SCALE, x_b, x_h, x_n, v_b, v_h, v_n, b, bh - b * H, bh, blk,
+                   N, T, BLOCK, BB, D, BD, SMOOTH, HAS_V, False, False, EMULATE)
+
+
+@triton.jit
+def _pool_quant_kernel(Q, K, V, QM, KM, KS, Q8, QSC, K8, KSC, V_AMAX, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n,
+                       H, HK, NQ, NK, TQ, TK, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BBQ: tl.constexpr,
+                       BBK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr):
+    """``pool_quantize``: program ``(block, bh, 0)`` quantizes and pools query block ``block`` of q's head ``bh``,
+    ``(block, bh, 1)`` key block ``block`` of k's (with V's amax; KV heads past ``HK`` return). Programs past a
+    tensor's blocks return."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        if blk < TQ:
+            b = bh // H
+            quantize_block(Q, Q, Q8, QSC, Q, Q, QM, QM, q_b, q_h, q_n, 0, 0, 0, b, bh - b * H, bh, blk, NQ, TQ,
+                           BLOCK_Q, BBQ, D, BD, False, False, True, False, EMULATE)
+    elif (bh < (tl.num_programs(1) // H) * HK) & (blk < TK):
+        b = bh // HK
+        quantize_block(K, K, K8, KSC, V, V_AMAX, KS, KM, k_b, k_h, k_n, v_b, v_h, v_n, b, bh - b * HK, bh, blk, NK, TK,
+                       BLOCK_K, BBK, D, BD, False, True, True, True, EMULATE)
 
 
 @triton.jit
@@ -211,26 +252,60 @@ def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = F
     return out, scales
 
 
+def pool_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
+    """The selection's block pooling and the unsmoothed FP8 pre-pass of Q and K in one launch (``_pool_quant_kernel``):
+    ``((q_means, k_means, k_sums), quantized)``, the means ``(B, H, Tq, D)`` / ``(B, Hk, Tk, D)`` and k's block sums
+    in fp32 (``Backend.block_pooling``'s), ``quantized = [q8, q_scales, k8, k_scales, v_amax]``:
+    ``quantize_blocks(q, block_q)``, ``quantize_keys(k, v, block_k, None)``.
+
+    q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; last dims contiguous."""
+    bsz, heads, nq, d = q.shape
+    kv_heads, nk = k.shape[1], k.shape[2]
+    tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
+    dtype = storage_dtype(q.device)
+    q8, k8 = q.new_empty(q.shape, dtype=dtype), k.new_empty(k.shape, dtype=dtype)
+    q_scales = q.new_empty(bsz, heads, tq, dtype=torch.float32)
+    k_scales = q.new_empty(bsz, kv_heads, tk, dtype=torch.float32)
+    q_means = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
+    k_means, k_sums = (q.new_empty(bsz, kv_heads, tk, d, dtype=torch.float32) for _ in range(2))
+    v_amax = q.new_empty(bsz, kv_heads, d, tk, dtype=torch.float32)
+    bbq, bbk, bd = pow2(block_q, 16), pow2(block_k, 16), pow2(d, 16)
+    launcher(_pool_quant_kernel)[(max(tq, tk), bsz * heads, 2)](
+        q, k, v, q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], heads, kv_heads, nq, nk, tq, tk, BLOCK_Q=block_q, BLOCK_K=block_k, BBQ=bbq, BBK=bbk, D=d,
+        BD=bd, EMULATE=dtype != E4M3, num_warps=block_warps(max(bbq, bbk) * bd, True))
+    return (q_means, k_means, k_sums), [q8, q_scales, k8, k_scales, v_amax.amax(dim=3)]
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
-                 k_mean: torch.Tensor | None = None):
+                 k_mean: torch.Tensor | None = None, pooled: list[torch.Tensor] | None = None):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)``, ``quantize_blocks(q, block_q)``
-    and ``quantize_kv``'s five. The Triton FP8 kernels take ``quantize_kv``'s and quantize Q's blocks themselves."""
-    return (*quantize_blocks(q, block_q), *quantize_kv(k, v, block_k, k_mean))
+    (``pooled``'s where given) and ``quantize_kv``'s five. The Triton FP8 kernels take ``quantize_kv``'s and
+    quantize Q's blocks themselves or load ``pooled``'s."""
+    q_part = pooled[:2] if pooled else quantize_blocks(q, block_q)
+    return (*q_part, *quantize_kv(k, v, block_k, k_mean, pooled))
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_k: int, k_mean: torch.Tensor | None = None):
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_k: int, k_mean: torch.Tensor | None = None,
+                pooled: list[torch.Tensor] | None = None):
     """The pre-pass of K and V: ``(k8, k_scales, k_mean, vt8, v_scales)`` (see ``quantize_keys``,
     ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``).
     ``k_mean``: the smoothing mean ``mean_N(k)`` ``(B, Hk, 1, D)`` or ``(B, Hk, D)`` fp32 where the caller has it
-    (module docstring), else taken here; returned ``(B, Hk, D)`` contiguous."""
+    (module docstring; zeros: K unsmoothed), else taken here; returned ``(B, Hk, D)`` contiguous. ``pooled``:
+    ``pool_quantize``'s quantized operands of these k, v (then K's pass is skipped; ``k_mean`` must be zeros)."""
     bsz, kv_heads, _, d = k.shape
     if k_mean is None:
+        if pooled:
+            raise ValueError("quantize_kv with pooled (unsmoothed) operands needs k_mean: zeros of (B, Hk, D)")
         with torch.no_grad():
             k_mean = key_mean(k, block_k)
     elif k_mean.numel() != bsz * kv_heads * d:
         raise ValueError(f"k_mean must hold one mean per batch, KV head and channel of k {tuple(k.shape)}, "
                          f"(B, Hk, 1, D) or (B, Hk, D); got shape {tuple(k_mean.shape)}")
     k_mean = k_mean.reshape(bsz, kv_heads, d).to(torch.float32).contiguous()
-    k8, k_scales, v_amax = quantize_keys(k, v, block_k, k_mean)
+    if pooled:
+        k8, k_scales, v_amax = pooled[2:]
+    else:
+        k8, k_scales, v_amax = quantize_keys(k, v, block_k, k_mean)
     vt8, v_scales = quantize_v_transposed(v, v_amax, permutes_keys(block_k))
     return k8, k_scales, k_mean, vt8, v_scales

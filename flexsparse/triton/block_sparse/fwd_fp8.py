@@ -82,15 +82,17 @@ def quantized_query(Q, Q8, qblk, rows, row_ok, dim, NQ, BLOCK_Q: tl.constexpr, T
 
 
 @triton.jit
-def attend_fp8(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
+def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
                BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
                K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-               STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr):
+               STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr,
+               Q_READY: tl.constexpr):
     """The query tile of this program (``program_id``: query tile, batch x head) over its selected key blocks:
     ``(o, lse, bh, qblk, rows, row_ok, dim)``, o ``(BM, BD)`` fp32 and the natural-log LSE ``(BM,)`` of its rows
     ``rows`` (real where ``row_ok``) of query block ``qblk`` of flat head ``bh``; ``dim = arange(BD)``. ``Q``: q
-    ``(B, H, NQ, D)`` contiguous in its own dtype, ``Q8`` its e4m3 slab written here (``quantized_query``)."""
+    ``(B, H, NQ, D)`` contiguous in its own dtype, ``Q8`` its e4m3 slab written here (``quantized_query``) or, with
+    ``Q_READY``, given with its block scales ``QS (B * H, TQ)`` (``fp8_quant.pool_quantize``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -100,8 +102,12 @@ def attend_fp8(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, T
     qblk = pid // Q_SPLIT
     rows, row_ok = chunk_rows(qblk, pid - qblk * Q_SPLIT, BLOCK_Q, TILE_Q, NQ)
     dim = tl.arange(0, BD)
-    q, q_scale = quantized_query(Q + q_head, Q8 + q_head, qblk, rows, row_ok, dim, NQ, BLOCK_Q, TILE_Q, Q_SPLIT, D,
-                                 BD, MASK_Q, EMULATE)
+    if Q_READY:
+        q = load_tile(Q8 + q_head, rows, D, dim, row_ok, D, BD, MASK_Q)
+        q_scale = tl.load(QS + bh.to(tl.int64) * TQ + qblk)
+    else:
+        q, q_scale = quantized_query(Q + q_head, Q8 + q_head, qblk, rows, row_ok, dim, NQ, BLOCK_Q, TILE_Q, Q_SPLIT,
+                                     D, BD, MASK_Q, EMULATE)
     q_factor = SCALE2 / q_scale
     k_mean = tl.load(KMEAN + hk.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
     shift = tl.sum(q.to(tl.float32) * k_mean[None, :], axis=1) * (SCALE / q_scale)   # the smoothing's LSE term
@@ -147,17 +153,17 @@ def attend_fp8(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, T
 
 
 @triton.jit
-def _block_fwd_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
+def _block_fwd_fp8_kernel(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK,
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
                           Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
                           STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
-                          PERMUTED: tl.constexpr):
+                          PERMUTED: tl.constexpr, Q_READY: tl.constexpr):
     o, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
-        Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
+        Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
-        PERMUTED)
+        PERMUTED, Q_READY)
     store_tile(O + bh.to(tl.int64) * NQ * D, o, rows, D, dim, row_ok, D, BD, MASK_Q)
     store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
 
@@ -186,35 +192,41 @@ def gluon_runs(k8, indices, block_q: int, block_k: int, tiles: dict | None = Non
 
 
 def block_forward_fp8(q, k, v, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None,
-                      k_mean: torch.Tensor | None = None):
+                      k_mean: torch.Tensor | None = None, pooled: list[torch.Tensor] | None = None):
     """FP8 block-sparse attention: O ``(B, H, Nq, D)`` in q's dtype and natural-log LSE ``(B, H, Nq)`` fp32 of the
     quantized forward (``fp8_quant.quantize_kv``'s pre-pass, then ``block_attend_fp8``).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``, any float dtype, contiguous; indices: ``(B, H, Tq, K)`` int32
-    key-block ids (contiguous); k_mean: K's smoothing mean ``(B, Hk, 1, D)`` fp32 where the caller has it
-    (``fp8_quant.quantize_kv``)."""
-    return block_attend_fp8(q, quantize_kv(k, v, block_k, k_mean), indices, block_q, block_k, scale, tiles)
+    key-block ids (contiguous); k_mean: K's smoothing mean ``(B, Hk, 1, D)`` fp32 where the caller has it, zeros for
+    unsmoothed K; pooled: ``fp8_quant.pool_quantize``'s operands of these q, k, v (``fp8_quant.quantize_kv``)."""
+    return block_attend_fp8(q, quantize_kv(k, v, block_k, k_mean, pooled), indices, block_q, block_k, scale, tiles,
+                            pooled[:2] if pooled else None)
 
 
-def block_attend_fp8(q, kv, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None):
+def block_attend_fp8(q, kv, indices, block_q: int, block_k: int, scale: float, tiles: dict | None = None,
+                     q_part: list[torch.Tensor] | None = None):
     """The kernel on q and ``fp8_quant.quantize_kv``'s outputs ``kv``: O ``(B, H, Nq, D)`` in q's dtype, LSE fp32.
-    Where ``gluon_runs`` the warp-specialized Gluon kernel (``fwd_ws_fp8``) runs on ``quantize_blocks(q)``."""
+    ``q_part``: Q's e4m3 blocks and scales where the caller has them (``fp8_quant.pool_quantize``). Where
+    ``gluon_runs`` the warp-specialized Gluon kernel (``fwd_ws_fp8``) runs on them (``quantize_blocks(q)``'s
+    without)."""
     if gluon_runs(kv[0], indices, block_q, block_k, tiles):
         run = block_fwd_ws_fp8.ws_block_attend_fp8 if launching_directly() else block_fwd_ws_fp8.block_attn_fp8_ws
-        return run(*quantize_blocks(q, block_q), *kv, indices, block_q, block_k, scale, q.dtype)
+        return run(*(q_part or quantize_blocks(q, block_q)), *kv, indices, block_q, block_k, scale, q.dtype)
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    launch_attention(_block_fwd_fp8_kernel, q, kv, indices, o, lse, block_q, block_k, scale, tiles)
+    launch_attention(_block_fwd_fp8_kernel, q, kv, indices, o, lse, block_q, block_k, scale, tiles, q_part=q_part)
     return o, lse
 
 
 def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int, scale: float,
-                     tiles: dict | None = None, extra: tuple = (), **constexprs) -> None:
+                     tiles: dict | None = None, extra: tuple = (), q_part: list[torch.Tensor] | None = None,
+                     **constexprs) -> None:
     """Launch ``kernel`` over the FP8 forward's grid (one program per query tile and batch x head) with
     ``_block_fwd_fp8_kernel``'s arguments (q contiguous, ``kv`` from ``fp8_quant.quantize_kv``, the index table and
     the outputs ``o`` and ``lse``), then ``extra`` and ``constexprs``: the Triton FP8 forward's launch, shared by the
-    kernels that run ``attend_fp8``. ``tiles``: ``forward_tiles``'s by default; its ``maxnreg`` caps the registers
-    per thread of a direct launch (``registry.register_cap``)."""
+    kernels that run ``attend_fp8``. ``q_part``: ``[q8, q_scales]`` to load (``fp8_quant.pool_quantize``), else the
+    kernel quantizes Q. ``tiles``: ``forward_tiles``'s by default; its ``maxnreg`` caps the registers per thread of a
+    direct launch (``registry.register_cap``)."""
     k8, k_scales, k_mean, vt8, v_scales = kv
     bsz, heads, nq, d = q.shape
     nk, np_ = k8.shape[2], vt8.shape[3]
@@ -226,10 +238,13 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
         kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
-    q8 = torch.empty(q.shape, device=q.device, dtype=k8.dtype)               # written by the kernel, then unused
+    if q_part is None:
+        q8, q_scales = torch.empty(q.shape, device=q.device, dtype=k8.dtype), q    # q8 written by the kernel
+    else:
+        q8, q_scales = q_part
     launcher(kernel)[(tq * geo["Q_SPLIT"], bsz * heads)](
-        q, q8, k8, vt8, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq, nk,
-        np_ // 16, tq, k_scales.shape[2], topk, *extra, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
+        q, q8, q_scales, k8, vt8, 1.0 / k_scales, v_scales, k_mean, indices, o, lse, heads, heads // k8.shape[1], nq,
+        nk, np_ // 16, tq, k_scales.shape[2], topk, *extra, D=d, BD=pow2(d, 16 if emulate else 32), SCALE=float(scale),
         SCALE2=float(scale * LOG2E.value), STAGES=tiles["stages"], FRESH_ACC=tiles["fresh_acc"], EMULATE=emulate,
-        PERMUTED=permutes_keys(block_k), num_warps=warps, num_stages=tiles["stages"], **geo, **constexprs,
-        **register_cap(tiles.get("maxnreg")))
+        PERMUTED=permutes_keys(block_k), Q_READY=q_part is not None, num_warps=warps, num_stages=tiles["stages"],
+        **geo, **constexprs, **register_cap(tiles.get("maxnreg")))

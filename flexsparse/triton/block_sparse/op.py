@@ -63,28 +63,57 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
 
 
 @triton_op("flexsparse::block_attn_fp8")
-def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int,
-                   scale: float, deterministic: bool, k_mean: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; quant defaults: e4m3 Q and
-    smoothed K per block, V per channel, P with the static scale 448): ``o (B, H, Nq, D)`` (q's dtype) and
-    the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``; ``k_mean``:
-    the smoothing mean ``mean_N k`` ``(B, Hk, 1, D)`` fp32 where the caller has it (the kernels' pre-pass then reads
-    K once; the PyTorch path takes its own, the same up to fp32 rounding). Gradients: ``block_attn_bwd`` on the
-    unquantized q, k, v with this forward's o and LSE (SLA2's "backward(dO_s, O_s, Q, K, V)")."""
+def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int, scale: float,
+                   deterministic: bool, k_mean: Optional[Tensor] = None, smooth_keys: bool = True,
+                   q8: Optional[Tensor] = None, q_scales: Optional[Tensor] = None, k8: Optional[Tensor] = None,
+                   k_scales: Optional[Tensor] = None, v_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; e4m3 Q and K per block, K
+    smoothed by its mean with ``smooth_keys``, V per channel, P with the static scale 448): ``o (B, H, Nq, D)``
+    (q's dtype) and the natural-log LSE ``(B, H, Nq)`` fp32 of the unsmoothed logits. Arguments as ``block_attn``;
+    ``k_mean``: the smoothing mean ``mean_N k`` ``(B, Hk, 1, D)`` fp32 where the caller has it (the kernels'
+    pre-pass then reads K once; the PyTorch path takes its own, the same up to fp32 rounding); ``q8 ... v_amax``:
+    ``fp8_quant.pool_quantize``'s operands of these q, k, v (K unsmoothed) where the caller has them: the kernels'
+    pre-pass then quantizes V alone. Gradients: ``block_attn_bwd`` on the unquantized q, k, v with this forward's o
+    and LSE (SLA2's "backward(dO_s, O_s, Q, K, V)")."""
+    pooled = checked_pooled(smooth_keys, q8, q_scales, k8, k_scales, v_amax)
     if not use_kernels(q):
-        return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale)
+        return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale, smooth_keys)
     from .fwd_fp8 import block_forward_fp8
-    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale, k_mean=k_mean)
+    return block_forward_fp8(*contiguous(q, k, v, indices), block_q, block_k, scale,
+                             k_mean=fp8_key_shift(k, k_mean, smooth_keys), pooled=pooled)
 
 
-def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float):
-    """The ``torch`` backend's fake-quantized branch (``qat_attention`` with the default ``QuantConfig``)."""
+def checked_pooled(smooth_keys: bool, *pooled: Optional[Tensor]) -> Optional[list[Tensor]]:
+    """``[q8, q_scales, k8, k_scales, v_amax]`` (``fp8_quant.pool_quantize``'s) where all are given, None where none
+    is; ValueError for some, or for pooled operands with ``smooth_keys`` (they are of unsmoothed keys)."""
+    given = sum(x is not None for x in pooled)
+    if given == 0:
+        return None
+    if given != len(pooled) or smooth_keys:
+        raise ValueError("the FP8 ops take pool_quantize's five operands (q8, q_scales, k8, k_scales, v_amax) "
+                         f"together and with smooth_keys=False; got {given} of them, smooth_keys={smooth_keys}")
+    return list(pooled)
+
+
+def fp8_key_shift(k: Tensor, k_mean: Optional[Tensor], smooth_keys: bool) -> Optional[Tensor]:
+    """What the FP8 kernels' pre-pass subtracts from K ``(B, Hk, N, D)``: ``k_mean`` (None: the pre-pass takes the
+    mean) with ``smooth_keys``, else zeros ``(B, Hk, 1, D)`` fp32."""
+    if smooth_keys:
+        return k_mean
+    return k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3], dtype=torch.float32)
+
+
+def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float,
+                           smooth_keys: bool):
+    """The ``torch`` backend's fake-quantized branch (``qat_attention`` with the default ``QuantConfig``, K smoothed
+    with ``smooth_keys``)."""
     def attend(q, k, v, quant):
         k, v = quantize_kv(k, v, quant, selection.block_k)
         return naive.block_sparse_attention(q, k, v, selection, scale, quantize_p=True)
 
     with torch.no_grad():
-        return qat_attention(attend, q, k, v, QuantConfig(), block_q=selection.block_q, scale=scale)
+        return qat_attention(attend, q, k, v, QuantConfig(smooth_keys=smooth_keys), block_q=selection.block_q,
+                             scale=scale)
 
 
 def _setup(ctx, inputs, output):
@@ -103,8 +132,9 @@ def _backward(ctx, do, dlse):
 
 
 def _fp8_backward(ctx, do, dlse):
-    """``_backward``, the same formula at the quantized O and LSE; no gradient to ``k_mean`` (a constant shift)."""
-    return *_backward(ctx, do, dlse), None
+    """``_backward``, the same formula at the quantized O and LSE; no gradient to ``k_mean`` (a constant shift) or the
+    pooled operands."""
+    return *_backward(ctx, do, dlse), *(None,) * 7
 
 
 block_attn.register_autograd(_backward, setup_context=_setup)

@@ -32,18 +32,18 @@ STORE_MAXNREG = 128
 
 
 @triton.jit
-def _mix_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, OS, OL,
+def _mix_fp8_kernel(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, OS, OL,
                     ROWS_H, ROWS_Z, LOGIT, logit_h, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                     D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
                     K_SPLIT: tl.constexpr, Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr,
                     MASK_K: tl.constexpr, STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
                     PERMUTED: tl.constexpr, EPS: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
-                    STORE: tl.constexpr):
+                    STORE: tl.constexpr, Q_READY: tl.constexpr):
     o_s, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
-        Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
+        Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
         SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
-        PERMUTED)
+        PERMUTED, Q_READY)
     store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
     q_head = bh.to(tl.int64) * NQ * D
     o_s = o_s.to(Q.dtype.element_ty)
@@ -67,14 +67,14 @@ def _mix_fp8_kernel(Q, Q8, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ, NK
 
 def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
                               block_k: int, scale: float, feature_map: str, eps: float, store: bool,
-                              k_mean: torch.Tensor | None = None):
+                              k_mean: torch.Tensor | None = None, pooled: list[torch.Tensor] | None = None):
     """``(out, lse, o_s, o_l)``: the FP8 sparse branch over ``indices`` (``fp8_quant.quantize_kv``'s pre-pass, then one
     kernel that quantizes Q itself) mixed with the masked linear branch of the query-block states
     ``rows_h (B, H, Tq, D, D)`` (``fwd.state_dtype``) and ``rows_z (B, H, Tq, D)`` fp32 as SLA2's
     ``O_l + alpha (O_s - O_l)``, ``alpha = sigmoid(alpha_logit)`` (``alpha_logit (1 or H, Tq)`` in any float dtype;
     alpha rounded to q's dtype in the kernel). o_s (the FP8 branch's output in q's dtype) and o_l ``(B, H, Nq, D)`` when
-    ``store``, else empty. The arguments of ``mix_ws_fp8.ws_sparse_linear_forward_fp8`` (``k_mean`` the pre-pass's);
-    weight_t and bias must be None (no projection).
+    ``store``, else empty. The arguments of ``mix_ws_fp8.ws_sparse_linear_forward_fp8`` (``k_mean``, ``pooled`` the
+    pre-pass's); weight_t and bias must be None (no projection).
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; indices ``(B, H, Tq, K)`` int32; all contiguous."""
     if weight_t is not None or bias is not None or alpha_logit is None:
@@ -83,9 +83,9 @@ def sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, 
     logit_h = indices.shape[2] if alpha_logit.shape[0] > 1 else 0
     extra = (o_s if store else q, o_l if store else q, rows_h, rows_z, alpha_logit, logit_h)  # q: unused slots
     tiles = {"maxnreg": STORE_MAXNREG if store and q.is_cuda else None, **forward_tiles(q.device, q.shape[-1])}
-    launch_attention(_mix_fp8_kernel, q, quantize_kv(k, v, block_k, k_mean), indices, out, lse, block_q, block_k,
-                     scale, tiles, extra=extra, EPS=float(eps), FMAP=feature_code(feature_map),
-                     BF16=q.dtype == torch.bfloat16, STORE=store)
+    launch_attention(_mix_fp8_kernel, q, quantize_kv(k, v, block_k, k_mean, pooled), indices, out, lse, block_q,
+                     block_k, scale, tiles, extra=extra, q_part=pooled[:2] if pooled else None, EPS=float(eps),
+                     FMAP=feature_code(feature_map), BF16=q.dtype == torch.bfloat16, STORE=store)
     return out, lse, o_s, o_l
 
 
@@ -94,15 +94,15 @@ def sparse_linear_fp8_stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              rows_h: torch.Tensor, rows_z: torch.Tensor, weight_t: torch.Tensor | None,
                              bias: torch.Tensor | None, alpha_logit: torch.Tensor | None, block_q: int, block_k: int,
                              scale: float, feature_map: str, eps: float, store: bool,
-                             k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor]:
+                             pooled: list[torch.Tensor], k_mean: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sparse_linear_forward_fp8`` as an opaque custom op launching its kernels directly: what a traced graph
     runs for the variant that stores O_s and O_l, so that it keeps ``STORE_MAXNREG``."""
     return directly(sparse_linear_forward_fp8, q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q,
-                    block_k, scale, feature_map, eps, store, k_mean)
+                    block_k, scale, feature_map, eps, store, k_mean, pooled)
 
 
 @sparse_linear_fp8_stored.register_fake
 def _sparse_linear_fp8_stored_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
-                                   scale, feature_map, eps, store, k_mean=None):
+                                   scale, feature_map, eps, store, pooled, k_mean=None):
     return mixed_outputs(q, store)

@@ -118,14 +118,15 @@ def supported(q: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: int
 
 def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q: int,
                                  block_k: int, scale: float, feature_map: str, eps: float, store: bool,
-                                 k_mean: torch.Tensor | None = None):
+                                 k_mean: torch.Tensor | None = None, pooled: list[torch.Tensor] | None = None):
     """``mix_ws.ws_sparse_linear_forward`` with the FP8 sparse branch (``fp8_quant.quantize_qkv``'s pre-pass, with
-    ``k_mean`` where given, then one kernel): ``(out, lse, o_s, o_l)``, o_s the FP8 branch's output in q's dtype.
+    ``k_mean`` and ``pooled`` where given, then one kernel): ``(out, lse, o_s, o_l)``, o_s the FP8 branch's output
+    in q's dtype.
     Arguments and ``store`` as there (see ``supported``)."""
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = fwd_ws_fp8.default_tiles(d)
-    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k, k_mean)
+    q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k, k_mean, pooled)
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
     qb_desc = block_fwd_ws.descriptor(q.view(-1, d), [bm, d], block_fwd_ws.shared_layout(bm, d, gl.bfloat16))
@@ -149,14 +150,14 @@ def sparse_linear_fp8_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
                          rows_h: torch.Tensor, rows_z: torch.Tensor, weight_t: torch.Tensor | None,
                          bias: torch.Tensor | None, alpha_logit: torch.Tensor | None, block_q: int, block_k: int,
                          scale: float, feature_map: str, eps: float, store: bool,
-                         k_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
+                         pooled: list[torch.Tensor], k_mean: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ws_sparse_linear_forward_fp8`` as an opaque custom op (``wrap_triton`` does not take Gluon kernels)."""
     return ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k,
-                                        scale, feature_map, eps, store, k_mean)
+                                        scale, feature_map, eps, store, k_mean, pooled)
 
 
 @sparse_linear_fp8_ws.register_fake
 def _sparse_linear_fp8_ws_fake(q, k, v, indices, rows_h, rows_z, weight_t, bias, alpha_logit, block_q, block_k, scale,
-                               feature_map, eps, store, k_mean=None):
+                               feature_map, eps, store, pooled, k_mean=None):
     return mixed_outputs(q, store)

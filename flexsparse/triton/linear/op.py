@@ -216,7 +216,9 @@ masked_linear_mix.register_autograd(_mix_backward, setup_context=_mix_setup)
 def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped: Tensor, weight: Optional[Tensor],
                       bias: Optional[Tensor], alpha_logit: Optional[Tensor], block_q: int, block_k: int, scale: float,
                       deterministic: bool, feature_map: str, eps: float, store_linear: bool, fp8: bool,
-                      k_mean: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      k_mean: Optional[Tensor] = None, smooth_keys: bool = True, q8: Optional[Tensor] = None,
+                      q_scales: Optional[Tensor] = None, k8: Optional[Tensor] = None, k_scales: Optional[Tensor] = None,
+                      v_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """SLA's and SLA2's two branches in one op: the block-sparse branch (``block_sparse.op.block_attn``: ``o_s``, LSE
     over the selected blocks ``indices``; with ``fp8`` the FP8 forward ``block_attn_fp8`` of the QAT branch) and
     ``masked_linear_mix`` of it. One op so that its backward runs the sparse branch's gradients first (at the o_s and
@@ -224,15 +226,19 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     dk and dv than two ops whose gradients autograd sums). On the dense strategy the sparse forward and the output
     kernel are one kernel (``_mixed_in_sparse_epilogue``; o_s empty without ``store_linear``): bf16 on sm_90 in Gluon,
     FP8 after its pre-pass in Gluon at D = 128 on sm_90 and in Triton otherwise. Returns ``(out, lse, o_s, o_l, rows_h,
-    rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``; ``k_mean`` as ``block_attn_fp8``'s)."""
-    from ..block_sparse.op import block_attn, block_attn_fp8
+    rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``; ``k_mean``, ``smooth_keys`` and
+    ``q8 ... v_amax`` as ``block_attn_fp8``'s)."""
+    from ..block_sparse.op import block_attn, block_attn_fp8, checked_pooled, fp8_key_shift
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
+    pooled = checked_pooled(smooth_keys, q8, q_scales, k8, k_scales, v_amax)
+    shift = fp8_key_shift(k, k_mean, smooth_keys) if fp8 else None
     mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
-                                      feature_map, eps, store_linear, fp8, k_mean)
+                                      feature_map, eps, store_linear, fp8, shift, pooled)
     if mixed is not None:
         return mixed
     if fp8:
-        o_s, lse = block_attn_fp8.body(q, k, v, indices, block_q, block_k, scale, deterministic, k_mean)
+        o_s, lse = block_attn_fp8.body(q, k, v, indices, block_q, block_k, scale, deterministic, k_mean, smooth_keys,
+                                       q8, q_scales, k8, k_scales, v_amax)
     else:
         o_s, lse = block_attn.body(q, k, v, indices, block_q, block_k, scale, deterministic)
     out, o_l, rows_h, rows_z = masked_linear_mix.body(q, k, v, skipped, o_s, weight, bias, alpha_logit, block_q,
@@ -241,14 +247,15 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
 
 
 def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
-                              feature_map, eps, store_linear, fp8=False, k_mean=None):
+                              feature_map, eps, store_linear, fp8=False, k_mean=None, pooled=None):
     """``sparse_linear_mix``'s results from a kernel that mixes the linear branch in the sparse forward's epilogue,
     or ``None`` where none runs. bf16: the Gluon ``mix_ws`` where the sparse forward would run its Gluon kernel
     (``block_sparse.fwd.gluon_runs``); with ``fp8`` the Gluon ``mix_ws_fp8`` where ``mix_ws_fp8.supported`` and no
     ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype, D <=
     ``MIXED_FP8_MAX_D``; SLA's projection was slower there, see its docstring). All on the dense strategy (the
     gather strategy sums the states in the output kernel). O_s is not stored without ``store_linear``. q, k, v,
-    indices and skipped: contiguous; ``k_mean`` for ``fp8`` (``block_attn_fp8``'s)."""
+    indices and skipped: contiguous; ``k_mean`` (what the pre-pass subtracts from K) and ``pooled`` for ``fp8``
+    (``block_attn_fp8``'s)."""
     from ..block_sparse.fwd import gluon_runs
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
@@ -270,7 +277,7 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
     bias, alpha_logit = _mix_scalars(q, weight, bias, alpha_logit)
-    fp8_args = {"k_mean": k_mean} if fp8 else {}
+    fp8_args = {"k_mean": k_mean, "pooled": pooled or []} if fp8 else {}
     out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha_logit, block_q, block_k, scale,
                              feature_map, eps, store_linear, **fp8_args)
     return out, lse, o_s, o_l, *states
@@ -298,7 +305,7 @@ def _sparse_mix_backward(ctx, dout, dlse, _do_s, _do_l, _drows_h, _drows_z):
     dq, dk, dv = block_attn_bwd(d_os, dlse, q, k, v, indices, o_s, lse, block_q, block_k, scale, deterministic)
     dq, dk, dv = masked_linear_bwd(upstream, q, k, v, skipped, rows_h, rows_z, block_q, block_k, feature_map, eps, dq,
                                    dk, dv, o_l, weight)
-    return (dq, dk, dv, None, None, d_weight, d_bias, d_logit) + (None,) * 9
+    return (dq, dk, dv, None, None, d_weight, d_bias, d_logit) + (None,) * 15
 
 
 sparse_linear_mix.register_autograd(_sparse_mix_backward, setup_context=_sparse_mix_setup)
