@@ -27,6 +27,7 @@ CONFIGS = {
     "sla2": {"method": "sla2", "block_q": 128, "block_k": 64, "topk_ratio": 0.03},
 }
 BOUND = 0.03
+QUANTS, QUANT_IDS = [{}, {"smooth_keys": False}], ["smoothed", "unsmoothed"]   # the spec; Q, K quantized as they come
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def real_qkv():
     return [recorded[name] for name in ("q", "k", "v")]
 
 
-def branch_error(method: str, q, k, v, backend: str) -> float:
-    """Relative L2 of the method's FP8 sparse branch against the unquantized one, both on the method's selection
-    (SLA2's branch attends its smoothed keys)."""
+def branch_error(method: str, q, k, v, backend: str, quant: dict) -> float:
+    """Relative L2 of the method's FP8 sparse branch (config ``quant``) against the unquantized one, both on the
+    method's selection (SLA2's branch attends its smoothed keys)."""
     heads, n, d = q.shape[1:]
     outputs = []
-    for quant in (None, {}):
+    for quant in (None, quant):
         cfg = CONFIGS[method] if quant is None else {**CONFIGS[method], "quant": quant}
         module = flexsparse.SparseAttention(cfg, head_dim=d, num_heads=heads, seq_len=n, backend=backend).to(q.device)
         with torch.no_grad():
@@ -60,16 +61,18 @@ def test_fixture_holds_a_long_real_sequence(real_qkv):
     assert all(torch.isfinite(x).all() and x.std() > 0.1 for x in real_qkv)
 
 
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
 @pytest.mark.parametrize("method", sorted(CONFIGS))
-def test_emulated_fp8_error_on_real_inputs(real_qkv, method):
+def test_emulated_fp8_error_on_real_inputs(real_qkv, method, quant):
     q, k, v = (x.to(torch.bfloat16) for x in real_qkv)
-    err = branch_error(method, q, k, v, "torch")
+    err = branch_error(method, q, k, v, "torch", quant)
     assert 1e-3 < err <= BOUND, f"{method}: rel L2 {err:.4f}"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
 @pytest.mark.parametrize("method", sorted(CONFIGS))
-def test_gpu_fp8_kernel_error_on_real_inputs(real_qkv, method):
+def test_gpu_fp8_kernel_error_on_real_inputs(real_qkv, method, quant):
     q, k, v = (x.to("cuda", torch.bfloat16) for x in real_qkv)
-    err = branch_error(method, q, k, v, "triton")
+    err = branch_error(method, q, k, v, "triton", quant)
     assert 1e-3 < err <= BOUND, f"{method}: rel L2 {err:.4f}"
