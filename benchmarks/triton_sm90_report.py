@@ -256,22 +256,29 @@ def main():
                  dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32", V=q, V_AMAX="*fp32"),
                  dict(BLOCK=block_k, BB=pow2(block_k, 16), D=d, BD=pow2(d, 16), SMOOTH=True, HAS_V=True,
                       EMULATE=False), fp8_quant.block_warps(pow2(block_k, 16) * pow2(d, 16), True), 1))
+    jobs.append(("fp8 pool quant", fp8_quant._pool_quant_kernel,
+                 dict(Q=q, K=q, V=q, QM="*fp32", KM="*fp32", KS="*fp32", Q8=f8, QSC="*fp32", K8=f8, KSC="*fp32",
+                      V_AMAX="*fp32"),
+                 dict(BLOCK_Q=block_q, BLOCK_K=block_k, BBQ=pow2(block_q, 16), BBK=pow2(block_k, 16), D=d,
+                      BD=pow2(d, 16), EMULATE=False),
+                 fp8_quant.block_warps(pow2(max(block_q, block_k), 16) * pow2(d, 16), True), 1))
     jobs.append(("fp8 quant v", fp8_quant._quant_v_kernel, dict(V=q, SCALE="*fp32", OUT=f8),
                  dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
-    for permuted in (False, True):
-        jobs.append((f"block fwd fp8 PERMUTED={int(permuted)}", block_fwd_fp8._block_fwd_fp8_kernel,
-                     dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
-                          LSE="*fp32"),
+    for permuted, ready in ((False, False), (True, False), (True, True)):
+        jobs.append((f"block fwd fp8 PERMUTED={int(permuted)} Q_READY={int(ready)}",
+                     block_fwd_fp8._block_fwd_fp8_kernel,
+                     dict(Q=q, Q8=f8, QS="*fp32", K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32",
+                          O=q, LSE="*fp32"),
                      dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
-                          FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, **geo),
+                          FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=permuted, Q_READY=ready, **geo),
                      ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
-    for store in (False, True):
-        jobs.append((f"sparse linear mix fp8 STORE={int(store)}", mix_fp8._mix_fp8_kernel,
-                     dict(Q=q, Q8=f8, K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32", O=q,
-                          LSE="*fp32", OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
+    for store, ready in ((False, False), (True, False), (True, True)):
+        jobs.append((f"sparse linear mix fp8 STORE={int(store)} Q_READY={int(ready)}", mix_fp8._mix_fp8_kernel,
+                     dict(Q=q, Q8=f8, QS="*fp32", K8=f8, VT8=f8, KD="*fp32", VS="*fp32", KMEAN="*fp32", IDX="*i32",
+                          O=q, LSE="*fp32", OS=q, OL=q, ROWS_H=state, ROWS_Z="*fp32", LOGIT="*fp32"),
                      dict(D=d, BD=pow2(d, 32), SCALE=0.125, SCALE2=0.18, STAGES=ff["stages"],
                           FRESH_ACC=ff["fresh_acc"], EMULATE=False, PERMUTED=True, EPS=1e-6, FMAP=0,
-                          BF16=dt == "bf16", STORE=store, **geo),
+                          BF16=dt == "bf16", STORE=store, Q_READY=ready, **geo),
                      ff["warps"] or (4 if geo["BM"] <= 64 else 8), ff["stages"]))
     for name, fn, ptrs, consts, warps, stages in jobs:
         if args.only not in name:
