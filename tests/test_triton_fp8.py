@@ -584,10 +584,27 @@ def test_opcheck_cpu_fallback():
 
 
 @cpu_parent
-def test_fullgraph_trace_of_quantized_training_step():
+def test_op_takes_the_pooled_operands_together_and_unsmoothed():
+    """``block_attn_fp8``'s ``q8 ... v_amax``: opcheck with them (the CPU fallback quantizes itself, the same values);
+    some of them, or any with ``smooth_keys=True``, is a ValueError that names them."""
+    q, k, v = make_qkv(1, 2, 1, 40, 16)
+    selection = random_selection(1, 2, 40, 40, 16, 16, 2)
+    pooled = (torch.zeros(q.shape, dtype=torch.float16), torch.ones(1, 2, 3),
+              torch.zeros(k.shape, dtype=torch.float16), torch.ones(1, 1, 3), torch.ones(1, 1, 16))
+    args = (q, k, v, selection.indices, 16, 16, 0.25, False, None)
+    with ts.interpreter_env(False):
+        torch.library.opcheck(block_op.block_attn_fp8.op, (*args, False, *pooled))
+        for bad in ((*args, False, *pooled[:3]), (*args, True, *pooled)):
+            with pytest.raises(ValueError, match=r"five operands .* together and with smooth_keys=False"):
+                block_op.block_attn_fp8(*bad)
+
+
+@cpu_parent
+@pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
+def test_fullgraph_trace_of_quantized_training_step(quant):
     """``torch.compile(fullgraph=True)`` traces the triton backend with quant (the FP8 op and its autograd, the
     bf16 backward op) without graph breaks; aot_eager on the CPU fallback."""
-    cfg = {"method": "sla", "block_size": 16, "topk_ratio": 0.3, "quant": {}}
+    cfg = {"method": "sla", "block_size": 16, "topk_ratio": 0.3, "quant": quant}
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 2, 64, 16))
     params = _params(cfg, 16, 2, 64)
 
