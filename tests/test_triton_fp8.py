@@ -484,7 +484,7 @@ def test_methods_smooth_k_with_their_selections_mean(monkeypatch):
 def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
     """``fp8_quant.pool_quantize`` (strided q, k, v, GQA, ragged blocks): e4m3 Q and unsmoothed K per block with their
     scales bit for bit ``quantize_blocks``', V's amax ``max_N |v|``, the block means of q and k and k's block sums
-    within fp32 rounding of the PyTorch pooling (``pooling.naive.block_pooling``)."""
+    within fp32 rounding of the PyTorch pooling (``pooling.naive.block_pooling``); the op's PyTorch path alike."""
     from flexsparse.triton.pooling import naive as pooling
     q, k, v = (x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2) for x in make_qkv(2, 4, 2, 45, 24))
     for block_q, block_k in ((16, 8), (32, 16)):
@@ -495,6 +495,9 @@ def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
         assert torch.equal(v_amax, v.float().abs().amax(dim=2))
         for got, want in zip((q_means, k_means, k_sums), pooling.block_pooling(q, k, block_q, block_k)):
             assert got.dtype == torch.float32 and ts.rel_err(got, want) < 1e-6
+        reference = block_op._pool_quantize_reference(q, k, v, block_q, block_k)   # the op's PyTorch path
+        assert all(map(torch.equal, reference[3:], (q8, q_scales, k8, k_scales, v_amax)))
+        assert all(ts.rel_err(a, b) < 1e-6 for a, b in zip(reference[:3], (q_means, k_means, k_sums)))
 
 
 SINGLE_PASS = {"smooth_keys": False}
@@ -601,7 +604,7 @@ def test_op_takes_the_pooled_operands_together_and_unsmoothed():
 
 @cpu_parent
 @pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
-def test_fullgraph_trace_of_quantized_training_step(quant):
+def test_fullgraph_trace_of_quantized_training_step(quant, monkeypatch):
     """``torch.compile(fullgraph=True)`` traces the triton backend with quant (the FP8 op and its autograd, the
     bf16 backward op) without graph breaks; aot_eager on the CPU fallback."""
     cfg = {"method": "sla", "block_size": 16, "topk_ratio": 0.3, "quant": quant}
@@ -612,9 +615,13 @@ def test_fullgraph_trace_of_quantized_training_step(quant):
         out, lse = flexsparse.attention(q, k, v, cfg, backend="triton", return_lse=True, params=params)
         return out.square().sum() + lse.sum()
 
+    checked, check = [], block_op.checked_pooled
+    monkeypatch.setattr(block_op, "checked_pooled", lambda *a: checked.append(check(*a)) or checked[-1])
     torch._dynamo.reset()
     with ts.interpreter_env(False), ts.triton_ops_on_cpu():
         got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+        # unsmoothed: the FP8 op gets the pooling pass's operands in the graph too
+        assert checked and all((x is not None) == bool(quant) for x in checked)
         grads = torch.autograd.grad(got, (q, k, v))
         want = step(q, k, v)
         want_grads = torch.autograd.grad(want, (q, k, v))
@@ -862,13 +869,14 @@ def test_gpu_single_pass_quantization(cfg, d, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
-def test_gpu_compiled_quantized_training_no_graph_breaks(cfg):
-    """fullgraph compile of forward + backward with quant on triton: one graph, no breaks, no recompiles over
-    3 steps with new inputs; matches eager."""
+def test_gpu_compiled_quantized_training_no_graph_breaks(cfg, quant):
+    """fullgraph compile of forward + backward with quant on triton (unsmoothed: the pooling pass's FP8 operands in
+    the graph): one graph, no breaks, no recompiles over 3 steps with new inputs; matches eager."""
     n, d, heads = 4096, 64, 4
     params = _params(cfg, d, heads, n, "cuda")
-    config = Config.from_dict({**cfg, "quant": {}})
+    config = Config.from_dict({**cfg, "quant": quant})
 
     def step(q, k, v):
         o, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)

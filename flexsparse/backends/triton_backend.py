@@ -111,17 +111,15 @@ class TritonBackend(Backend):
 
     def quantizing_pooling(self, q, k, v, block_q: int, block_k: int, quant: QuantConfig | None):
         """With ``quant`` of unsmoothed keys that the FP8 kernel runs, one pass pools q and k and quantizes them
-        (``fp8_quant.pool_quantize``: e4m3 Q and K per block, V's amax), so that the FP8 branch reads them from the
-        selection instead of a pre-pass over Q and K; eager calls on the kernels' inputs only (q, k, v of one dtype,
-        contiguous last dims), else ``block_pooling``."""
+        (``flexsparse::pool_quantize``: e4m3 Q and K per block, V's amax), so that the FP8 branch reads them from the
+        selection instead of a pre-pass over Q and K; on the kernels' inputs only (q, k, v of one dtype, contiguous
+        last dims), else ``block_pooling``."""
         if (quant is None or quant.smooth_keys or self.quant_unsupported(quant, "block") is not None
-                or torch.compiler.is_compiling() or not use_kernels(q) or not q.dtype == k.dtype == v.dtype
-                or any(x.stride(-1) != 1 for x in (q, k, v))):
+                or not q.dtype == k.dtype == v.dtype or any(x.stride(-1) != 1 for x in (q, k, v))):
             return super().quantizing_pooling(q, k, v, block_q, block_k, quant)
-        from ..triton.block_sparse import fp8_quant      # imports triton
         with torch.no_grad():
-            pooled, tensors = fp8_quant.pool_quantize(q, k, v, block_q, block_k)
-        return pooled, PreparedOperands((q, k, v), tensors)
+            outputs = block_op.pool_quantize(q, k, v, block_q, block_k)
+        return outputs[:3], PreparedOperands((q, k, v), list(outputs[3:]))
 
     def coarse_pooling(self, q, k, v, block_q: int, block_k: int):
         """One op in eager calls (``pooling.op.coarse_means``: one launch where the call is small)."""

@@ -27,7 +27,7 @@ class _BlockGrid:
 @dataclass(frozen=True, eq=False)
 class PreparedOperands:
     """Operands a backend's selection pass made for the attention of exactly the tensors ``sources`` (q, k, v):
-    the triton backend's e4m3 Q and K per block and V's amax from its pooling pass (``fp8_quant.pool_quantize``).
+    the triton backend's e4m3 Q and K per block and V's amax from its pooling pass (``flexsparse::pool_quantize``).
     A backend uses them only where it attends those very tensors (``serves``); the others ignore them."""
 
     sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor]

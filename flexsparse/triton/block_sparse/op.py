@@ -1,7 +1,8 @@
 """``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
 differentiable), ``flexsparse::block_attn_bwd`` and ``flexsparse::block_attn_fp8`` (the FP8 forward of the
 quantized branch, differentiable by ``block_attn``'s backward evaluated at its own O and LSE: the QAT gradient of
-``flexsparse.quant.qat_attention``, with no second, unquantized forward).
+``flexsparse.quant.qat_attention``, with no second, unquantized forward), and ``flexsparse::pool_quantize`` (a
+selection's pooling with the FP8 operands of unsmoothed Q and K).
 
 Registered with ``triton_op`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
 kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
@@ -19,9 +20,10 @@ from torch import Tensor
 
 from ...config import QuantConfig
 from ...masks import BlockSelection, num_blocks
-from ...quant import qat_attention, quantize_kv
+from ...quant import E4M3, block_scales, qat_attention, quantize, quantize_kv
 from .._runtime.registry import triton_op
 from ..common.inputs import contiguous, use_kernels
+from ..pooling import naive as pooling_naive
 from . import naive
 
 
@@ -101,6 +103,33 @@ def fp8_key_shift(k: Tensor, k_mean: Optional[Tensor], smooth_keys: bool) -> Opt
     if smooth_keys:
         return k_mean
     return k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3], dtype=torch.float32)
+
+
+@triton_op("flexsparse::pool_quantize")
+def pool_quantize(q: Tensor, k: Tensor, v: Tensor, block_q: int,
+                  block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A block selection's pooling and the FP8 operands of unsmoothed Q and K in one pass
+    (``fp8_quant.pool_quantize``): ``(q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax)``, the first
+    three ``block_pooling``'s (fp32), then ``block_attn_fp8``'s ``q8 ... v_amax``. q: ``(B, H, Nq, D)``; k, v:
+    ``(B, Hk, Nk, D)``, last dims contiguous. No gradient (a selection's inputs)."""
+    if not use_kernels(q):
+        return _pool_quantize_reference(q, k, v, block_q, block_k)
+    from .fp8_quant import pool_quantize as launch
+    pooled, quantized = launch(q, k, v, block_q, block_k)
+    return (*pooled, *quantized)
+
+
+def _pool_quantize_reference(q: Tensor, k: Tensor, v: Tensor, block_q: int, block_k: int):
+    """``pool_quantize`` in PyTorch: the e4m3 values in ``float8_e4m3fn`` on CUDA, as fp16 elsewhere (the kernels'
+    stand-in, ``fp8_quant.storage_dtype``)."""
+    storage = E4M3 if q.device.type == "cuda" else torch.float16
+    quantized = []
+    for x, block in ((q, block_q), (k, block_k)):
+        scales = block_scales(x, block)                                          # (B, H, T, 1)
+        per_token = scales.repeat_interleave(block, dim=2)[:, :, : x.shape[2]]
+        quantized += [quantize(x, per_token).to(storage), scales[..., 0]]
+    v_amax = v.abs().amax(dim=2).float()
+    return (*(t.float() for t in pooling_naive.block_pooling(q, k, block_q, block_k)), *quantized, v_amax)
 
 
 def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float,
