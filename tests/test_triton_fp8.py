@@ -498,6 +498,9 @@ def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
         reference = block_op._pool_quantize_reference(q, k, v, block_q, block_k)   # the op's PyTorch path
         assert all(map(torch.equal, reference[3:], (q8, q_scales, k8, k_scales, v_amax)))
         assert all(ts.rel_err(a, b) < 1e-6 for a, b in zip(reference[:3], (q_means, k_means, k_sums)))
+    columns = [x.transpose(2, 3).contiguous().transpose(2, 3) for x in (q, k, v)]      # channels strided: the op
+    assert all(map(torch.equal, block_op.pool_quantize(*columns, block_q, block_k),    # copies the rows
+                   (q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax)))
 
 
 SINGLE_PASS = {"smooth_keys": False}

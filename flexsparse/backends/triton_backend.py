@@ -112,10 +112,10 @@ class TritonBackend(Backend):
     def quantizing_pooling(self, q, k, v, block_q: int, block_k: int, quant: QuantConfig | None):
         """With ``quant`` of unsmoothed keys that the FP8 kernel runs, one pass pools q and k and quantizes them
         (``flexsparse::pool_quantize``: e4m3 Q and K per block, V's amax), so that the FP8 branch reads them from the
-        selection instead of a pre-pass over Q and K; on the kernels' inputs only (q, k, v of one dtype, contiguous
-        last dims), else ``block_pooling``."""
+        selection instead of a pre-pass over Q and K; on q, k, v of one dtype (the FP8 op's inputs as they come),
+        else ``block_pooling``."""
         if (quant is None or quant.smooth_keys or self.quant_unsupported(quant, "block") is not None
-                or not q.dtype == k.dtype == v.dtype or any(x.stride(-1) != 1 for x in (q, k, v))):
+                or not q.dtype == k.dtype == v.dtype):
             return super().quantizing_pooling(q, k, v, block_q, block_k, quant)
         with torch.no_grad():
             outputs = block_op.pool_quantize(q, k, v, block_q, block_k)

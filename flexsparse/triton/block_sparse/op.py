@@ -22,7 +22,7 @@ from ...config import QuantConfig
 from ...masks import BlockSelection, num_blocks
 from ...quant import E4M3, block_scales, qat_attention, quantize, quantize_kv
 from .._runtime.registry import triton_op
-from ..common.inputs import contiguous, use_kernels
+from ..common.inputs import contiguous, row_views, use_kernels
 from ..pooling import naive as pooling_naive
 from . import naive
 
@@ -111,11 +111,11 @@ def pool_quantize(q: Tensor, k: Tensor, v: Tensor, block_q: int,
     """A block selection's pooling and the FP8 operands of unsmoothed Q and K in one pass
     (``fp8_quant.pool_quantize``): ``(q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax)``, the first
     three ``block_pooling``'s (fp32), then ``block_attn_fp8``'s ``q8 ... v_amax``. q: ``(B, H, Nq, D)``; k, v:
-    ``(B, Hk, Nk, D)``, last dims contiguous. No gradient (a selection's inputs)."""
+    ``(B, Hk, Nk, D)`` (strided rows read in place). No gradient (a selection's inputs)."""
     if not use_kernels(q):
         return _pool_quantize_reference(q, k, v, block_q, block_k)
     from .fp8_quant import pool_quantize as launch
-    pooled, quantized = launch(q, k, v, block_q, block_k)
+    pooled, quantized = launch(*row_views(q, k, v), block_q, block_k)
     return (*pooled, *quantized)
 
 
