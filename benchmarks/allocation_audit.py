@@ -97,11 +97,12 @@ class LargeAllocations(TorchDispatchMode):
         return out
 
 
-def eager_calls(name: str, n: int, heads: int):
+def eager_calls(name: str, n: int, heads: int, quant: dict | None = None):
     """``(inputs, {"fwd": call, "fwd+bwd": call})``: the ``no_grad`` forward and the forward+backward of method
-    ``name`` (``CONFIGS``) on the triton backend, on fresh bf16 CPU leaves ``(1, heads, n, 64)``; ``inputs``: q, k,
-    v and the upstream gradient."""
-    module = flexsparse.SparseAttention(CONFIGS[name], head_dim=64, num_heads=heads, seq_len=n, backend="triton")
+    ``name`` (``CONFIGS``, with config key ``quant`` where given) on the triton backend, on fresh bf16 CPU leaves
+    ``(1, heads, n, 64)``; ``inputs``: q, k, v and the upstream gradient."""
+    config = CONFIGS[name] if quant is None else {**CONFIGS[name], "quant": quant}
+    module = flexsparse.SparseAttention(config, head_dim=64, num_heads=heads, seq_len=n, backend="triton")
     q, k, v = (torch.randn(1, heads, n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn(1, heads, n, 64, dtype=torch.bfloat16)
 

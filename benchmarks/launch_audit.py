@@ -12,12 +12,14 @@ the linear branch's dense sums), and the stubs leave out Triton's own launch pat
 the counts are a guide, the GPU's profiler the truth.
 
     python benchmarks/launch_audit.py [--n 256] [--methods topk vsa llsa sla sla2] [--where] [--python]
+                                      [--quant '{"smooth_keys": false}']
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import cProfile
+import json
 import os
 import pstats
 import traceback
@@ -69,10 +71,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(CONFIGS))
     parser.add_argument("--where", action="store_true", help="list each op with the lines it comes from")
     parser.add_argument("--python", action="store_true", help="count the Python function calls of a call")
+    parser.add_argument("--quant", type=json.loads, help="the methods' config key quant, as JSON (e.g. '{}')")
     args = parser.parse_args()
     stub_launches()
     for name in args.methods:
-        _, calls = eager_calls(name, args.n, heads=1)
+        _, calls = eager_calls(name, args.n, heads=1, quant=args.quant)
         for phase, call in calls.items():
             call()                                    # a warm-up call builds what later calls reuse
             python = "Python calls {}, flexsparse's {}, ".format(*python_calls(call)) if args.python else ""

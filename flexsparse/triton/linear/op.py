@@ -228,12 +228,11 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
     FP8 after its pre-pass in Gluon at D = 128 on sm_90 and in Triton otherwise. Returns ``(out, lse, o_s, o_l, rows_h,
     rows_z)``; arguments as the two ops (kernels only: ``linear_kernels(q)``; ``k_mean``, ``smooth_keys`` and
     ``q8 ... v_amax`` as ``block_attn_fp8``'s)."""
-    from ..block_sparse.op import block_attn, block_attn_fp8, checked_pooled, fp8_key_shift
+    from ..block_sparse.op import block_attn, block_attn_fp8, checked_pooled
     q, k, v, indices, skipped = contiguous(q, k, v, indices, skipped)  # once, before the Gluon kernels' checks
     pooled = checked_pooled(smooth_keys, q8, q_scales, k8, k_scales, v_amax)
-    shift = fp8_key_shift(k, k_mean, smooth_keys) if fp8 else None
     mixed = _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
-                                      feature_map, eps, store_linear, fp8, shift, pooled)
+                                      feature_map, eps, store_linear, fp8, k_mean, smooth_keys, pooled)
     if mixed is not None:
         return mixed
     if fp8:
@@ -247,16 +246,17 @@ def sparse_linear_mix(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, skipped:
 
 
 def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_logit, block_q, block_k, scale,
-                              feature_map, eps, store_linear, fp8=False, k_mean=None, pooled=None):
+                              feature_map, eps, store_linear, fp8=False, k_mean=None, smooth_keys=True,
+                              pooled=None):
     """``sparse_linear_mix``'s results from a kernel that mixes the linear branch in the sparse forward's epilogue,
     or ``None`` where none runs. bf16: the Gluon ``mix_ws`` where the sparse forward would run its Gluon kernel
     (``block_sparse.fwd.gluon_runs``); with ``fp8`` the Gluon ``mix_ws_fp8`` where ``mix_ws_fp8.supported`` and no
     ``block_fwd_fp8`` tile override, else for SLA2's lerp the Triton ``mix_fp8`` (any float dtype, D <=
     ``MIXED_FP8_MAX_D``; SLA's projection was slower there, see its docstring). All on the dense strategy (the
     gather strategy sums the states in the output kernel). O_s is not stored without ``store_linear``. q, k, v,
-    indices and skipped: contiguous; ``k_mean`` (what the pre-pass subtracts from K) and ``pooled`` for ``fp8``
-    (``block_attn_fp8``'s)."""
+    indices and skipped: contiguous; ``k_mean``, ``smooth_keys`` and ``pooled`` for ``fp8`` (``block_attn_fp8``'s)."""
     from ..block_sparse.fwd import gluon_runs
+    from ..block_sparse.op import fp8_key_shift
     from .gluon import mix_ws, mix_ws_fp8
     from .fwd import dense_query_states
     if fp8:
@@ -277,7 +277,7 @@ def _mixed_in_sparse_epilogue(q, k, v, indices, skipped, weight, bias, alpha_log
         return None
     weight_t = None if weight is None else weight.t().to(q.dtype, memory_format=torch.contiguous_format)  # one copy
     bias, alpha_logit = _mix_scalars(q, weight, bias, alpha_logit)
-    fp8_args = {"k_mean": k_mean, "pooled": pooled or []} if fp8 else {}
+    fp8_args = {"k_mean": fp8_key_shift(k, k_mean, smooth_keys), "pooled": pooled or []} if fp8 else {}
     out, lse, o_s, o_l = run(q, k, v, indices, *states, weight_t, bias, alpha_logit, block_q, block_k, scale,
                              feature_map, eps, store_linear, **fp8_args)
     return out, lse, o_s, o_l, *states
