@@ -506,6 +506,13 @@ def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
 SINGLE_PASS = {"smooth_keys": False}
 
 
+def counted_pooling_passes(monkeypatch) -> list:
+    """A list that gets an entry per ``fp8_quant.pool_quantize`` call from here on (the pass still runs)."""
+    calls, pooling = [], fp8_quant.pool_quantize
+    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: calls.append(1) or pooling(*a))
+    return calls
+
+
 @cpu_only
 @pytest.mark.parametrize("cfg", METHOD_CONFIGS, ids=lambda c: c["method"])
 def test_unsmoothed_keys_are_quantized_in_the_selections_pooling_pass(cfg, monkeypatch):
@@ -519,8 +526,7 @@ def test_unsmoothed_keys_are_quantized_in_the_selections_pooling_pass(cfg, monke
     q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(lambda: make_qkv(1, heads, 1, n, d), config,
                                                                    params, ("triton", "torch")))
     leaves = [q, k, v, *params.values()]
-    pooled, pooling = [], fp8_quant.pool_quantize
-    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: pooled.append(1) or pooling(*a))
+    pooled = counted_pooling_passes(monkeypatch)
     keys_pass = fp8_quant.quantize_keys
 
     def no_keys_pass(*args):
@@ -551,8 +557,7 @@ def test_prepared_operands_serve_only_the_tensors_they_were_made_from(monkeypatc
     cfg = {**next(c for c in METHOD_CONFIGS if c["method"] == "sla2"), "smooth_k": "all", "quant": SINGLE_PASS}
     params = _params(cfg, d, heads, n)
     q, k, v = make_qkv(1, heads, 1, n, d)
-    pooled, pooling = [], fp8_quant.pool_quantize
-    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: pooled.append(1) or pooling(*a))
+    pooled = counted_pooling_passes(monkeypatch)
     with torch.no_grad():
         flexsparse.attention(q, k, v, cfg, backend="triton", params=params)
         assert pooled == []

@@ -101,7 +101,16 @@ def head_scales(x: torch.Tensor, fmt: str = "fp8_e4m3") -> torch.Tensor:
     return amax_to_scale(x.abs().amax(dim=(2, 3), keepdim=True), fmt)
 
 
+def quantize_blocks(x: torch.Tensor, block: int, fmt: str = "fp8_e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (B, H, N, D)`` quantized with one scale per block of ``block`` tokens (``block_scales``): the grid values
+    ``(B, H, N, D)`` in the accumulation dtype (``quantize``) and the scales ``(B, H, T, 1)``."""
+    scale = block_scales(x, block, fmt)
+    values = quantize(_token_blocks(x, block), scale.unsqueeze(-1), fmt).flatten(2, 3)[:, :, : x.shape[2]]
+    return values, scale
+
+
 def fake_quant_blocks(x: torch.Tensor, block: int, fmt: str = "fp8_e4m3") -> torch.Tensor:
-    """Fake-quantize ``x (B, H, N, D)`` with one scale per block of ``block`` tokens (``block_scales``)."""
-    scale = block_scales(x, block, fmt).unsqueeze(-1)                 # (B, H, T, 1, 1)
-    return fake_quant(_token_blocks(x, block), scale, fmt).flatten(2, 3)[:, :, : x.shape[2]]
+    """Fake-quantize ``x (B, H, N, D)`` with one scale per block of ``block`` tokens: ``quantize_blocks``' values
+    divided by their block's scale, in the accumulation dtype."""
+    values, scale = quantize_blocks(x, block, fmt)
+    return (_token_blocks(values, block) / scale.unsqueeze(-1).to(values.dtype)).flatten(2, 3)[:, :, : x.shape[2]]

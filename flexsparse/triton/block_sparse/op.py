@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ...config import QuantConfig
 from ...masks import BlockSelection, num_blocks
-from ...quant import E4M3, block_scales, qat_attention, quantize, quantize_kv
+from ...quant import E4M3, qat_attention, quantize_kv
+from ...quant.formats import quantize_blocks
 from .._runtime.registry import triton_op
 from ..common.inputs import contiguous, row_views, use_kernels
 from ..pooling import naive as pooling_naive
@@ -67,6 +68,7 @@ def block_attn_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: 
 @triton_op("flexsparse::block_attn_fp8")
 def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: int, block_k: int, scale: float,
                    deterministic: bool, k_mean: Optional[Tensor] = None, smooth_keys: bool = True,
+                   # five optional tensors, not a list: torch.library takes no optional list of tensors
                    q8: Optional[Tensor] = None, q_scales: Optional[Tensor] = None, k8: Optional[Tensor] = None,
                    k_scales: Optional[Tensor] = None, v_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """FP8 forward of the quantized block-sparse branch (docs/methods.md "FP8 QAT"; e4m3 Q and K per block, K
@@ -125,9 +127,8 @@ def _pool_quantize_reference(q: Tensor, k: Tensor, v: Tensor, block_q: int, bloc
     storage = E4M3 if q.device.type == "cuda" else torch.float16
     quantized = []
     for x, block in ((q, block_q), (k, block_k)):
-        scales = block_scales(x, block)                                          # (B, H, T, 1)
-        per_token = scales.repeat_interleave(block, dim=2)[:, :, : x.shape[2]]
-        quantized += [quantize(x, per_token).to(storage), scales[..., 0]]
+        values, scales = quantize_blocks(x, block)
+        quantized += [values.to(storage), scales[..., 0]]
     v_amax = v.abs().amax(dim=2).float()
     return (*(t.float() for t in pooling_naive.block_pooling(q, k, block_q, block_k)), *quantized, v_amax)
 
