@@ -304,11 +304,13 @@ def test_prepass_stores_permuted_keys_in_key_slot_order():
     assert not torch.equal(order, torch.arange(48))
 
 
-TILE_OVERRIDES = {
-    "unsplit 32-row tiles": ('{"block_fwd_fp8": {"BM": 32, "BN": 32, "stages": 2}}', 32, 32, 2),
-    "blocks side by side": ('{"block_fwd_fp8": {"KB": 2}}', 16, 8, 3),
-    "four blocks per step": ('{"block_fwd_fp8": {"KB": 4, "BN": 16}}', 16, 16, 5),
-    "accumulate in the MMA": ('{"block_fwd_fp8": {"fresh_acc": false}}', 32, 16, 3),
+TILE_OVERRIDES = {   # tiles, block_q, block_k, topk, N
+    "unsplit 32-row tiles": ('{"block_fwd_fp8": {"BM": 32, "BN": 32, "stages": 2}}', 32, 32, 2, 90),
+    "blocks side by side": ('{"block_fwd_fp8": {"KB": 2}}', 16, 8, 3, 90),
+    "pairs, ragged last block": ('{"block_fwd_fp8": {"KB": 2}}', 32, 16, 3, 90),
+    "pairs, odd list": ('{"block_fwd_fp8": {"KB": 2}}', 32, 16, 5, 96),     # unmasked pairs, the last block alone
+    "four blocks per step": ('{"block_fwd_fp8": {"KB": 4, "BN": 16}}', 16, 16, 5, 90),
+    "accumulate in the MMA": ('{"block_fwd_fp8": {"fresh_acc": false}}', 32, 16, 3, 90),
 }
 
 
@@ -316,10 +318,10 @@ TILE_OVERRIDES = {
 @pytest.mark.parametrize("name", list(TILE_OVERRIDES))
 def test_tile_overrides(name, monkeypatch):
     """Other key-tile orders through ``FLEXSPARSE_TRITON_TILES``: the emulation follows the same order."""
-    tiles, block_q, block_k, topk = TILE_OVERRIDES[name]
+    tiles, block_q, block_k, topk, n = TILE_OVERRIDES[name]
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", tiles)
-    q, k, v = make_qkv(1, 2, 1, 90, 16)
-    selection = random_selection(1, 2, 90, 90, block_q, block_k, topk)
+    q, k, v = make_qkv(1, 2, 1, n, 16)
+    selection = random_selection(1, 2, n, n, block_q, block_k, topk)
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, 0.3)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, 0.3, forward_tiles(q.device, 16))

@@ -142,6 +142,122 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
 
 
 @gluon.jit
+def _softmax_pair(s0, s1, m_i, l_i, c0, c1):
+    """``_softmax`` on two key blocks' raw scores with their factors: ``(p0, p1, m, l, alpha)``."""
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, axis=1) * c0, gl.max(s1, axis=1) * c1))
+    alpha = gl.exp2(m_i - m_new)
+    shift = gl.expand_dims(m_new - LOG2_448, 1)
+    p0 = gl.exp2(s0 * c0 - shift)
+    p1 = gl.exp2(s1 * c1 - shift)
+    return p0, p1, m_new, l_i * alpha + gl.sum(p0 + p1, axis=1), alpha
+
+
+@gluon.jit
+def _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, e, zeros, BLOCK_K: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """Issue ``Q K^T`` of key blocks e and e + 1 (slots ``e % STAGES`` and the next; STAGES even)."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    slot = e % STAGES
+    mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
+    mbarrier.wait(ready.index(slot + 1), ((e + 1) // STAGES) & 1)
+    s0 = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    s1 = warpgroup_mma(q_smem, k_bufs.index(slot + 1).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    return s0, s1
+
+
+@gluon.jit
+def _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, e, BLOCK_K: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """``_softmax_pair`` on the scores of key blocks e and e + 1: ``(p0, p1, m, l, alpha)``."""
+    c0 = q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e))
+    c1 = q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e + 1))
+    s0 = _mask_tail(s0, idx_ptr, e, NK, BLOCK_K, s_layout)
+    s1 = _mask_tail(s1, idx_ptr, e + 1, NK, BLOCK_K, s_layout)
+    return _softmax_pair(s0, s1, m_i, l_i, c0, c1)
+
+
+@gluon.jit
+def attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
+                 BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+    """``attend`` (fresh accumulator, deferred rescale) on two key blocks per softmax step: the slots e and e + 1
+    (STAGES even), one max, one ``alpha`` and one accumulator update per 128 keys, ``P V`` of the pair as two chained
+    wgmmas into one fresh accumulator; an odd last block takes a step of its own."""
+    BM: gl.constexpr = q_smem.type.shape[0]
+    D: gl.constexpr = q_smem.type.shape[1]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
+    o_layout: gl.constexpr = mma_layout(num_warps, D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    zeros = gl.zeros([BM, BLOCK_K], gl.float32, s_layout)
+    zeros_o = gl.zeros([BM, D], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    alpha_prev = gl.full([BM], 1.0, gl.float32, row_o)
+    n_pairs = n_steps // 2
+
+    mbarrier.wait(q_bar, 0)
+    if n_pairs > 0:
+        s0, s1 = _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, 0, zeros, BLOCK_K, s_layout)
+        s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1))
+        p0, p1, m_i, l_i, alpha = _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, 0, BLOCK_K,
+                                                s_layout)
+        for j in range(1, n_pairs):
+            e = 2 * j
+            prev = (e - 2) % STAGES
+            p0 = operand_p(p0, p_layout, PERMUTED)
+            p1 = operand_p(p1, p_layout, PERMUTED)
+            s0, s1 = _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, e, zeros, BLOCK_K, s_layout)
+            if FRESH_ACC:
+                pv = warpgroup_mma(p0, v_bufs.index(prev).permute((1, 0)), zeros_o, use_acc=False, is_async=True)
+            else:                                   # acc at the pair's max, P V accumulated in the MMA
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                pv = warpgroup_mma(p0, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)
+            pv = warpgroup_mma(p1, v_bufs.index(prev + 1).permute((1, 0)), pv, is_async=True)
+            s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(s0, s1))   # in order: the pair's P V may run
+            p0, p1, m_i, l_i, alpha = _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, e, BLOCK_K,
+                                                    s_layout)
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(empty.index(prev + 1), count=1)
+            if FRESH_ACC:
+                acc = acc * gl.expand_dims(alpha_prev, 1) + pv
+                alpha_prev = gl.convert_layout(alpha, row_o)
+            else:
+                acc = pv
+        last = (2 * n_pairs - 2) % STAGES
+        if FRESH_ACC:
+            pv = warpgroup_mma(operand_p(p0, p_layout, PERMUTED), v_bufs.index(last).permute((1, 0)), zeros_o,
+                               use_acc=False, is_async=True)
+            acc = acc * gl.expand_dims(alpha_prev, 1)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            pv = warpgroup_mma(operand_p(p0, p_layout, PERMUTED), v_bufs.index(last).permute((1, 0)), acc,
+                               is_async=True)
+        pv = warpgroup_mma(operand_p(p1, p_layout, PERMUTED), v_bufs.index(last + 1).permute((1, 0)), pv,
+                           is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+        acc = acc + pv if FRESH_ACC else pv
+        mbarrier.arrive(empty.index(last), count=1)
+        mbarrier.arrive(empty.index(last + 1), count=1)
+    if n_steps % 2 == 1:
+        e = n_steps - 1
+        slot = e % STAGES
+        mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = _mask_tail(warpgroup_mma_wait(num_outstanding=0, deps=(s, )), idx_ptr, e, NK, BLOCK_K, s_layout)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e)))
+        pv = warpgroup_mma(operand_p(p, p_layout, PERMUTED), v_bufs.index(slot).permute((1, 0)), zeros_o,
+                           use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + warpgroup_mma_wait(num_outstanding=0,
+                                                                                            deps=(pv, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE: gl.constexpr):
     """The LSE of the unsmoothed logits stored for the rows below ``NQ``; returns O ``acc / (l s_v)`` (fp32, the
     accumulator's layout). ``vs_ptr``, ``km_ptr``: this KV head's V scales and K mean ``(D,)`` fp32."""
@@ -164,10 +280,14 @@ def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_fir
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
               q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
               SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr,
-              num_warps: gl.constexpr):
-    """``attend``, then O and the LSE (``finish``) for the rows below ``NQ``."""
-    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                           n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
+              PAIRS: gl.constexpr, num_warps: gl.constexpr):
+    """``attend`` (``attend_pairs`` with ``PAIRS``), then O and the LSE (``finish``) for the rows below ``NQ``."""
+    if PAIRS:
+        acc, m_i, l_i = attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale,
+                                     NK, n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
+    else:
+        acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
+                               n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
     o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
 
@@ -187,7 +307,8 @@ def allocate_ring(q_desc, k_desc, vt_desc, STAGES: gl.constexpr, BLOCK_K: gl.con
 def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP,
                        NQ, NK, TQ, TK, TOPK, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
-                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, PAIRS: gl.constexpr,
+                       num_warps: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
@@ -199,7 +320,7 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, kd_ptr + hk * TK,
                      vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE, SCALE2,
-                     FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)),
+                     FRESH_ACC, DEFER_RESCALE, PERMUTED, PAIRS, num_warps)),
         (producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
                      TOPK, BLOCK_K)),
     ], [1], [24])
@@ -223,7 +344,7 @@ def default_tiles(d: int) -> dict:
     needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away
     from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with
     permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two runs."""
-    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True)
+    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True, pairs=False)
 
 
 BM = 64                                                         # query-tile rows: one consumer warpgroup
@@ -253,7 +374,7 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
         heads // k8.shape[1], nq, k8.shape[2], tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // BM, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
         FRESH_ACC=tiles["fresh_acc"], DEFER_RESCALE=tiles["defer_rescale"], PERMUTED=permutes_keys(block_k),
-        num_warps=BM // 16, maxnreg=tiles["maxnreg"])
+        PAIRS=tiles["pairs"], num_warps=BM // 16, maxnreg=tiles["maxnreg"])
     return o, lse
 
 
