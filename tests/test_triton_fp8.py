@@ -757,6 +757,30 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
     assert ts.rel_err(inside, want_o) < 2e-2 and ts.rel_err(inside_lse, want_lse) < 1e-4
 
 
+PAIRS = dict(BM=64, BN=64, KB=2, warps=4, stages=3, fresh_acc=True)   # two key blocks per softmax step
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 64, 64, 7), (4000, 2, 2, 128, 128, 5),
+                                                              (4096, 2, 1, 128, 64, 8), (1000, 4, 1, 64, 128, 3)])
+def test_gpu_two_key_blocks_per_step(n, heads, kv_heads, d, block_q, topk):
+    """Both FP8 kernels with two 64-key blocks per softmax step (the running max per pair, an odd list's last block
+    alone; ragged N, GQA): the Triton kernel (``KB=2``) and the Gluon one (``pairs``, its ``P V`` in a fresh
+    accumulator per pair or accumulated in the MMA) against the emulation in the same key order."""
+    (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, 64, topk)
+    scale = d**-0.5
+    pre = quantize_qkv(q, k, v, block_q, 64)
+    want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, 64, scale, PAIRS)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, PAIRS)
+    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+    if gluon_runs(pre[2], selection.indices, block_q, 64):
+        from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
+        for fresh, tol in ((True, 5e-3), (False, 2e-2)):
+            o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
+                                         {"pairs": True, "stages": 4, "fresh_acc": fresh})
+            assert ts.rel_err(o, want_o) < tol and ts.rel_err(lse, want_lse) < 1e-4
+
+
 @gpu
 @pytest.mark.parametrize("n,heads,kv_heads,d,block_q,block_k,topk", [(4096, 4, 2, 64, 64, 64, 8),
                                                                      (4000, 2, 2, 128, 128, 64, 5),

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .._runtime.registry import launcher
+from .._runtime.tiles import with_overrides
 from . import fp8_quant
 from .fp8_quant import permutes_keys
 from .fwd_ws import LOG2E, _barriers, _mask_tail, descriptor, program_tile, shared_layout, store_rows
@@ -338,13 +339,17 @@ def supported(k8: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: in
 
 
 def default_tiles(d: int) -> dict:
-    """Ring slots, register cap per thread, ``fresh_acc`` and ``defer_rescale`` (``attend``) at head dim ``d``
-    (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168
-    registers; 80, three programs per SM with the producer's warp padded to a warpgroup, does not compile: ptxas
-    needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away
-    from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with
-    permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two runs."""
-    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True, pairs=False)
+    """Ring slots, register cap per thread, ``fresh_acc``, ``defer_rescale`` (``attend``) and ``pairs``
+    (``attend_pairs``: two key blocks per softmax step, an even number of slots) at head dim ``d``, with
+    ``tiles.overrides("block_fwd_ws_fp8")`` (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95
+    at 2-4 slots, 4.2-4.9 at 96 or 168 registers; 80, three programs per SM with the producer's warp padded to a
+    warpgroup, does not compile: ptxas needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA,
+    ``fresh_acc=False``, 2.82 ms but 0.23 % away from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS
+    instructions per key step at D = 128 with permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two
+    runs. ``pairs``: 580 per two blocks with ``fresh_acc=False``; with a fresh accumulator per pair the consumer
+    spills at every cap (offline sm_90, triton 3.7.1)."""
+    return with_overrides("block_fwd_ws_fp8", dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True,
+                                                   pairs=False))
 
 
 BM = 64                                                         # query-tile rows: one consumer warpgroup
@@ -366,6 +371,8 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
     bsz, heads, nq, d = q8.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = {**default_tiles(d), **(tiles or {})}
+    if tiles["pairs"] and tiles["stages"] % 2:
+        raise ValueError(f"tile setting pairs needs an even number of stages, got {tiles['stages']}")
     q_desc, k_desc, vt_desc = descriptors(q8, k8, vt8, block_k)
     o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
     lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
