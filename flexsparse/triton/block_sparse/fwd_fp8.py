@@ -161,7 +161,7 @@ def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, T
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    if K_GROUP == 2:                        # whole pairs unmasked, an odd list's last block on its own
+    if K_GROUP == 2 and (EMULATE or TILE_K >= 32):  # pairs, an odd list's last block alone (fp8 dots: >= 32 keys)
         for e in tl.range(0, TOPK // 2, num_stages=STAGES):
             acc, m, l = key_step(q, K8 + k_head, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, TOPK,
                                  dim, vt_stride, BLOCK_K, D, BD, BM, BN, TILE_K, 1, 2, MASK_K, FRESH_ACC, EMULATE,
@@ -265,7 +265,7 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
     if not emulate:                                         # fp8 dots reduce over >= 32 keys
         kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
-    if geo["K_GROUP"] == 2:                 # pairs: an odd list's last block takes a step of its own (attend_fp8)
+    if geo["K_GROUP"] == 2 and (emulate or geo["TILE_K"] >= 32):   # an odd list's last block alone (attend_fp8)
         geo["MASK_K"] = nk % block_k != 0 or block_k != geo["TILE_K"]
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
     if q_part is None:
