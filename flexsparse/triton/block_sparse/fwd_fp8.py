@@ -6,7 +6,9 @@ bit for bit: Q needs no pass and no launch of its own (the kernel takes about th
 
 Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
 scale per program, the key block's reciprocal K scale: a scalar per step, so the running max is ``max(s) c``
-exactly and ``s c - m`` one FMA; per key column when several blocks go side by side), online softmax in fp32
+exactly and ``s c - m`` one FMA; with two blocks side by side (``KB=2``) the running max from each block's raw max
+times its factor, still one FMA per logit, and an odd list's last block in a step of its own; a factor per key
+column with more blocks side by side), online softmax in fp32
 with ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator: the e4m3 grid of ``P^``, no extra
 multiply) and ``l`` summed from the unquantized ``p``, ``p8 = e4m3(p)`` in registers and
 ``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts from a fresh accumulator each tile (with
