@@ -108,7 +108,7 @@ def main() -> None:
                       q8, k8, vt8, low, flt, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4, 4, 2, BLOCK_Q=64, BLOCK_K=64,
                       Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, STAGES=4, FRESH_ACC=fresh, DEFER_RESCALE=True,
                       PERMUTED=True, PAIRS=True, num_warps=4, maxnreg=regs, grid=(1, 1)))
-                 for regs in (80, 96, 128, 168) for fresh in (True, False)]
+                 for regs in ((80, 96, 128, 168) if d <= 64 else (128, 168)) for fresh in (True, False)]
         jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)} DEFER={int(permuted)} PERMUTED={int(permuted)}",
                   lambda mix=mix, store=store, permuted=permuted: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
                       q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256,
