@@ -757,6 +757,18 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
     assert ts.rel_err(inside, want_o) < 2e-2 and ts.rel_err(inside_lse, want_lse) < 1e-4
 
 
+def test_pairs_need_an_even_ring_of_four_slots():
+    """Two key blocks a step hold two slots until the next pair's scores are issued: 2 slots would deadlock."""
+    from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
+    if block_fwd_ws_fp8 is None:
+        pytest.skip("this triton has no Gluon")
+    for stages in (2, 3, 5):
+        with pytest.raises(ValueError, match=f"pairs needs an even number of ring slots, at least 4, got {stages}"):
+            block_fwd_ws_fp8.check_ring({"pairs": True}, stages)
+    block_fwd_ws_fp8.check_ring({"pairs": True}, 4)
+    block_fwd_ws_fp8.check_ring({"pairs": False}, 3)
+
+
 PAIRS = dict(BM=64, BN=64, KB=2, warps=4, stages=3, fresh_acc=True)   # two key blocks per softmax step
 
 

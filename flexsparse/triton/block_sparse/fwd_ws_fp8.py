@@ -352,6 +352,13 @@ def default_tiles(d: int) -> dict:
                                                    pairs=False))
 
 
+def check_ring(tiles: dict, stages: int) -> None:
+    """``pairs`` takes two slots a step and holds them until the next pair's scores are issued: an even ring of at
+    least 4 slots (with 2 the next pair would wait for the slots it holds)."""
+    if tiles["pairs"] and (stages % 2 or stages < 4):
+        raise ValueError(f"tile setting pairs needs an even number of ring slots, at least 4, got {stages}")
+
+
 BM = 64                                                         # query-tile rows: one consumer warpgroup
 
 
@@ -371,8 +378,7 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
     bsz, heads, nq, d = q8.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = {**default_tiles(d), **(tiles or {})}
-    if tiles["pairs"] and tiles["stages"] % 2:
-        raise ValueError(f"tile setting pairs needs an even number of stages, got {tiles['stages']}")
+    check_ring(tiles, tiles["stages"])
     q_desc, k_desc, vt_desc = descriptors(q8, k8, vt8, block_k)
     o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
     lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)

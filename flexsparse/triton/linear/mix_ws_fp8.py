@@ -133,6 +133,7 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = fwd_ws_fp8.default_tiles(d)
+    fwd_ws_fp8.check_ring(tiles, ring_stages(d))
     q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k, k_mean, pooled)
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
