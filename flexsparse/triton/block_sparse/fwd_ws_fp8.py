@@ -180,9 +180,10 @@ def _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, e, BLOCK_K: g
 @gluon.jit
 def attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
                  BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
-    """``attend`` (fresh accumulator, deferred rescale) on two key blocks per softmax step: the slots e and e + 1
-    (STAGES even), one max, one ``alpha`` and one accumulator update per 128 keys, ``P V`` of the pair as two chained
-    wgmmas into one fresh accumulator; an odd last block takes a step of its own."""
+    """``attend`` on two key blocks per softmax step: the slots e and e + 1 (``check_ring``), one max, one ``alpha``
+    and one accumulator update per 128 keys, ``P V`` of the pair as two chained wgmmas, into a fresh accumulator
+    added with the deferred rescale (``FRESH_ACC``; the consumer spills at D = 128) or into ``acc`` rescaled first
+    (the MMA's accumulator, as ``fresh_acc=False``); an odd last block takes a step of its own."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
