@@ -345,9 +345,9 @@ def default_tiles(d: int) -> dict:
     ``tiles.overrides("block_fwd_ws_fp8")`` (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95
     at 2-4 slots, 4.2-4.9 at 96 or 168 registers; 80, three programs per SM with the producer's warp padded to a
     warpgroup, does not compile: ptxas needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA,
-    ``fresh_acc=False``, 2.82 ms but 0.23 % away from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS
-    instructions per key step at D = 128 with permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two
-    runs. ``pairs`` (the default, with ``fresh_acc=False`` and 4 slots): 580 SASS per two blocks (offline sm_90,
+    ``fresh_acc=False``, with one block per step 2.82 ms, 0.23 % away from the fp32 sum). ``defer_rescale``: 412 ->
+    349 SASS instructions per key step at D = 128 with permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms
+    in two runs. ``pairs`` (the default, with ``fresh_acc=False`` and 4 slots): 580 SASS per two blocks (offline sm_90,
     triton 3.7.1; with a fresh accumulator per pair the consumer spills at every cap); ``topk`` 5 % at D = 128 (H200,
     triton 3.6, same run as bf16) 2.93 ms, 1.34x the bf16 kernel, against 1.25x with one block per step in an
     earlier run; rel L2 to bf16 5.315 % against 5.311 %."""
