@@ -66,14 +66,17 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-448, 448).to(E4M3).float()
 
 
-ONE_BLOCK_PER_STEP = dict(BM=64, BN=64, KB=1, warps=4, stages=2, fresh_acc=True)   # the Gluon kernel's key order
+ONE_BLOCK_PER_STEP = dict(BM=64, BN=64, KB=1, warps=4, stages=2, fresh_acc=True)
+PAIRS = dict(BM=64, BN=64, KB=2, warps=4, stages=3, fresh_acc=True)   # two key blocks per softmax step
+GLUON_ONE_BLOCK = {"pairs": False, "fresh_acc": True, "stages": 3}       # the Gluon kernel in ONE_BLOCK_PER_STEP
 
 
 def kernel_tiles(pre, indices: torch.Tensor, block_q: int, block_k: int) -> dict:
     """The key-tile order of the kernel ``block_attend_fp8`` runs on these inputs, for ``emulate_kernel``: the Gluon
-    kernel's one key block per step, or the Triton kernel's default tiles."""
+    kernel's (two key blocks per step with its default ``pairs``, else one), or the Triton kernel's default tiles."""
     if gluon_runs(pre[2], indices, block_q, block_k):
-        return ONE_BLOCK_PER_STEP
+        from flexsparse.triton.block_sparse.fwd_ws_fp8 import default_tiles
+        return PAIRS if default_tiles(pre[0].shape[-1])["pairs"] else ONE_BLOCK_PER_STEP
     return forward_tiles(pre[0].device, pre[0].shape[-1])
 
 
@@ -304,11 +307,13 @@ def test_prepass_stores_permuted_keys_in_key_slot_order():
     assert not torch.equal(order, torch.arange(48))
 
 
-TILE_OVERRIDES = {
-    "unsplit 32-row tiles": ('{"block_fwd_fp8": {"BM": 32, "BN": 32, "stages": 2}}', 32, 32, 2),
-    "blocks side by side": ('{"block_fwd_fp8": {"KB": 2}}', 16, 8, 3),
-    "four blocks per step": ('{"block_fwd_fp8": {"KB": 4, "BN": 16}}', 16, 16, 5),
-    "accumulate in the MMA": ('{"block_fwd_fp8": {"fresh_acc": false}}', 32, 16, 3),
+TILE_OVERRIDES = {   # tiles, block_q, block_k, topk, N
+    "unsplit 32-row tiles": ('{"block_fwd_fp8": {"BM": 32, "BN": 32, "stages": 2}}', 32, 32, 2, 90),
+    "blocks side by side": ('{"block_fwd_fp8": {"KB": 2}}', 16, 8, 3, 90),
+    "pairs, ragged last block": ('{"block_fwd_fp8": {"KB": 2}}', 32, 16, 3, 90),
+    "pairs, odd list": ('{"block_fwd_fp8": {"KB": 2}}', 32, 16, 5, 96),     # unmasked pairs, the last block alone
+    "four blocks per step": ('{"block_fwd_fp8": {"KB": 4, "BN": 16}}', 16, 16, 5, 90),
+    "accumulate in the MMA": ('{"block_fwd_fp8": {"fresh_acc": false}}', 32, 16, 3, 90),
 }
 
 
@@ -316,10 +321,10 @@ TILE_OVERRIDES = {
 @pytest.mark.parametrize("name", list(TILE_OVERRIDES))
 def test_tile_overrides(name, monkeypatch):
     """Other key-tile orders through ``FLEXSPARSE_TRITON_TILES``: the emulation follows the same order."""
-    tiles, block_q, block_k, topk = TILE_OVERRIDES[name]
+    tiles, block_q, block_k, topk, n = TILE_OVERRIDES[name]
     monkeypatch.setenv("FLEXSPARSE_TRITON_TILES", tiles)
-    q, k, v = make_qkv(1, 2, 1, 90, 16)
-    selection = random_selection(1, 2, 90, 90, block_q, block_k, topk)
+    q, k, v = make_qkv(1, 2, 1, n, 16)
+    selection = random_selection(1, 2, n, n, block_q, block_k, topk)
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, 0.3)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, block_k, 0.3, forward_tiles(q.device, 16))
@@ -735,24 +740,58 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
 @pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 128, 64, 8), (4000, 2, 2, 128, 128, 5),
                                                               (1000, 4, 1, 128, 128, 3)])
 def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_heads, d, block_q, topk):
-    """The Gluon FP8 forward against the Triton FP8 kernel walking the same key order (one block per step) on the
-    same pre-pass outputs: the same math up to fp32 reassociation and the fp8 MMAs' accumulation (ragged N, GQA,
-    query blocks of one and two tiles); accumulating P V inside the MMA (``fresh_acc=False``) stays within the
-    FP8 error."""
+    """The Gluon FP8 forward against the Triton FP8 kernel walking the same key order on the same pre-pass outputs:
+    the same math up to fp32 reassociation and the fp8 MMAs' accumulation (ragged N, GQA, query blocks of one and
+    two tiles), in its default (two key blocks per step, ``P V`` accumulated in the MMA) and with one block per step
+    into a fresh accumulator; both against the emulation."""
     from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, 64, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, 64)
     assert gluon_runs(pre[2], selection.indices, block_q, 64)
-    want_o, want_lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, ONE_BLOCK_PER_STEP)
-    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale)
-    assert o.dtype == q.dtype and lse.shape == want_lse.shape
-    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
-    emulated, _ = emulate_kernel(pre, selection.indices, block_q, 64, scale, ONE_BLOCK_PER_STEP)
-    assert ts.rel_err(o, emulated) < 5e-3
-    inside, inside_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
-                                             {"fresh_acc": False})
-    assert ts.rel_err(inside, want_o) < 2e-2 and ts.rel_err(inside_lse, want_lse) < 1e-4
+    default_order = kernel_tiles(pre, selection.indices, block_q, 64)
+    for gluon_tiles, triton_tiles in (({}, default_order), (GLUON_ONE_BLOCK, ONE_BLOCK_PER_STEP)):
+        want_o, want_lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, triton_tiles)
+        o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype, gluon_tiles)
+        assert o.dtype == q.dtype and lse.shape == want_lse.shape
+        assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+        emulated, _ = emulate_kernel(pre, selection.indices, block_q, 64, scale, triton_tiles)
+        assert ts.rel_err(o, emulated) < 5e-3
+
+
+def test_pairs_need_an_even_ring_of_four_slots():
+    """Two key blocks a step hold two slots until the next pair's scores are issued: 2 slots would deadlock."""
+    from flexsparse.triton.block_sparse.gluon import block_fwd_ws_fp8
+    if block_fwd_ws_fp8 is None:
+        pytest.skip("this triton has no Gluon")
+    for stages in (2, 3, 5):
+        with pytest.raises(ValueError, match=f"pairs needs an even number of ring slots, at least 4, got {stages}"):
+            block_fwd_ws_fp8.check_ring({"pairs": True}, stages)
+    block_fwd_ws_fp8.check_ring({"pairs": True}, 4)
+    block_fwd_ws_fp8.check_ring({"pairs": False}, 3)
+
+
+@gpu
+@pytest.mark.parametrize("n,heads,kv_heads,d,block_q,topk", [(4096, 4, 2, 64, 64, 7), (4000, 2, 2, 128, 128, 5),
+                                                              (4096, 2, 1, 128, 64, 8), (1000, 4, 1, 64, 128, 3)])
+def test_gpu_two_key_blocks_per_step(n, heads, kv_heads, d, block_q, topk):
+    """Both FP8 kernels with two 64-key blocks per softmax step (the running max per pair, an odd list's last block
+    alone; ragged N, GQA): the Triton kernel (``KB=2``) and the Gluon one (``pairs``, its ``P V`` in a fresh
+    accumulator per pair or accumulated in the MMA) against the emulation in the same key order."""
+    (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, 64, topk)
+    scale = d**-0.5
+    pre = quantize_qkv(q, k, v, block_q, 64)
+    want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, 64, scale, PAIRS)
+    o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, PAIRS)
+    # 1e-2: logits a last bit apart round some e4m3 P one step apart (5.03e-3 seen at D=128, 8 pairs of 64 keys,
+    # H200); a wrong key block is an O(1) error
+    assert ts.rel_err(o, want_o) < 1e-2 and ts.rel_err(lse, want_lse) < 1e-4
+    if gluon_runs(pre[2], selection.indices, block_q, 64):
+        from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
+        for fresh, tol in ((True, 1e-2), (False, 2e-2)):
+            o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
+                                         {"pairs": True, "stages": 4, "fresh_acc": fresh})
+            assert ts.rel_err(o, want_o) < tol and ts.rel_err(lse, want_lse) < 1e-4
 
 
 @gpu
@@ -761,9 +800,9 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
                                                                      (3000, 2, 1, 64, 64, 32, 12)])
 def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_heads, d, block_q, block_k, topk,
                                                                 monkeypatch):
-    """The default FP8 kernel with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``) and on sm_90 the Gluon kernel's
-    deferred rescale (``defer_rescale``): O as without either up to the dot's summation order, the same LSE, O
-    against the emulation."""
+    """The default FP8 kernel with V^T's keys permuted (``fp8_quant.PERMUTED_KEYS``): O as with the keys in order up
+    to the dot's summation order, the same LSE, O against the emulation; on sm_90 the Gluon kernel's deferred
+    rescale of one key block per step (``defer_rescale``) against the rescale at every step."""
     (q, k, v), selection = _gpu_inputs(n, heads, kv_heads, d, block_q, block_k, topk)
     scale = d**-0.5
     pre = quantize_qkv(q, k, v, block_q, block_k)
@@ -772,9 +811,10 @@ def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_hea
     assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < 5e-3
     if gluon_runs(pre[2], selection.indices, block_q, block_k):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
-        undeferred, undeferred_lse = ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
-                                                         {"defer_rescale": False})
-        assert ts.rel_err(undeferred, o) < 3e-3 and torch.equal(undeferred_lse, lse)
+        one_block = [ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
+                                         {**GLUON_ONE_BLOCK, "defer_rescale": defer}) for defer in (True, False)]
+        (deferred, deferred_lse), (undeferred, undeferred_lse) = one_block
+        assert ts.rel_err(undeferred, deferred) < 3e-3 and torch.equal(undeferred_lse, deferred_lse)
     monkeypatch.setattr(fp8_quant, "PERMUTED_KEYS", False)
     in_order = quantize_qkv(q, k, v, block_q, block_k)
     want_o, want_lse = block_attend_fp8(q, in_order[2:], selection.indices, block_q, block_k, scale)

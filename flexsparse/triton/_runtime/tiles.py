@@ -10,7 +10,9 @@ forms),
 tiles, ``SELECT_WARPS`` per row, ``FUSED_TILE``, ``FUSED_SCORES``, ``FUSED_ROWS``, ``FUSED_WARPS`` of the one-kernel
 path of small calls),
 ``block_fwd_fp8`` (the FP8 forward: ``block_sparse.fwd_fp8.forward_tiles``, ``block_fwd``'s keys, ``fresh_acc`` and
-``maxnreg``),
+``maxnreg``; any override runs the Triton FP8 kernel where the Gluon one would), ``block_fwd_ws_fp8`` (the Gluon FP8
+forward and its mixed SLA kernel: ``block_sparse.fwd_ws_fp8.default_tiles``, keys ``stages``, ``maxnreg``,
+``fresh_acc``, ``defer_rescale``, ``pairs``),
 ``select`` (LLSA's selection: ``parents``, ``top_split``, ``child_split``, ``top_warps``, ``top_precision``,
 ``bucket``; ``selection.hierarchy``'s module docstring),
 ``pool`` (LLSA's pooling: ``warps`` of the first pass, ``pooling.pool.first_pass_warps``).
@@ -23,7 +25,8 @@ import os
 
 
 VARIABLE = "FLEXSPARSE_TRITON_TILES"
-KINDS = ("fwd", "bwd", "block_fwd", "block_bwd", "linear", "block_topk", "block_fwd_fp8", "select", "pool")
+KINDS = ("fwd", "bwd", "block_fwd", "block_bwd", "linear", "block_topk", "block_fwd_fp8", "block_fwd_ws_fp8", "select",
+         "pool")
 
 
 def _table() -> dict:

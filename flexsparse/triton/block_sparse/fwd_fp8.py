@@ -6,7 +6,9 @@ bit for bit: Q needs no pass and no launch of its own (the kernel takes about th
 
 Per key tile: raw ``s = dot(q8, trans(k8))`` (fp32), the factor ``c = (scale log2(e) / s_q) (1 / s_k)`` (one Q
 scale per program, the key block's reciprocal K scale: a scalar per step, so the running max is ``max(s) c``
-exactly and ``s c - m`` one FMA; per key column when several blocks go side by side), online softmax in fp32
+exactly and ``s c - m`` one FMA; with two blocks side by side (``KB=2``) the running max from each block's raw max
+times its factor, still one FMA per logit, and an odd list's last block in a step of its own; a factor per key
+column with more blocks side by side), online softmax in fp32
 with ``p = exp2(s c - m + log2 448)`` (448 times the softmax numerator: the e4m3 grid of ``P^``, no extra
 multiply) and ``l`` summed from the unquantized ``p``, ``p8 = e4m3(p)`` in registers and
 ``acc = acc * alpha + dot(p8, trans(vt8 tile))``: the dot starts from a fresh accumulator each tile (with
@@ -82,6 +84,49 @@ def quantized_query(Q, Q8, qblk, rows, row_ok, dim, NQ, BLOCK_Q: tl.constexpr, T
 
 
 @triton.jit
+def key_step(q, K8, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, TOPK, dim, vt_stride,
+             BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             TILE_K: tl.constexpr, K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, MASK_K: tl.constexpr,
+             FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr):
+    """Step e along the block list ``table[:TOPK]`` (``list_rows``): ``(acc, m, l)`` after its ``BN`` keys. ``K8``:
+    this KV head's e4m3 keys; ``vt_head`` its V^T rows ``vt_stride`` apart."""
+    keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
+    k = load_tile(K8, keys, D, dim, key_ok, D, BD, MASK_K)
+    # stored in key_slot order, a column holds another key of its 16-group: read every stored column (zeros
+    # past N; P is 0 at masked keys)
+    vt = load_columns(vt_head, keys, vt_stride, dim, (keys < vt_stride) if PERMUTED else key_ok, D, BD, MASK_K)
+    s = tl.dot(q, tl.trans(k))                                          # raw e4m3 products, fp32
+    if MASK_K:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    if K_GROUP == 1:                        # one key block per step: a scalar factor c > 0, max(s c) = max(s) c
+        c = q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT))
+        m_new = tl.maximum(m, tl.max(s, axis=1) * c)
+    elif K_GROUP == 2 and not MASK_K:       # two whole blocks: the max per block times its factor, one FMA a logit
+        c0 = q_factor * tl.load(k_descale + tl.load(table + 2 * e))
+        c1 = q_factor * tl.load(k_descale + tl.load(table + 2 * e + 1))
+        halves = tl.max(tl.reshape(s, (BM, 2, BN // 2)), axis=2)                 # (BM, 2) raw maxima
+        m_new = tl.maximum(m, tl.max(halves * tl.where(tl.arange(0, 2) == 0, c0, c1)[None, :], axis=1))
+        c = tl.where(tl.arange(0, BN) < BN // 2, c0, c1)[None, :]
+    else:                                   # several blocks side by side: a factor per key column
+        blk = tl.minimum(keys // BLOCK_K, TK - 1)                       # masked keys: any block, s is -inf
+        s = s * (q_factor * tl.load(k_descale + blk))[None, :]
+        c = 1.0
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s * c - (m_use - LOG2_448)[:, None])                   # 448 exp2(s c - m): the fp8 grid of P
+    l = l * alpha + tl.sum(p, axis=1)
+    p8 = to_e4m3(p, EMULATE, False)
+    if PERMUTED:                                                        # V^T's keys in fp8_quant.key_slot order
+        p8 = permuted_columns(p8, BM, BN)
+    if FRESH_ACC:
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+    else:
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    return acc, m_new, l
+
+
+@triton.jit
 def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
                BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
@@ -118,35 +163,20 @@ def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, T
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
-        keys, key_ok = list_rows(table, 0, TOPK, e, NK, BLOCK_K, TILE_K, K_SPLIT, K_GROUP)
-        k = load_tile(K8 + k_head, keys, D, dim, key_ok, D, BD, MASK_K)
-        # stored in key_slot order, a column holds another key of its 16-group: read every stored column (zeros
-        # past N; P is 0 at masked keys)
-        vt = load_columns(vt_head, keys, vt_stride, dim, (keys < vt_stride) if PERMUTED else key_ok, D, BD, MASK_K)
-        s = tl.dot(q, tl.trans(k))                                      # raw e4m3 products, fp32
-        if MASK_K:
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-        if K_GROUP == 1:                    # one key block per step: a scalar factor c > 0, max(s c) = max(s) c
-            c = q_factor * tl.load(k_descale + tl.load(table + e // K_SPLIT))
-            m_new = tl.maximum(m, tl.max(s, axis=1) * c)
-        else:                               # several blocks side by side: a factor per key column
-            blk = tl.minimum(keys // BLOCK_K, TK - 1)                   # masked keys: any block, s is -inf
-            s = s * (q_factor * tl.load(k_descale + blk))[None, :]
-            c = 1.0
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s * c - (m_use - LOG2_448)[:, None])               # 448 exp2(s c - m): the fp8 grid of P
-        l = l * alpha + tl.sum(p, axis=1)
-        p8 = to_e4m3(p, EMULATE, False)
-        if PERMUTED:                                                    # V^T's keys in fp8_quant.key_slot order
-            p8 = permuted_columns(p8, BM, BN)
-        if FRESH_ACC:
-            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
-        else:
-            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-        m = m_new
+    if K_GROUP == 2 and (EMULATE or TILE_K >= 32):  # pairs, an odd list's last block alone (fp8 dots: >= 32 keys)
+        for e in tl.range(0, TOPK // 2, num_stages=STAGES):
+            acc, m, l = key_step(q, K8 + k_head, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, TOPK,
+                                 dim, vt_stride, BLOCK_K, D, BD, BM, BN, TILE_K, 1, 2, MASK_K, FRESH_ACC, EMULATE,
+                                 PERMUTED)
+        if TOPK % 2 == 1:
+            acc, m, l = key_step(q, K8 + k_head, vt_head, k_descale, table + TOPK - 1, 0, acc, m, l, q_factor, NK, TK,
+                                 1, dim, vt_stride, BLOCK_K, D, BD, BM, BN // 2, TILE_K, 1, 1, MASK_K, FRESH_ACC,
+                                 EMULATE, PERMUTED)
+    else:
+        for e in tl.range(0, list_steps(0, TOPK, K_SPLIT, K_GROUP), num_stages=STAGES):
+            acc, m, l = key_step(q, K8 + k_head, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, TOPK,
+                                 dim, vt_stride, BLOCK_K, D, BD, BM, BN, TILE_K, K_SPLIT, K_GROUP, MASK_K, FRESH_ACC,
+                                 EMULATE, PERMUTED)
     v_scale = tl.load(VS + hk.to(tl.int64) * D + dim, mask=dim < D, other=1.0)
     o = acc * (1.0 / l)[:, None] * (1.0 / v_scale)[None, :]                 # l = 448 sum exp2(s c - m)
     return o, (m + tl.log2(l) - LOG2_448) * LN2 + shift, bh, qblk, rows, row_ok, dim
@@ -237,6 +267,8 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
     if not emulate:                                         # fp8 dots reduce over >= 32 keys
         kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
     geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
+    if geo["K_GROUP"] == 2 and (emulate or geo["TILE_K"] >= 32):   # an odd list's last block alone (attend_fp8)
+        geo["MASK_K"] = nk % block_k != 0 or block_k != geo["TILE_K"]
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
     if q_part is None:
         q8, q_scales = torch.empty(q.shape, device=q.device, dtype=k8.dtype), q    # q8 written by the kernel

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .._runtime.registry import launcher
+from .._runtime.tiles import with_overrides
 from . import fp8_quant
 from .fp8_quant import permutes_keys
 from .fwd_ws import LOG2E, _barriers, _mask_tail, descriptor, program_tile, shared_layout, store_rows
@@ -142,6 +143,123 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
 
 
 @gluon.jit
+def _softmax_pair(s0, s1, m_i, l_i, c0, c1):
+    """``_softmax`` on two key blocks' raw scores with their factors: ``(p0, p1, m, l, alpha)``."""
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, axis=1) * c0, gl.max(s1, axis=1) * c1))
+    alpha = gl.exp2(m_i - m_new)
+    shift = gl.expand_dims(m_new - LOG2_448, 1)
+    p0 = gl.exp2(s0 * c0 - shift)
+    p1 = gl.exp2(s1 * c1 - shift)
+    return p0, p1, m_new, l_i * alpha + gl.sum(p0 + p1, axis=1), alpha
+
+
+@gluon.jit
+def _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, e, zeros, BLOCK_K: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """Issue ``Q K^T`` of key blocks e and e + 1 (slots ``e % STAGES`` and the next; STAGES even)."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    slot = e % STAGES
+    mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
+    mbarrier.wait(ready.index(slot + 1), ((e + 1) // STAGES) & 1)
+    s0 = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    s1 = warpgroup_mma(q_smem, k_bufs.index(slot + 1).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    return s0, s1
+
+
+@gluon.jit
+def _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, e, BLOCK_K: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """``_softmax_pair`` on the scores of key blocks e and e + 1: ``(p0, p1, m, l, alpha)``."""
+    c0 = q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e))
+    c1 = q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e + 1))
+    s0 = _mask_tail(s0, idx_ptr, e, NK, BLOCK_K, s_layout)
+    s1 = _mask_tail(s1, idx_ptr, e + 1, NK, BLOCK_K, s_layout)
+    return _softmax_pair(s0, s1, m_i, l_i, c0, c1)
+
+
+@gluon.jit
+def attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
+                 BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+    """``attend`` on two key blocks per softmax step: the slots e and e + 1 (``check_ring``), one max, one ``alpha``
+    and one accumulator update per 128 keys, ``P V`` of the pair as two chained wgmmas, into a fresh accumulator
+    added with the deferred rescale (``FRESH_ACC``; the consumer spills at D = 128) or into ``acc`` rescaled first
+    (the MMA's accumulator, as ``fresh_acc=False``); an odd last block takes a step of its own."""
+    BM: gl.constexpr = q_smem.type.shape[0]
+    D: gl.constexpr = q_smem.type.shape[1]
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
+    o_layout: gl.constexpr = mma_layout(num_warps, D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    zeros = gl.zeros([BM, BLOCK_K], gl.float32, s_layout)
+    zeros_o = gl.zeros([BM, D], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    alpha_prev = gl.full([BM], 1.0, gl.float32, row_o)
+    n_pairs = n_steps // 2
+
+    mbarrier.wait(q_bar, 0)
+    if n_pairs > 0:
+        s0, s1 = _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, 0, zeros, BLOCK_K, s_layout)
+        s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1))
+        p0, p1, m_i, l_i, alpha = _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, 0, BLOCK_K,
+                                                s_layout)
+        for j in range(1, n_pairs):
+            e = 2 * j
+            prev = (e - 2) % STAGES
+            p0 = operand_p(p0, p_layout, PERMUTED)
+            p1 = operand_p(p1, p_layout, PERMUTED)
+            s0, s1 = _pair_scores(q_smem, k_bufs, ready, idx_ptr, kd_ptr, q_factor, NK, e, zeros, BLOCK_K, s_layout)
+            if FRESH_ACC:
+                pv = warpgroup_mma(p0, v_bufs.index(prev).permute((1, 0)), zeros_o, use_acc=False, is_async=True)
+            else:                                   # acc at the pair's max, P V accumulated in the MMA
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                pv = warpgroup_mma(p0, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)
+            pv = warpgroup_mma(p1, v_bufs.index(prev + 1).permute((1, 0)), pv, is_async=True)
+            s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(s0, s1))   # in order: the pair's P V may run
+            p0, p1, m_i, l_i, alpha = _pair_softmax(s0, s1, m_i, l_i, idx_ptr, kd_ptr, q_factor, NK, e, BLOCK_K,
+                                                    s_layout)
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(empty.index(prev + 1), count=1)
+            if FRESH_ACC:
+                acc = acc * gl.expand_dims(alpha_prev, 1) + pv
+                alpha_prev = gl.convert_layout(alpha, row_o)
+            else:
+                acc = pv
+        last = (2 * n_pairs - 2) % STAGES
+        if FRESH_ACC:
+            pv = warpgroup_mma(operand_p(p0, p_layout, PERMUTED), v_bufs.index(last).permute((1, 0)), zeros_o,
+                               use_acc=False, is_async=True)
+            acc = acc * gl.expand_dims(alpha_prev, 1)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            pv = warpgroup_mma(operand_p(p0, p_layout, PERMUTED), v_bufs.index(last).permute((1, 0)), acc,
+                               is_async=True)
+        pv = warpgroup_mma(operand_p(p1, p_layout, PERMUTED), v_bufs.index(last + 1).permute((1, 0)), pv,
+                           is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+        acc = acc + pv if FRESH_ACC else pv
+        mbarrier.arrive(empty.index(last), count=1)
+        mbarrier.arrive(empty.index(last + 1), count=1)
+    if n_steps % 2 == 1:
+        e = n_steps - 1
+        slot = e % STAGES
+        mbarrier.wait(ready.index(slot), (e // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = _mask_tail(warpgroup_mma_wait(num_outstanding=0, deps=(s, )), idx_ptr, e, NK, BLOCK_K, s_layout)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, q_factor * gl.load(kd_ptr + gl.load(idx_ptr + e)))
+        pv = warpgroup_mma(operand_p(p, p_layout, PERMUTED), v_bufs.index(slot).permute((1, 0)), zeros_o,
+                           use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + warpgroup_mma_wait(num_outstanding=0,
+                                                                                            deps=(pv, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE: gl.constexpr):
     """The LSE of the unsmoothed logits stored for the rows below ``NQ``; returns O ``acc / (l s_v)`` (fp32, the
     accumulator's layout). ``vs_ptr``, ``km_ptr``: this KV head's V scales and K mean ``(D,)`` fp32."""
@@ -164,10 +282,14 @@ def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_fir
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr,
               q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
               SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr,
-              num_warps: gl.constexpr):
-    """``attend``, then O and the LSE (``finish``) for the rows below ``NQ``."""
-    acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                           n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
+              PAIRS: gl.constexpr, num_warps: gl.constexpr):
+    """``attend`` (``attend_pairs`` with ``PAIRS``), then O and the LSE (``finish``) for the rows below ``NQ``."""
+    if PAIRS:
+        acc, m_i, l_i = attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale,
+                                     NK, n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
+    else:
+        acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
+                               n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
     o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
 
@@ -187,7 +309,8 @@ def allocate_ring(q_desc, k_desc, vt_desc, STAGES: gl.constexpr, BLOCK_K: gl.con
 def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr, kd_ptr, vs_ptr, km_ptr, H, GROUP,
                        NQ, NK, TQ, TK, TOPK, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
-                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, PAIRS: gl.constexpr,
+                       num_warps: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     bh, h, qblk, q_first, q_row, kv_row = program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
@@ -199,7 +322,7 @@ def _ws_fwd_fp8_kernel(q_desc, k_desc, vt_desc, o_ptr, lse_ptr, idx_ptr, qs_ptr,
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx, kd_ptr + hk * TK,
                      vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE, SCALE2,
-                     FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)),
+                     FRESH_ACC, DEFER_RESCALE, PERMUTED, PAIRS, num_warps)),
         (producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx, q_row, kv_row, hk * D,
                      TOPK, BLOCK_K)),
     ], [1], [24])
@@ -217,13 +340,26 @@ def supported(k8: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: in
 
 
 def default_tiles(d: int) -> dict:
-    """Ring slots, register cap per thread, ``fresh_acc`` and ``defer_rescale`` (``attend``) at head dim ``d``
-    (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95 at 2-4 slots, 4.2-4.9 at 96 or 168
-    registers; 80, three programs per SM with the producer's warp padded to a warpgroup, does not compile: ptxas
-    needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA, ``fresh_acc=False``, 2.82 ms but 0.23 % away
-    from the fp32 sum, rejected). ``defer_rescale``: 412 -> 349 SASS instructions per key step at D = 128 with
-    permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms in two runs."""
-    return dict(stages=3, maxnreg=128, fresh_acc=True, defer_rescale=True)
+    """Ring slots, register cap per thread, ``fresh_acc``, ``defer_rescale`` (``attend``) and ``pairs``
+    (``attend_pairs``: two key blocks per softmax step, an even number of slots) at head dim ``d``, with
+    ``tiles.overrides("block_fwd_ws_fp8")`` (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95
+    at 2-4 slots, 4.2-4.9 at 96 or 168 registers; 80, three programs per SM with the producer's warp padded to a
+    warpgroup, does not compile: ptxas needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA,
+    ``fresh_acc=False``, with one block per step 2.82 ms, 0.23 % away from the fp32 sum). ``defer_rescale``: 412 ->
+    349 SASS instructions per key step at D = 128 with permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms
+    in two runs. ``pairs`` (the default, with ``fresh_acc=False`` and 4 slots): 580 SASS per two blocks (offline sm_90,
+    triton 3.7.1; with a fresh accumulator per pair the consumer spills at every cap); ``topk`` 5 % at D = 128 (H200,
+    triton 3.6, same run as bf16) 2.93 ms, 1.34x the bf16 kernel, against 1.25x with one block per step in an
+    earlier run; rel L2 to bf16 5.315 % against 5.311 %."""
+    return with_overrides("block_fwd_ws_fp8", dict(stages=4, maxnreg=128, fresh_acc=False, defer_rescale=True,
+                                                   pairs=True))
+
+
+def check_ring(tiles: dict, stages: int) -> None:
+    """``pairs`` takes two slots a step and holds them until the next pair's scores are issued: an even ring of at
+    least 4 slots (with 2 the next pair would wait for the slots it holds)."""
+    if tiles["pairs"] and (stages % 2 or stages < 4):
+        raise ValueError(f"tile setting pairs needs an even number of ring slots, at least 4, got {stages}")
 
 
 BM = 64                                                         # query-tile rows: one consumer warpgroup
@@ -245,6 +381,7 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
     bsz, heads, nq, d = q8.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = {**default_tiles(d), **(tiles or {})}
+    check_ring(tiles, tiles["stages"])
     q_desc, k_desc, vt_desc = descriptors(q8, k8, vt8, block_k)
     o = torch.empty(bsz, heads, nq, d, device=q8.device, dtype=out_dtype)
     lse = torch.empty(bsz, heads, nq, device=q8.device, dtype=torch.float32)
@@ -253,7 +390,7 @@ def ws_block_attend_fp8(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales, indic
         heads // k8.shape[1], nq, k8.shape[2], tq, k_scales.shape[2], topk, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // BM, SCALE=float(scale), SCALE2=float(scale * LOG2E), STAGES=tiles["stages"],
         FRESH_ACC=tiles["fresh_acc"], DEFER_RESCALE=tiles["defer_rescale"], PERMUTED=permutes_keys(block_k),
-        num_warps=BM // 16, maxnreg=tiles["maxnreg"])
+        PAIRS=tiles["pairs"], num_warps=BM // 16, maxnreg=tiles["maxnreg"])
     return o, lse
 
 

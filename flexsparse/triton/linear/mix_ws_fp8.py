@@ -54,13 +54,19 @@ def _mix_consumer(q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, l
                   bias_ptr, logit_ptr, idx_ptr, kd_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, NK, n_steps,
                   BLOCK_K: gl.constexpr, SCALE: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr,
                   FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr, FRESH_ACC: gl.constexpr,
-                  DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
-    """``fwd_ws_fp8.attend`` and ``finish`` (the LSE), O_s in q's dtype on the 16-bit wgmma layout, then
-    ``linear_epilogue`` with the Q tile in q's dtype and ``H_i`` (and ``W^T``) in the released slots."""
+                  DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
+    """``fwd_ws_fp8.attend`` (``attend_pairs`` with ``PAIRS``) and ``finish`` (the LSE), O_s in q's dtype on the
+    16-bit wgmma layout, then ``linear_epilogue`` with the Q tile in q's dtype and ``H_i`` (and ``W^T``) in the
+    released slots."""
     D: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = qb_smem.dtype
-    acc, m_i, l_i = fwd_ws_fp8.attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale,
-                                      NK, n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
+    if PAIRS:
+        acc, m_i, l_i = fwd_ws_fp8.attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr,
+                                                SCALE2 / q_scale, NK, n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
+    else:
+        acc, m_i, l_i = fwd_ws_fp8.attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr,
+                                          SCALE2 / q_scale, NK, n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED,
+                                          num_warps)
     o_s = fwd_ws_fp8.finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     o_s = gl.convert_layout(o_s.to(dtype), block_fwd_ws.mma_layout(num_warps, D))
     mbarrier.wait(q_bar, 1)                       # Q in q's dtype, H_i (and W^T) in the released slots
@@ -74,7 +80,8 @@ def _ws_mix_fp8_kernel(q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, o_ptr, 
                        logit_h, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, Q_SPLIT: gl.constexpr,
                        SCALE: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr, FMAP: gl.constexpr,
                        MIX: gl.constexpr, STORE: gl.constexpr, STAGES: gl.constexpr, FRESH_ACC: gl.constexpr,
-                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, num_warps: gl.constexpr):
+                       DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, PAIRS: gl.constexpr,
+                       num_warps: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     bh, h, qblk, q_first, q_row, kv_row = block_fwd_ws.program_tile(H, GROUP, NQ, NK, BLOCK_Q, Q_SPLIT, BM)
@@ -89,7 +96,7 @@ def _ws_mix_fp8_kernel(q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, o_ptr, 
         (_mix_consumer, (q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, os_ptr, ol_ptr,
                          z_ptr + state * D, bias_ptr, logit_ptr + h * logit_h + qblk, idx, kd_ptr + hk * TK,
                          vs_ptr + hk * D, km_ptr + hk * D, q_scale, q_row, q_first, NQ, NK, TOPK, BLOCK_K, SCALE,
-                         SCALE2, EPS, FMAP, MIX, STORE, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)),
+                         SCALE2, EPS, FMAP, MIX, STORE, FRESH_ACC, DEFER_RESCALE, PERMUTED, PAIRS, num_warps)),
         (_mix_producer, (q_desc, k_desc, vt_desc, qb_desc, h_desc, w_desc, q_smem, qb_smem, k_bufs, v_bufs, q_bar,
                          ready, empty, idx, q_row, kv_row, hk * D, (bh * TQ + qblk) * D, TOPK, BLOCK_K, MIX)),
     ], [1], [24])
@@ -126,6 +133,7 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
     bsz, heads, nq, d = q.shape
     tq, topk = indices.shape[2], indices.shape[3]
     tiles = fwd_ws_fp8.default_tiles(d)
+    fwd_ws_fp8.check_ring(tiles, ring_stages(d))
     q8, q_scales, k8, k_scales, k_mean, vt8, v_scales = quantize_qkv(q, k, v, block_q, block_k, k_mean, pooled)
     q_desc, k_desc, vt_desc = fwd_ws_fp8.descriptors(q8, k8, vt8, block_k)
     bm = fwd_ws_fp8.BM
@@ -140,7 +148,7 @@ def ws_sparse_linear_forward_fp8(q, k, v, indices, rows_h, rows_z, weight_t, bia
         tq if alpha_logit is not None and alpha_logit.shape[0] > 1 else 0, BLOCK_Q=block_q, BLOCK_K=block_k,
         Q_SPLIT=block_q // fwd_ws_fp8.BM, SCALE=float(scale), SCALE2=float(scale * block_fwd_ws.LOG2E),
         EPS=float(eps), FMAP=feature_code(feature_map), MIX=mix, STORE=store, STAGES=ring_stages(d),
-        FRESH_ACC=tiles["fresh_acc"], DEFER_RESCALE=defer, PERMUTED=permutes_keys(block_k),
+        FRESH_ACC=tiles["fresh_acc"], DEFER_RESCALE=defer, PERMUTED=permutes_keys(block_k), PAIRS=tiles["pairs"],
         num_warps=fwd_ws_fp8.BM // 16, maxnreg=registers(d))
     return out, lse, o_s, o_l
 
