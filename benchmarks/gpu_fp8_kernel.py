@@ -20,11 +20,13 @@ query block, ascending (the kernels' work does not depend on which blocks). For 
 ``bf16_default_ms`` / ``fp8_default_ms``  both forwards with their default kernels (the Gluon ones on sm_90, the
                    Triton ones elsewhere), ``speedup_default`` the first over the second,
                    ``speedup_default_total`` ``bf16_default_ms`` over ``fp8_total_ms`` (what a forward gains);
-``fp8_in_order_ms`` the default FP8 kernel without its two options: V^T's keys stored in order
-                   (``fp8_quant.PERMUTED_KEYS`` off: P reaches the fp8 MMA through shuffles) and, where the Gluon
-                   FP8 kernel runs, no ``defer_rescale``; ``speedup_options`` it over ``fp8_default_ms``,
-                   ``rel_l2_in_order`` its output against the default one; ``fp8_no_defer_ms`` (Gluon only) the
-                   default kernel without ``defer_rescale`` (``speedup_deferred``, ``rel_l2_no_defer``);
+``fp8_in_order_ms`` the default FP8 kernel with V^T's keys stored in order (``fp8_quant.PERMUTED_KEYS`` off: P
+                   reaches the fp8 MMA through shuffles); ``speedup_options`` it over ``fp8_default_ms``,
+                   ``rel_l2_in_order`` its output against the default one. Where the Gluon FP8 kernel runs:
+                   ``fp8_one_block_ms`` it with one key block per softmax step into a fresh accumulator
+                   (``GLUON_ONE_BLOCK``; ``speedup_pairs`` it over the default's two, ``rel_l2_one_block``) and
+                   ``fp8_no_defer_ms`` that without ``defer_rescale`` (``speedup_deferred`` over
+                   ``fp8_one_block_ms``, ``rel_l2_no_defer``);
 ``speedup_kernel`` / ``speedup_total``  bf16_ms over those; ``tflops_*`` 4 B H N K_keys D / time;
 ``rel_l2_random`` / ``rel_l2_structured``  ||o_fp8 - o_bf16|| / ||o_bf16|| on random inputs (keys with a
 per-head offset) and on ``flexsparse.bench.structured_qkv`` inputs (low-rank smooth tokens, V with a mean).
@@ -51,6 +53,7 @@ from flexsparse.triton.block_sparse.fp8_quant import quantize_kv, quantize_qkv
 from flexsparse.triton.pooling.naive import key_mean
 from flexsparse.triton._runtime.registry import directly   # plain launches, as inside the op (no wrap_triton)
 
+GLUON_ONE_BLOCK = {"pairs": False, "fresh_acc": True, "stages": 3}   # the Gluon FP8 kernel's one-block path
 SWEEP = [dict(KB=kb, warps=w, stages=s) for kb, w, s in itertools.product((1, 2, 4), (4, 8), (2, 3, 4))]
 SWEEP += [dict(KB=kb, stages=s, fresh_acc=False) for kb, s in itertools.product((1, 2), (2, 3))]   # fp8 only
 
@@ -104,13 +107,13 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     def fp8_in_order():
         if gluon:
             return with_keys_in_order(lambda: block_fwd_ws_fp8.ws_block_attend_fp8(
-                *in_order_pre, table, block, block, scale, q.dtype, {"defer_rescale": False}))
+                *in_order_pre, table, block, block, scale, q.dtype))
         return with_keys_in_order(lambda: block_fwd_fp8.block_attend_fp8(q, in_order_pre[2:], table, block, block,
                                                                           scale))
 
-    def fp8_no_defer():
-        return block_fwd_ws_fp8.ws_block_attend_fp8(*pre, table, block, block, scale, q.dtype,
-                                                    {"defer_rescale": False})
+    def gluon_one_block(defer: bool):
+        return lambda: block_fwd_ws_fp8.ws_block_attend_fp8(*pre, table, block, block, scale, q.dtype,
+                                                            {**GLUON_ONE_BLOCK, "defer_rescale": defer})
 
     keys = table.shape[-1] * block
     flops = 4 * args.batch * args.heads * args.n * keys * d
@@ -118,16 +121,19 @@ def head_dim_results(args, d: int, device: torch.device) -> dict:
     for name, fn in (("bf16", bf16), ("prepass", lambda: directly(quantize_kv, k, v, block, k_mean)),
                      ("fp8_kernel", fp8_kernel), ("fp8_total", fp8_total), ("bf16_default", lambda: bf16(None)),
                      ("fp8_default", lambda: fp8_kernel(None)), ("fp8_in_order", fp8_in_order),
-                     ("fp8_no_defer", fp8_no_defer if gluon else None)):
+                     ("fp8_one_block", gluon_one_block(True) if gluon else None),
+                     ("fp8_no_defer", gluon_one_block(False) if gluon else None)):
         out[f"{name}_ms"] = "n/a" if fn is None else attempt(lambda: time_spread(fn, device))
     pairs = (("default", "bf16_default", "fp8_default"), ("default_total", "bf16_default", "fp8_total"),
-             ("options", "fp8_in_order", "fp8_default"), ("deferred", "fp8_no_defer", "fp8_default"))
+             ("options", "fp8_in_order", "fp8_default"), ("pairs", "fp8_one_block", "fp8_default"),
+             ("deferred", "fp8_no_defer", "fp8_one_block"))
     for name, slower, faster in pairs:
         if all(isinstance(out[f"{key}_ms"], dict) for key in (slower, faster)):
             out[f"speedup_{name}"] = out[f"{slower}_ms"]["median_ms"] / out[f"{faster}_ms"]["median_ms"]
     out["rel_l2_in_order"] = rel_l2(fp8_in_order()[0], fp8_kernel(None)[0])
     if gluon:
-        out["rel_l2_no_defer"] = rel_l2(fp8_no_defer()[0], fp8_kernel(None)[0])
+        out["rel_l2_one_block"] = rel_l2(gluon_one_block(True)()[0], fp8_kernel(None)[0])
+        out["rel_l2_no_defer"] = rel_l2(gluon_one_block(False)()[0], gluon_one_block(True)()[0])
     base = out["bf16_ms"]
     for name in ("fp8_kernel", "fp8_total", "bf16"):
         mine = out[f"{name}_ms"]
