@@ -51,6 +51,27 @@ def producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empt
         tma.async_copy_global_to_shared(vt_desc, [vt_row, first], bar, v_bufs.index(slot))
 
 
+@gluon.constexpr_function
+def operand_layout(num_warps, cols):
+    """The register layout of P as the A operand of the fp8 ``P V`` wgmma with ``cols`` output columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(num_warps, cols), k_width=4)
+
+
+@gluon.jit
+def _initial_state(q_smem, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """The online softmax's start for the query tile ``q_smem (BM, D)``: ``(zeros, zeros_o, m, l, acc, alpha_prev)``,
+    the zero score and output tiles the MMAs start from, the running max (-inf), the row sums, the accumulator and
+    the pending rescale of a deferred one (ones)."""
+    BM: gl.constexpr = q_smem.type.shape[0]
+    D: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
+    o_layout: gl.constexpr = mma_layout(num_warps, D)
+    return (gl.zeros([BM, BLOCK_K], gl.float32, s_layout), gl.zeros([BM, D], gl.float32, o_layout),
+            gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
+            gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout)), gl.zeros([BM, D], gl.float32, o_layout),
+            gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, o_layout)))
+
+
 @gluon.jit
 def _softmax(s, m_i, l_i, c):
     """Online-softmax step on raw scores ``s (BM, BN)`` with the step's factor ``c > 0``: ``(p, m, l, alpha)``,
@@ -86,26 +107,17 @@ def attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_facto
     With ``FRESH_ACC`` each step adds the previous tile's ``P V`` (relative to that tile's max) to ``acc``:
     ``(acc + pv) alpha`` (``acc`` relative to the latest max), or with ``DEFER_RESCALE`` ``acc alpha' + pv`` with
     the step before's ``alpha'`` (``acc`` one max behind): one FMA per element instead of an add and a multiply."""
-    BM: gl.constexpr = q_smem.type.shape[0]
-    D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
-    o_layout: gl.constexpr = mma_layout(num_warps, D)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    zeros = gl.zeros([BM, BLOCK_K], gl.float32, s_layout)
-    zeros_o = gl.zeros([BM, D], gl.float32, o_layout)
-    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    p_layout: gl.constexpr = operand_layout(num_warps, q_smem.type.shape[1])
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_layout(num_warps, q_smem.type.shape[1]))
+    zeros, zeros_o, m_i, l_i, acc, alpha_prev = _initial_state(q_smem, BLOCK_K, num_warps)
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
     s = _mask_tail(warpgroup_mma_wait(num_outstanding=0, deps=(s, )), idx_ptr, 0, NK, BLOCK_K, s_layout)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, q_factor * gl.load(kd_ptr + gl.load(idx_ptr)))
-    alpha_prev = gl.full([BM], 1.0, gl.float32, row_o)            # DEFER_RESCALE: acc's rescale, one step late
     for e in range(1, n_steps):
         slot = e % STAGES
         prev = (e - 1) % STAGES
@@ -184,20 +196,11 @@ def attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q
     and one accumulator update per 128 keys, ``P V`` of the pair as two chained wgmmas, into a fresh accumulator
     added with the deferred rescale (``FRESH_ACC``; the consumer spills at D = 128) or into ``acc`` rescaled first
     (the MMA's accumulator, as ``fresh_acc=False``); an odd last block takes a step of its own."""
-    BM: gl.constexpr = q_smem.type.shape[0]
-    D: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_K)
-    o_layout: gl.constexpr = mma_layout(num_warps, D)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    zeros = gl.zeros([BM, BLOCK_K], gl.float32, s_layout)
-    zeros_o = gl.zeros([BM, D], gl.float32, o_layout)
-    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BM, D], gl.float32, o_layout)
-    alpha_prev = gl.full([BM], 1.0, gl.float32, row_o)
+    p_layout: gl.constexpr = operand_layout(num_warps, q_smem.type.shape[1])
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_layout(num_warps, q_smem.type.shape[1]))
+    zeros, zeros_o, m_i, l_i, acc, alpha_prev = _initial_state(q_smem, BLOCK_K, num_warps)
     n_pairs = n_steps // 2
 
     mbarrier.wait(q_bar, 0)
