@@ -80,6 +80,14 @@ def kernel_tiles(pre, indices: torch.Tensor, block_q: int, block_k: int) -> dict
     return forward_tiles(pre[0].device, pre[0].shape[-1])
 
 
+def flips_tolerance(d: int) -> float:
+    """Rel L2 allowed between a GPU kernel's O and another computation of the same math in the same key order: logits
+    a last bit apart (the fp8 MMA's accumulation) round some e4m3 P one step apart, more of them at D=128 (5.03e-3
+    seen with 8 pairs of 64 keys on the H200; 5.3e-3 at 36 blocks, ``test_gpu_fuzz``); a wrong key block is an O(1)
+    error."""
+    return 1e-2 if d > 64 else 5e-3
+
+
 def key_ordered(vt8: torch.Tensor, block_k: int) -> torch.Tensor:
     """V^T as the pre-pass stores it for key blocks of ``block_k`` (``fp8_quant.permutes_keys``), keys in order."""
     if not fp8_quant.permutes_keys(block_k):
@@ -725,7 +733,7 @@ def test_gpu_kernel_matches_emulation_fake_quant_and_bf16(n, heads, kv_heads, d,
                                       kernel_tiles(pre, selection.indices, block_q, block_k))
     assert o.dtype == torch.bfloat16
     # LSE: the fp8 MMA accumulates Q K^T with ~14 bits, so logits carry ~1e-4 absolute error
-    assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+    assert ts.rel_err(o, want_o) < flips_tolerance(d) and ts.rel_err(lse, want_lse) < 1e-4
     spec_o, spec_lse = fake_quant_branch(q, k, v, selection, scale)
     spec_o = spec_o.float()
     assert ts.rel_err(o, spec_o) < 0.04 and ts.rel_err(lse, spec_lse) < 1e-4
@@ -754,9 +762,9 @@ def test_gpu_warp_specialized_fp8_kernel_matches_the_triton_one(n, heads, kv_hea
         want_o, want_lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, triton_tiles)
         o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype, gluon_tiles)
         assert o.dtype == q.dtype and lse.shape == want_lse.shape
-        assert ts.rel_err(o, want_o) < 5e-3 and ts.rel_err(lse, want_lse) < 1e-4
+        assert ts.rel_err(o, want_o) < flips_tolerance(d) and ts.rel_err(lse, want_lse) < 1e-4
         emulated, _ = emulate_kernel(pre, selection.indices, block_q, 64, scale, triton_tiles)
-        assert ts.rel_err(o, emulated) < 5e-3
+        assert ts.rel_err(o, emulated) < flips_tolerance(d)
 
 
 def test_pairs_need_an_even_ring_of_four_slots():
@@ -783,12 +791,10 @@ def test_gpu_two_key_blocks_per_step(n, heads, kv_heads, d, block_q, topk):
     pre = quantize_qkv(q, k, v, block_q, 64)
     want_o, want_lse = emulate_kernel(pre, selection.indices, block_q, 64, scale, PAIRS)
     o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, 64, scale, PAIRS)
-    # 1e-2: logits a last bit apart round some e4m3 P one step apart (5.03e-3 seen at D=128, 8 pairs of 64 keys,
-    # H200); a wrong key block is an O(1) error
-    assert ts.rel_err(o, want_o) < 1e-2 and ts.rel_err(lse, want_lse) < 1e-4
+    assert ts.rel_err(o, want_o) < flips_tolerance(d) and ts.rel_err(lse, want_lse) < 1e-4
     if gluon_runs(pre[2], selection.indices, block_q, 64):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
-        for fresh, tol in ((True, 1e-2), (False, 2e-2)):
+        for fresh, tol in ((True, flips_tolerance(d)), (False, 2e-2)):
             o, lse = ws_block_attend_fp8(*pre, selection.indices, block_q, 64, scale, q.dtype,
                                          {"pairs": True, "stages": 4, "fresh_acc": fresh})
             assert ts.rel_err(o, want_o) < tol and ts.rel_err(lse, want_lse) < 1e-4
@@ -808,7 +814,7 @@ def test_gpu_permuted_keys_and_deferred_rescale_keep_the_output(n, heads, kv_hea
     pre = quantize_qkv(q, k, v, block_q, block_k)
     o, lse = block_attend_fp8(q, pre[2:], selection.indices, block_q, block_k, scale)
     tiles = kernel_tiles(pre, selection.indices, block_q, block_k)
-    assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < 5e-3
+    assert ts.rel_err(o, emulate_kernel(pre, selection.indices, block_q, block_k, scale, tiles)[0]) < flips_tolerance(d)
     if gluon_runs(pre[2], selection.indices, block_q, block_k):
         from flexsparse.triton.block_sparse.fwd_ws_fp8 import ws_block_attend_fp8
         one_block = [ws_block_attend_fp8(*pre, selection.indices, block_q, block_k, scale, q.dtype,
