@@ -96,34 +96,31 @@ def main() -> None:
                  for mix, store in ((1, False), (1, True), (2, False), (2, True))]
         fp8_tiles = block_fwd_ws_fp8.default_tiles(d)
         q8, k8, vt8 = _fp8_descriptors(d, 256)
+        fp8_launch = dict(BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, PERMUTED=True, num_warps=4,
+                          grid=(1, 1))
+
+        def fp8_fwd(**consts):
+            return lambda: block_fwd_ws_fp8._ws_fwd_fp8_kernel.warmup(
+                q8, k8, vt8, low, flt, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4, 4, 2, **{**fp8_launch, **consts})
+
+        def fp8_mix(**consts):
+            return lambda: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
+                q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4,
+                4, 2, 0, EPS=1e-5, FMAP=0, STAGES=mix_ws_fp8.ring_stages(d), maxnreg=mix_ws_fp8.registers(d),
+                **{**fp8_launch, **consts})
+
         jobs += [(f"ws fwd fp8 D={d} FRESH_ACC={int(fresh)} DEFER={int(defer)} PERMUTED={int(permuted)}",
-                  lambda fresh=fresh, defer=defer, permuted=permuted: block_fwd_ws_fp8._ws_fwd_fp8_kernel.warmup(
-                      q8, k8, vt8, low, flt, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4, 4, 2, BLOCK_Q=64, BLOCK_K=64,
-                      Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, STAGES=fp8_tiles["stages"], FRESH_ACC=fresh,
-                      DEFER_RESCALE=defer, PERMUTED=permuted, PAIRS=False, num_warps=4, maxnreg=fp8_tiles["maxnreg"],
-                      grid=(1, 1)))
+                  fp8_fwd(STAGES=fp8_tiles["stages"], FRESH_ACC=fresh, DEFER_RESCALE=defer, PERMUTED=permuted,
+                          PAIRS=False, maxnreg=fp8_tiles["maxnreg"]))
                  for fresh, defer in ((True, False), (True, True), (False, False)) for permuted in (False, True)]
         jobs += [(f"ws fwd fp8 D={d} PAIRS=1 FRESH_ACC={int(fresh)} maxnreg={regs}",
-                  lambda regs=regs, fresh=fresh: block_fwd_ws_fp8._ws_fwd_fp8_kernel.warmup(
-                      q8, k8, vt8, low, flt, ints, flt, flt, flt, flt, 2, 1, 256, 256, 4, 4, 2, BLOCK_Q=64, BLOCK_K=64,
-                      Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, STAGES=4, FRESH_ACC=fresh, DEFER_RESCALE=True,
-                      PERMUTED=True, PAIRS=True, num_warps=4, maxnreg=regs, grid=(1, 1)))
+                  fp8_fwd(STAGES=4, FRESH_ACC=fresh, DEFER_RESCALE=True, PAIRS=True, maxnreg=regs))
                  for regs in ((80, 96, 128, 168) if d <= 64 else (128, 168)) for fresh in (True, False)]
-        jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)} DEFER={int(permuted)} PERMUTED={int(permuted)}",
-                  lambda mix=mix, store=store, permuted=permuted: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
-                      q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256,
-                      256, 4, 4, 2, 0, BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, EPS=1e-5, FMAP=0,
-                      MIX=mix, STORE=store, STAGES=mix_ws_fp8.ring_stages(d), FRESH_ACC=True,
-                      DEFER_RESCALE=permuted, PERMUTED=permuted, PAIRS=False, num_warps=4,
-                      maxnreg=mix_ws_fp8.registers(d), grid=(1, 1)))
-                 for mix, store in ((1, False), (1, True), (2, False), (2, True)) for permuted in (False, True)]
-        jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)} PAIRS=1 FRESH_ACC=0",
-                  lambda mix=mix, store=store: mix_ws_fp8._ws_mix_fp8_kernel.warmup(
-                      q8, k8, vt8, q, hw, hw, low, flt, low, low, flt, low, low, ints, flt, flt, flt, flt, 2, 1, 256,
-                      256, 4, 4, 2, 0, BLOCK_Q=64, BLOCK_K=64, Q_SPLIT=1, SCALE=0.125, SCALE2=0.18, EPS=1e-5, FMAP=0,
-                      MIX=mix, STORE=store, STAGES=mix_ws_fp8.ring_stages(d), FRESH_ACC=False, DEFER_RESCALE=False,
-                      PERMUTED=True, PAIRS=True, num_warps=4, maxnreg=mix_ws_fp8.registers(d), grid=(1, 1)))
-                 for mix, store in ((1, False), (1, True), (2, False), (2, True))]
+        jobs += [(f"ws mix fp8 D={d} MIX={mix} STORE={int(store)} PERMUTED={int(permuted)} PAIRS={int(pairs)}",
+                  fp8_mix(MIX=mix, STORE=store, FRESH_ACC=not pairs, DEFER_RESCALE=permuted and not pairs,
+                          PERMUTED=permuted, PAIRS=pairs))
+                 for mix, store in ((1, False), (1, True), (2, False), (2, True))
+                 for permuted, pairs in ((False, False), (True, False), (True, True))]
         for name, compile_kernel in jobs:
             try:
                 report(name, compile_kernel(), args.sass == name, args.loops)

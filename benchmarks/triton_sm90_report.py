@@ -249,8 +249,7 @@ def main():
         jobs.append((f"topk select Tk={tk}", block_topk._select_kernel, dict(S="*fp32", TOP="*i32", BOTTOM="*i32"),
                      dict(BT=pow2(tk, 16), HAS_BOTTOM=True), block_topk.topk_tiles(tk)["SELECT_WARPS"], 1))
     ff = block_fwd_fp8.forward_tiles(dev, d)
-    kb = max(ff["KB"], 32 // block_fwd.tile_split(block_k, ff["BN"])[0])
-    geo = block_fwd.geometry(block_q, block_k, 1 << 16, 1 << 16, ff["BM"], ff["BN"], 50, k_group=kb)
+    geo = block_fwd_fp8.fp8_geometry(block_q, block_k, 1 << 16, 1 << 16, ff, 50, False)
     f8 = "*fp8e4nv"
     jobs.append(("fp8 quant blocks", fp8_quant._quant_blocks_kernel,
                  dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32", V=q, V_AMAX="*fp32"),

@@ -130,9 +130,9 @@ def key_step(q, K8, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, T
 def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q: tl.constexpr,
                BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
-               K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-               STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr, PERMUTED: tl.constexpr,
-               Q_READY: tl.constexpr):
+               K_SPLIT: tl.constexpr, K_GROUP: tl.constexpr, PAIRS: tl.constexpr, MASK_Q: tl.constexpr,
+               MASK_K: tl.constexpr, STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
+               PERMUTED: tl.constexpr, Q_READY: tl.constexpr):
     """The query tile of this program (``program_id``: query tile, batch x head) over its selected key blocks:
     ``(o, lse, bh, qblk, rows, row_ok, dim)``, o ``(BM, BD)`` fp32 and the natural-log LSE ``(BM,)`` of its rows
     ``rows`` (real where ``row_ok``) of query block ``qblk`` of flat head ``bh``; ``dim = arange(BD)``. ``Q``: q
@@ -163,7 +163,7 @@ def attend_fp8(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, T
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    if K_GROUP == 2 and (EMULATE or TILE_K >= 32):  # pairs, an odd list's last block alone (fp8 dots: >= 32 keys)
+    if PAIRS:                                   # two whole blocks per step, an odd list's last block alone
         for e in tl.range(0, TOPK // 2, num_stages=STAGES):
             acc, m, l = key_step(q, K8 + k_head, vt_head, k_descale, table, e, acc, m, l, q_factor, NK, TK, TOPK,
                                  dim, vt_stride, BLOCK_K, D, BD, BM, BN, TILE_K, 1, 2, MASK_K, FRESH_ACC, EMULATE,
@@ -187,12 +187,12 @@ def _block_fwd_fp8_kernel(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GRO
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr,
-                          Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr, MASK_K: tl.constexpr,
-                          STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
+                          Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, PAIRS: tl.constexpr, MASK_Q: tl.constexpr,
+                          MASK_K: tl.constexpr, STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
                           PERMUTED: tl.constexpr, Q_READY: tl.constexpr):
     o, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
         Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
-        SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
+        SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, PAIRS, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED, Q_READY)
     store_tile(O + bh.to(tl.int64) * NQ * D, o, rows, D, dim, row_ok, D, BD, MASK_Q)
     store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
@@ -248,6 +248,19 @@ def block_attend_fp8(q, kv, indices, block_q: int, block_k: int, scale: float, t
     return o, lse
 
 
+def fp8_geometry(block_q: int, block_k: int, nq: int, nk: int, tiles: dict, topk: int, emulate: bool) -> dict:
+    """``block_sparse.fwd.geometry`` of the FP8 forward's ``tiles``: key blocks side by side until one fp8 dot reduces
+    over at least 32 keys (``emulate``: the interpreter's fp16 stand-in needs no such width), and ``PAIRS``: two
+    whole blocks per step, an odd list's last block in a step of its own (``attend_fp8``), so that the keys need a
+    mask only on a ragged N or a split block."""
+    kb = tiles["KB"] if emulate else max(tiles["KB"], 32 // tile_split(block_k, tiles["BN"])[0])
+    geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
+    geo["PAIRS"] = geo["K_GROUP"] == 2 and (emulate or geo["TILE_K"] >= 32)
+    if geo["PAIRS"]:
+        geo["MASK_K"] = nk % block_k != 0 or block_k != geo["TILE_K"]
+    return geo
+
+
 def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int, scale: float,
                      tiles: dict | None = None, extra: tuple = (), q_part: list[torch.Tensor] | None = None,
                      **constexprs) -> None:
@@ -263,12 +276,7 @@ def launch_attention(kernel, q, kv, indices, o, lse, block_q: int, block_k: int,
     tq, topk = indices.shape[2], indices.shape[3]
     emulate = k8.dtype != E4M3
     tiles = tiles or forward_tiles(q.device, d)
-    kb = tiles["KB"]
-    if not emulate:                                         # fp8 dots reduce over >= 32 keys
-        kb = max(kb, 32 // tile_split(block_k, tiles["BN"])[0])
-    geo = geometry(block_q, block_k, nq, nk, tiles["BM"], tiles["BN"], topk, k_group=kb)
-    if geo["K_GROUP"] == 2 and (emulate or geo["TILE_K"] >= 32):   # an odd list's last block alone (attend_fp8)
-        geo["MASK_K"] = nk % block_k != 0 or block_k != geo["TILE_K"]
+    geo = fp8_geometry(block_q, block_k, nq, nk, tiles, topk, emulate)
     warps = tiles["warps"] or (4 if geo["BM"] <= 64 else 8)
     if q_part is None:
         q8, q_scales = torch.empty(q.shape, device=q.device, dtype=k8.dtype), q    # q8 written by the kernel

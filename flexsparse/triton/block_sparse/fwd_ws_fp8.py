@@ -263,6 +263,20 @@ def attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q
 
 
 @gluon.jit
+def attend_selected(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
+                    BLOCK_K: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr,
+                    PERMUTED: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
+    """The query tile over its selected key blocks: ``attend_pairs`` with ``PAIRS`` (``DEFER_RESCALE`` unused),
+    else ``attend``; ``(acc, m, l)``."""
+    if PAIRS:
+        return attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps,
+                            BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
+    else:
+        return attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, q_factor, NK, n_steps, BLOCK_K,
+                      FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
+
+
+@gluon.jit
 def finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE: gl.constexpr):
     """The LSE of the unsmoothed logits stored for the rows below ``NQ``; returns O ``acc / (l s_v)`` (fp32, the
     accumulator's layout). ``vs_ptr``, ``km_ptr``: this KV head's V scales and K mean ``(D,)`` fp32."""
@@ -286,13 +300,9 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, lse_ptr, idx_p
               q_scale, q_row, q_first, NQ, NK, n_steps, BLOCK_K: gl.constexpr, SCALE: gl.constexpr,
               SCALE2: gl.constexpr, FRESH_ACC: gl.constexpr, DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr,
               PAIRS: gl.constexpr, num_warps: gl.constexpr):
-    """``attend`` (``attend_pairs`` with ``PAIRS``), then O and the LSE (``finish``) for the rows below ``NQ``."""
-    if PAIRS:
-        acc, m_i, l_i = attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale,
-                                     NK, n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
-    else:
-        acc, m_i, l_i = attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale, NK,
-                               n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, num_warps)
+    """``attend_selected``, then O and the LSE (``finish``) for the rows below ``NQ``."""
+    acc, m_i, l_i = attend_selected(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr, SCALE2 / q_scale,
+                                    NK, n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED, PAIRS, num_warps)
     o = finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     store_rows(o_ptr, o.to(o_ptr.dtype.element_ty), q_row, q_first, NQ)
 

@@ -36,13 +36,13 @@ def _mix_fp8_kernel(Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, O, LSE, H, GROUP, NQ
                     ROWS_H, ROWS_Z, LOGIT, logit_h, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                     D: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr, SCALE2: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, Q_SPLIT: tl.constexpr,
-                    K_SPLIT: tl.constexpr, Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, MASK_Q: tl.constexpr,
-                    MASK_K: tl.constexpr, STAGES: tl.constexpr, FRESH_ACC: tl.constexpr, EMULATE: tl.constexpr,
-                    PERMUTED: tl.constexpr, EPS: tl.constexpr, FMAP: tl.constexpr, BF16: tl.constexpr,
-                    STORE: tl.constexpr, Q_READY: tl.constexpr):
+                    K_SPLIT: tl.constexpr, Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, PAIRS: tl.constexpr,
+                    MASK_Q: tl.constexpr, MASK_K: tl.constexpr, STAGES: tl.constexpr, FRESH_ACC: tl.constexpr,
+                    EMULATE: tl.constexpr, PERMUTED: tl.constexpr, EPS: tl.constexpr, FMAP: tl.constexpr,
+                    BF16: tl.constexpr, STORE: tl.constexpr, Q_READY: tl.constexpr):
     o_s, lse, bh, qblk, rows, row_ok, dim = attend_fp8(
         Q, Q8, QS, K8, VT8, KD, VS, KMEAN, IDX, H, GROUP, NQ, NK, NP16, TQ, TK, TOPK, BLOCK_Q, BLOCK_K, D, BD, SCALE,
-        SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
+        SCALE2, BM, BN, TILE_Q, TILE_K, Q_SPLIT, K_SPLIT, K_GROUP, PAIRS, MASK_Q, MASK_K, STAGES, FRESH_ACC, EMULATE,
         PERMUTED, Q_READY)
     store_row_values(LSE + bh.to(tl.int64) * NQ, lse, rows, row_ok, MASK_Q)
     q_head = bh.to(tl.int64) * NQ * D

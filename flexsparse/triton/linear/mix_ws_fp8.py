@@ -55,18 +55,13 @@ def _mix_consumer(q_smem, qb_smem, k_bufs, v_bufs, q_bar, ready, empty, o_ptr, l
                   BLOCK_K: gl.constexpr, SCALE: gl.constexpr, SCALE2: gl.constexpr, EPS: gl.constexpr,
                   FMAP: gl.constexpr, MIX: gl.constexpr, STORE: gl.constexpr, FRESH_ACC: gl.constexpr,
                   DEFER_RESCALE: gl.constexpr, PERMUTED: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
-    """``fwd_ws_fp8.attend`` (``attend_pairs`` with ``PAIRS``) and ``finish`` (the LSE), O_s in q's dtype on the
-    16-bit wgmma layout, then ``linear_epilogue`` with the Q tile in q's dtype and ``H_i`` (and ``W^T``) in the
-    released slots."""
+    """``fwd_ws_fp8.attend_selected`` and ``finish`` (the LSE), O_s in q's dtype on the 16-bit wgmma layout, then
+    ``linear_epilogue`` with the Q tile in q's dtype and ``H_i`` (and ``W^T``) in the released slots."""
     D: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = qb_smem.dtype
-    if PAIRS:
-        acc, m_i, l_i = fwd_ws_fp8.attend_pairs(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr,
-                                                SCALE2 / q_scale, NK, n_steps, BLOCK_K, FRESH_ACC, PERMUTED, num_warps)
-    else:
-        acc, m_i, l_i = fwd_ws_fp8.attend(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr,
-                                          SCALE2 / q_scale, NK, n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE, PERMUTED,
-                                          num_warps)
+    acc, m_i, l_i = fwd_ws_fp8.attend_selected(q_smem, k_bufs, v_bufs, q_bar, ready, empty, idx_ptr, kd_ptr,
+                                               SCALE2 / q_scale, NK, n_steps, BLOCK_K, FRESH_ACC, DEFER_RESCALE,
+                                               PERMUTED, PAIRS, num_warps)
     o_s = fwd_ws_fp8.finish(acc, m_i, l_i, q_smem, lse_ptr, vs_ptr, km_ptr, q_scale, q_row, q_first, NQ, SCALE)
     o_s = gl.convert_layout(o_s.to(dtype), block_fwd_ws.mma_layout(num_warps, D))
     mbarrier.wait(q_bar, 1)                       # Q in q's dtype, H_i (and W^T) in the released slots
