@@ -355,15 +355,12 @@ def supported(k8: torch.Tensor, indices: torch.Tensor, block_q: int, block_k: in
 def default_tiles(d: int) -> dict:
     """Ring slots, register cap per thread, ``fresh_acc``, ``defer_rescale`` (``attend``) and ``pairs``
     (``attend_pairs``: two key blocks per softmax step, an even number of slots) at head dim ``d``, with
-    ``tiles.overrides("block_fwd_ws_fp8")`` (measured at D = 128, B2 H8 N65536, 5 % of blocks, H200: 2.95 ms; 2.93-2.95
-    at 2-4 slots, 4.2-4.9 at 96 or 168 registers; 80, three programs per SM with the producer's warp padded to a
-    warpgroup, does not compile: ptxas needs 94 for the ``P V`` wgmma; accumulating ``P V`` in the MMA,
-    ``fresh_acc=False``, with one block per step 2.82 ms, 0.23 % away from the fp32 sum). ``defer_rescale``: 412 ->
-    349 SASS instructions per key step at D = 128 with permuted keys (sm_90, triton 3.7.1), 2.78 -> 2.70 and 2.74 ms
-    in two runs. ``pairs`` (the default, with ``fresh_acc=False`` and 4 slots): 580 SASS per two blocks (offline sm_90,
-    triton 3.7.1; with a fresh accumulator per pair the consumer spills at every cap); ``topk`` 5 % at D = 128 (H200,
-    triton 3.6, same run as bf16) 2.93 ms, 1.34x the bf16 kernel, against 1.25x with one block per step in an
-    earlier run; rel L2 to bf16 5.315 % against 5.311 %."""
+    ``tiles.overrides("block_fwd_ws_fp8")``. Measured at D = 128, B2 H8 N65536, 5 % of blocks (H200), each run
+    against the bf16 kernel in the same process: the default 1.34x (2.93 ms, triton 3.6), rel L2 to bf16 5.315 %.
+    Rejected: one block per step, 1.25x (its best: ``defer_rescale``, 349 SASS per key step against 412, accumulating
+    in the MMA, 0.23 % from the fp32 sum); fewer slots (one block per step: 2.93-2.95 ms at 2-4, no gain; pairs need
+    4, ``check_ring``); caps of 96 or 168 registers (4.2-4.9 ms); 80 registers, three programs per SM (does not
+    compile: ptxas needs 94 for the ``P V`` wgmma); a fresh accumulator per pair (the consumer spills at every cap)."""
     return with_overrides("block_fwd_ws_fp8", dict(stages=4, maxnreg=128, fresh_acc=False, defer_rescale=True,
                                                    pairs=True))
 
