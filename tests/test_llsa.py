@@ -4,7 +4,7 @@ import torch
 
 import flexsparse as fs
 from flexsparse.masks import auto_levels, num_blocks
-from flexsparse.masks.levels import fewest_candidates
+from flexsparse.masks.levels import fewest_candidates, level_span
 from flexsparse.methods.dense import span_means
 from flexsparse.methods.llsa.method import plan
 from flexsparse.methods.llsa.reference import llsa_dense, llsa_select_bruteforce
@@ -82,19 +82,24 @@ def test_selection_matches_bruteforce(n, block, levels, heads, kv_heads, d):
         assert torch.all(a[..., 1:] > a[..., :-1]), "indices must be ascending and distinct"
 
 
-@pytest.mark.parametrize("n, block, levels", [(1024, 32, 2), (1000, 16, 2), (300, 4, 3), (257, 16, 2), (61, 3, 3)])
+@pytest.mark.parametrize("n, block, levels", [(1024, 16, 2), (1000, 16, 2), (300, 4, 3), (257, 16, 2), (61, 3, 3)])
 def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels):
-    """K_l at its bound (the fewest level-l tokens under K_{l+1} parents, the ragged last one among them when there is
-    one) is accepted and the selection equals brute force, every row distinct; one more is refused naming 'topk'."""
-    tight = valid_topk(n, block, levels, want=n)
+    """With the top level's K below its tokens, K_l at its bound (the fewest level-l tokens under K_{l+1} parents, the
+    ragged last one among them when there is one; below the level's tokens) is accepted and the selection equals
+    brute force, every row distinct; one more is clamped back to the bound with a warning naming 'topk[0]'."""
+    tight = [0] * levels
+    tight[-1] = min(2, num_blocks(n, level_span(n, block, levels)) - 1)
+    for level in range(levels - 2, -1, -1):
+        tight[level] = fewest_candidates(n, block, level + 1, tight[level + 1])
+    assert tight[0] < num_blocks(n, block)
     q, k, _ = qkv(batch=1, heads=2, kv_heads=1, n=n, d=8)
     cfg = {"method": "llsa", "block_size": block, "levels": levels, "topk": tight}
+    assert plan(fs.Config.from_dict(cfg), n) == (levels, tuple(tight))
     sel = selection_for(q, k, cfg)
     for a, b in zip(sel.indices, llsa_select_bruteforce(q, k, tuple(tight), block).indices):
         assert torch.equal(a, b) and torch.all(a[..., 1:] > a[..., :-1])
-    if tight[0] < num_blocks(n, block):
-        with pytest.raises(ValueError, match="config key 'topk': K_1="):
-            plan(fs.Config.from_dict({**cfg, "topk": [tight[0] + 1, *tight[1:]]}), n)
+    with pytest.warns(UserWarning, match=rf"'topk\[0\]'={tight[0] + 1} covers all {tight[0]} .*clamped to {tight[0]}"):
+        assert plan(fs.Config.from_dict({**cfg, "topk": [tight[0] + 1, *tight[1:]]}), n)[1] == tuple(tight)
 
 
 def test_a_parent_set_without_a_ragged_token_offers_all_its_children():
