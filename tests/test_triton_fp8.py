@@ -577,7 +577,7 @@ def test_prepared_operands_serve_only_the_tensors_they_were_made_from(monkeypatc
         topk = next(c for c in METHOD_CONFIGS if c["method"] == "topk")
         selection = METHODS["topk"].select(q, k, v, Config.from_dict({**topk, "quant": SINGLE_PASS}), TRITON, {})
         assert pooled == [1] and selection.prepared is not None
-        other_q = q.clone()
+        other_q = q + 0.5 * torch.randn_like(q)             # other values: the pooled Q must not serve them
         got = fp8_block_sparse_attention(other_q, k, v, selection, 0.25, smooth_keys=False)
         want = fp8_block_sparse_attention(other_q, k, v, dataclasses.replace(selection, prepared=None), 0.25,
                                           smooth_keys=False)

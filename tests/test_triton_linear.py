@@ -214,6 +214,7 @@ def test_unknown_feature_map_and_wide_heads():
     with pytest.raises(ValueError, match="feature_map"):
         linear_op.masked_linear(q, k, v, skipped, 16, 16, "gelu", 1e-5)
     q, k, v = _inputs(1, 2, 1, 40, 40, 136)
+    assert not linear_op.linear_kernels(q)
     got = _op_run(q, k, v, skipped, 16, 16, "elu")
     want = _op_run(q.double(), k.double(), v.double(), skipped, 16, 16, "elu")
     for name, a, w in zip(OP_NAMES, got, want):
@@ -503,7 +504,7 @@ def test_sparse_linear_output_matches_two_ops(kind, b, h, hk, nq, nk, d, bq, bk,
 
 
 @cpu_only
-@pytest.mark.parametrize("kind", ["proj", "alpha_per_head"])
+@pytest.mark.parametrize("kind", ["alpha_per_head", "proj"])      # the default tier's case: the fused mix_fp8
 @pytest.mark.parametrize("d", [16, 24])
 @pytest.mark.parametrize("strategy", ["dense", "gather"])
 def test_sparse_linear_output_with_quant_matches_two_ops(strategy, kind, d, monkeypatch):

@@ -196,7 +196,7 @@ def test_select_wide_rows_cut_ties_by_bisection(n, block, topk):
 @pytest.mark.parametrize("grid", [True, False])
 @pytest.mark.parametrize("n,block,topk,heads,kv_heads,d", [(300, 4, (3, 2, 2), 2, 1, 16), (1100, 4, (1, 5), 4, 2, 8),
                                                            (512, 16, (8, 2), 2, 2, 24), (1024, 8, (4, 16), 2, 1, 16),
-                                                           (250, 16, (16,), 2, 1, 16)])
+                                                           (250, 16, (16,), 2, 1, 16), (1100, 4, (5,), 2, 1, 16)])
 def test_select_searches_agree(n, block, topk, heads, kv_heads, d, grid):
     """The searches of the selection kernels (``select.search``: packed, its rows in parts or whole; bisection) pick
     the same keys in the same order, ties included (grid values: many), for K that are no power of two, K = 1,
