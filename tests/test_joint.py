@@ -161,15 +161,19 @@ def test_joint_full_is_dense_attention_and_length_zero_is_no_joint():
 
 
 def test_joint_text_keys_reach_every_visual_query():
-    """Text keys that dominate every score take nearly all of every query's attention (selection on the visual
-    tokens cannot drop them)."""
+    """A text key that dominates every score takes nearly all of every query's attention: selection on the visual
+    tokens cannot drop it, though its block pools lowest (top-K over the whole sequence drops it)."""
     q, k, v = qkv(heads=2, n=70, d=D)
     direction = F.normalize(torch.randn(D, dtype=torch.float64), dim=0)
     q = 3 * direction + 0.1 * q                                  # every query near one direction
-    k = torch.cat([40 * direction.expand(2, 2, 6, D), k[:, :, 6:]], dim=2)   # the text keys along it
+    sign = torch.tensor([1.0, -1, -1, -1, -1, -1], dtype=torch.float64)
+    text = 40 * sign[:, None] * direction                       # one text key along it, five against it
+    k = torch.cat([text.expand(2, 2, 6, D), k[:, :, 6:]], dim=2)
     out = fs.attention(q, k, v, CONFIGS["topk"], backend="torch", joint={"text": "prefix", "length": 6})
     text_only = F.scaled_dot_product_attention(q, k[:, :, :6], v[:, :, :6])
     assert rel_err(out[:, :, 6:], text_only[:, :, 6:]) < 1e-6
+    unjoined = fs.attention(q, k, v, CONFIGS["topk"], backend="torch")
+    assert rel_err(unjoined[:, :, 6:], text_only[:, :, 6:]) > 0.5
 
 
 @pytest.mark.parametrize("joint, error, match", [

@@ -18,7 +18,7 @@ from flexsparse.triton.block_sparse import naive as block_naive
 from flexsparse.triton.linear import naive as linear_naive
 
 from _sla_testing import assert_all_close, cast, cast_params, leaf_params, leaf_qkv, qkv_selecting_alike, run
-from helpers import exhaustive_where, rel_err
+from helpers import NewStorages, exhaustive_where, rel_err
 
 
 def sla_config(**kw):
@@ -233,9 +233,10 @@ def test_long_sequence_has_no_quadratic_memory():
     q, k, v = (x.detach().float() for x in leaf_qkv(1, 1, 1, 131072, 8))
     params = {name: p for name, p in SLA.init_params(Config.from_dict(cfg), 8, 1, None).items()}
     params["proj_weight"] = torch.eye(8)
-    with torch.no_grad():
+    with torch.no_grad(), NewStorages(q, k, v) as new:
         out = flexsparse.attention(q, k, v, cfg, backend="torch", params=params)
     assert out.shape == q.shape and torch.isfinite(out).all()
+    assert max(size for _, size in new.allocated) < 2**30           # an N x N fp32 tensor: 64 GiB
 
 
 def test_functional_call_needs_params():
