@@ -212,27 +212,29 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
     assert rel_err(out, plain) > 1e-2, "quantization changed nothing"
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
-def test_qat_gradients_are_the_backward_at_the_quantized_forward(backend):
-    """The quantized block branch (GQA, ragged N, fp64): the values of its no-grad forward bit for bit, and the
-    gradients of the written-out softmax backward (``block_sparse.naive``) on the unquantized q, k, v at that
-    forward's O and LSE, an LSE gradient included (SLA2's "backward(dO_s, O_s, Q, K, V)"); a few % away from the
-    unquantized branch's gradients."""
+@pytest.mark.parametrize("branch", ["dense", "torch"])
+def test_qat_gradients_are_the_backward_at_the_quantized_forward(branch):
+    """The quantized block branch (GQA, ragged N, fp64), the dense reference's (``block_sparse_dense``: a token mask)
+    and the torch backend's: the values of its no-grad forward bit for bit, and the gradients of the written-out
+    softmax backward (``block_sparse.naive``) on the unquantized q, k, v at that forward's O and LSE, an LSE
+    gradient included (SLA2's "backward(dO_s, O_s, Q, K, V)"); a few % away from the unquantized branch's
+    gradients."""
+    from flexsparse.methods.dense import block_sparse_dense
     from flexsparse.triton.block_sparse import naive
     n, scale = 203, 0.25
     q = torch.randn(2, 4, n, 16, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, n, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     selection = random_selection(2, 4, n, n, 32, 32, 3)
-    branch = backends.BACKENDS[backend]
-    o, lse = branch.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
+    attend = block_sparse_dense if branch == "dense" else backends.BACKENDS["torch"].block_sparse_attention
+    o, lse = attend(q, k, v, selection, scale, quant=QuantConfig())
     with torch.no_grad():
-        frozen, frozen_lse = branch.block_sparse_attention(q, k, v, selection, scale, quant=QuantConfig())
+        frozen, frozen_lse = attend(q, k, v, selection, scale, quant=QuantConfig())
     assert torch.equal(o, frozen) and torch.equal(lse, frozen_lse)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     got = torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), (q, k, v))
     want = naive.block_sparse_attention_backward(do, dlse, q.detach(), k.detach(), v.detach(), selection, scale,
                                                  o.detach(), lse.detach())
-    o_plain, lse_plain = branch.block_sparse_attention(q, k, v, selection, scale)
+    o_plain, lse_plain = attend(q, k, v, selection, scale)
     plain = torch.autograd.grad((o_plain * do).sum() + (lse_plain * dlse).sum(), (q, k, v))
     for name, a, b, c in zip("qkv", got, want, plain):
         assert rel_err(a, b) < 1e-12 and 1e-3 < rel_err(a, c) < 0.2, name
