@@ -164,21 +164,26 @@ def test_smoothed_keys_compile_fullgraph_with_backward():
 
 @pytest.mark.parametrize("router", ["hard", "soft"])
 def test_backward_makes_no_zero_block_sum_gradient(router, monkeypatch):
-    """The smoothing mean takes no gradient, so with the hard router (no gradient to the router either) the
-    backward runs no block-sum gradient pass, which would broadcast zeros over k and add them to its gradient;
-    the soft router's gradient to the pooled keys does run one."""
+    """Both branches on the smoothed keys (``smooth_k="all"``, the mean from the pooled block sums): the smoothing
+    mean reaches ``_SmoothedKeys`` detached, so with the hard router (no gradient to the router either) the backward
+    runs no block-sum gradient pass, which would broadcast zeros over k and add them to its gradient; the soft
+    router's gradient to the pooled keys does run one."""
+    from flexsparse.methods.sla2 import router as sla2_router
     from flexsparse.triton.pooling import naive as pooling
-    calls = []
-    backward = pooling._BlockSums.backward
+    calls, means = [], []
+    backward, smoothing = pooling._BlockSums.backward, sla2_router._SmoothedKeys.apply
 
     def counted(ctx, grad):
         calls.append(float(grad.abs().sum()))
         return backward(ctx, grad)
 
     monkeypatch.setattr(pooling._BlockSums, "backward", staticmethod(counted))
-    cfg = sla2_config(block_size=8, topk_ratio=0.25, router=router)
+    monkeypatch.setattr(sla2_router._SmoothedKeys, "apply", lambda k, mean, backend: means.append(
+        mean.requires_grad) or smoothing(k, mean, backend))
+    cfg = sla2_config(block_size=8, topk_ratio=0.25, router=router, smooth_k="all")
     q, k, v = leaf_qkv(1, 2, 1, 48, 8)
     flexsparse.attention(q, k, v, cfg, backend="torch", params=params_for(cfg, 8, 2, 48)).sum().backward()
+    assert means == [False]
     if router == "hard":
         assert calls == []
     else:
