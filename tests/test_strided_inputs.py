@@ -152,16 +152,23 @@ def test_llsa_inference_on_views_reads_them_in_place(n, block, monkeypatch):
 def test_llsa_training_on_views_copies_nothing(grad_layout, monkeypatch):
     """Forward and backward read the views, the output and the upstream gradient in place, whether the gradient
     comes through the model's ``out.transpose(1, 2).reshape(B, N, H * D)`` or contiguous; dq, dk, dv come out
-    contiguous. Gradients equal those of contiguous inputs (``test_strided_views_compute_as_contiguous_inputs``)."""
+    contiguous. Output and gradients equal, bit for bit (deterministic), those of contiguous copies."""
     _forbid_copies(monkeypatch)
     qkv, views = _fused_views(256)
-    out = flexsparse.attention(*views, {"method": "llsa", "block_size": 16, "topk": 2}, backend="triton")
+    cfg = {"method": "llsa", "block_size": 16, "topk": 2, "deterministic": True}
+    out = flexsparse.attention(*views, cfg, backend="triton")
     assert out.transpose(1, 2).is_contiguous()
+    grad = torch.randn(out.shape)
     if grad_layout == "model":
         merged = out.transpose(1, 2).reshape(1, 256, -1)
-        torch.autograd.grad(merged, qkv, torch.randn(merged.shape))
+        (d_qkv,) = torch.autograd.grad(merged, qkv, grad.transpose(1, 2).reshape(merged.shape))
     else:
-        torch.autograd.grad(out, qkv, torch.randn(out.shape))
+        (d_qkv,) = torch.autograd.grad(out, qkv, grad)
+    leaves = [x.detach().contiguous().requires_grad_() for x in views]
+    want = flexsparse.attention(*leaves, cfg, backend="triton")
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    assert torch.equal(out, want)
+    assert torch.equal(d_qkv, torch.stack(want_grads).permute(1, 3, 0, 2, 4))     # (1, n, 3, heads, dim)
 
 
 def _gqa_views(layout: str, n: int = 200, heads: int = 4, kv_heads: int = 2, dim: int = 16):
