@@ -83,7 +83,7 @@ def test_selection_matches_bruteforce(n, block, levels, heads, kv_heads, d):
 
 
 @pytest.mark.parametrize("n, block, levels", [(1024, 16, 2), (1000, 16, 2), (300, 4, 3), (257, 16, 2), (61, 3, 3)])
-def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels):
+def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels, monkeypatch):
     """With the top level's K below its tokens, K_l at its bound (the fewest level-l tokens under K_{l+1} parents, the
     ragged last one among them when there is one; below the level's tokens) is accepted and the selection equals
     brute force, every row distinct; one more is clamped back to the bound with a warning naming 'topk[0]'."""
@@ -98,6 +98,7 @@ def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels):
     sel = selection_for(q, k, cfg)
     for a, b in zip(sel.indices, llsa_select_bruteforce(q, k, tuple(tight), block).indices):
         assert torch.equal(a, b) and torch.all(a[..., 1:] > a[..., :-1])
+    monkeypatch.setattr(fs._checks, "_CLAMPED", set())                   # each clamp warns once per process
     with pytest.warns(UserWarning, match=rf"'topk\[0\]'={tight[0] + 1} covers all {tight[0]} .*clamped to {tight[0]}"):
         assert plan(fs.Config.from_dict({**cfg, "topk": [tight[0] + 1, *tight[1:]]}), n)[1] == tuple(tight)
 
