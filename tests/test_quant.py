@@ -200,14 +200,14 @@ def test_torch_backend_matches_the_dense_fake_quant_oracle(name, quant):
     """Both in fp32, so that both quantize the same products x * s onto the same grid (fp64 products can
     round to the other side of a rounding boundary); what is left is matmul and pooling order, and the rare
     element that it moves across a boundary (one e4m3 step, 2^-3 relative): a P element in one row, or a
-    pooled LLSA key that many rows share (LSE off by 2e-5 in 1 of 300 draws; typically 4e-8, while the
-    quantization itself moves the LSE by at least 6e-4)."""
+    pooled LLSA key that many rows share (LSE off by 2e-5 in 1 of 300 draws, output by 1.2e-3 in another;
+    typically 4e-8, while the quantization itself moves the LSE by at least 6e-4 and the output by over 1e-2)."""
     qkv, params, cfg = _method_inputs(name, torch.float32, requires_grad=False)
     config = {**cfg, "quant": quant}
     out, lse = flexsparse.attention(*qkv, config, backend="torch", return_lse=True, params=params)
     ref, ref_lse = flexsparse.attention(*qkv, config, backend="reference", return_lse=True, params=params)
     assert out.dtype == torch.float32
-    assert rel_err(out, ref) < 1e-3 and rel_err(lse, ref_lse) < 1e-4
+    assert rel_err(out, ref) < 4e-3 and rel_err(lse, ref_lse) < 1e-4
     plain = flexsparse.attention(*qkv, cfg, backend="torch", params=params)
     assert rel_err(out, plain) > 1e-2, "quantization changed nothing"
 
