@@ -16,10 +16,10 @@ import triton_support as ts
 from helpers import exhaustive_where, grads, qkv, rel_err
 
 
-def valid_topk(n, block, levels, want):
-    """Largest per-level K <= want that the config checks accept at length n."""
+def valid_topk(n, block, levels, want, top=None):
+    """Largest per-level K <= want that the config checks accept at length n (the top level's at most ``top``)."""
     topk = [0] * levels
-    topk[-1] = min(want, num_blocks(n, block**levels))
+    topk[-1] = min(want if top is None else top, num_blocks(n, block**levels))
     for level in range(levels - 2, -1, -1):
         topk[level] = min(want, fewest_candidates(n, block, level + 1, topk[level + 1]))
     return topk
@@ -87,10 +87,7 @@ def test_every_k_up_to_the_fewest_candidates_fills_its_rows(n, block, levels, mo
     """With the top level's K below its tokens, K_l at its bound (the fewest level-l tokens under K_{l+1} parents, the
     ragged last one among them when there is one; below the level's tokens) is accepted and the selection equals
     brute force, every row distinct; one more is clamped back to the bound with a warning naming 'topk[0]'."""
-    tight = [0] * levels
-    tight[-1] = min(2, num_blocks(n, level_span(n, block, levels)) - 1)
-    for level in range(levels - 2, -1, -1):
-        tight[level] = fewest_candidates(n, block, level + 1, tight[level + 1])
+    tight = valid_topk(n, block, levels, want=n, top=min(2, num_blocks(n, level_span(n, block, levels)) - 1))
     assert tight[0] < num_blocks(n, block)
     q, k, _ = qkv(batch=1, heads=2, kv_heads=1, n=n, d=8)
     cfg = {"method": "llsa", "block_size": block, "levels": levels, "topk": tight}
