@@ -1,10 +1,11 @@
 """Sequence parallelism (``flexsparse.ParallelConfig``) on CPU: 2 and 4 spawned gloo processes against one process.
 
-Every registered method (fp64, torch backend; reference backend once) with GQA (fewer K/V heads than ranks) and a
-sequence length no degree divides: each rank's output, LSE and q, k, v gradients equal its shard of the one-process
-ones, and the sum over ranks of each learnable parameter's gradient equals the one-process gradient. The patched
-path (``SparseSDPA``) with a token grid, a class token (``joint``) and its dense fallbacks, the errors, and the
-absence of communication without a parallel config (or with degree 1) are checked in the same processes.
+Every registered method (fp64, torch backend; reference backend once) with GQA and a sequence length no degree
+divides, and once with a K/V head count no degree divides (the heads replicated): each rank's output, LSE and q, k,
+v gradients equal its shard of the one-process ones, and the sum over ranks of each learnable parameter's gradient
+equals the one-process gradient. The patched path (``SparseSDPA``) with a token grid, a class token (``joint``) and
+its dense fallbacks, the errors, and the absence of communication without a parallel config (or with degree 1) are
+checked in the same processes.
 """
 from __future__ import annotations
 
@@ -37,20 +38,21 @@ def ulysses_mesh(world: int) -> fs.ParallelConfig:
     return fs.ParallelConfig(init_device_mesh("cpu", (world,), mesh_dim_names=("ulysses",)))
 
 
-def learned_params(name: str, cfg: dict) -> dict[str, torch.Tensor]:
+def learned_params(name: str, cfg: dict, heads: int = HEADS) -> dict[str, torch.Tensor]:
     """The method's parameters moved off their initial values (fp64, requiring gradients)."""
-    initial = fs.METHODS[name].init_params(fs.Config.from_dict(cfg), D, HEADS, N)
+    initial = fs.METHODS[name].init_params(fs.Config.from_dict(cfg), D, heads, N)
     return {key: (value.double() + 0.1 * torch.randn(value.shape, dtype=torch.float64)).requires_grad_()
             for key, value in initial.items()}
 
 
-def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece, **call):
+def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece, heads=HEADS,
+                     kv_heads=KV_HEADS, **call):
     """``(one-process results, this rank's parallel results)``, each ``(o, lse, grads of q, k, v, params)``, on
     inputs drawn alike on every rank; ``piece(x)``: this rank's part of the sequence of ``x``."""
-    q = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(BATCH, KV_HEADS, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    params = learned_params(name, cfg)
-    grad_o, grad_lse = torch.randn(BATCH, HEADS, N, D, dtype=torch.float64), torch.randn(BATCH, HEADS, N,
+    q = torch.randn(BATCH, heads, N, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(BATCH, kv_heads, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    params = learned_params(name, cfg, heads)
+    grad_o, grad_lse = torch.randn(BATCH, heads, N, D, dtype=torch.float64), torch.randn(BATCH, heads, N,
                                                                                         dtype=torch.float64)
     o, lse = fs.attention(q, k, v, cfg, backend=backend, return_lse=True, params=params, **call)
     leaves = [q, k, v, *params.values()]
@@ -90,6 +92,8 @@ def _worker(rank: int, world: int) -> None:
     for name, cfg in CONFIGS.items():
         check_method(name, cfg, "torch", parallel, rank, world)
     check_method("sla2", CONFIGS["sla2"], "reference", parallel, rank, world)
+    # 3 KV heads replicated to 3 * world: each query head must meet its own KV head's copy
+    check_method("topk", CONFIGS["topk"], "torch", parallel, rank, world, heads=3 * world, kv_heads=3)
     for name in ("llsa", "sla2"):       # joint text+visual: the text tokens in the last rank's shard
         check_method(name, CONFIGS[name], "torch", parallel, rank, world, joint=fs.Joint("suffix", 11))
     check_patched(rank, world)
