@@ -45,10 +45,11 @@ def learned_params(name: str, cfg: dict, heads: int = HEADS) -> dict[str, torch.
             for key, value in initial.items()}
 
 
-def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece, heads=HEADS,
-                     kv_heads=KV_HEADS, **call):
+def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelConfig, piece, heads: int = HEADS,
+                     kv_heads: int = KV_HEADS, **call):
     """``(one-process results, this rank's parallel results)``, each ``(o, lse, grads of q, k, v, params)``, on
-    inputs drawn alike on every rank; ``piece(x)``: this rank's part of the sequence of ``x``."""
+    inputs of ``heads`` query and ``kv_heads`` K/V heads drawn alike on every rank; ``piece(x)``: this rank's part
+    of the sequence of ``x``; ``call``: more arguments of both ``fs.attention`` calls."""
     q = torch.randn(BATCH, heads, N, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(BATCH, kv_heads, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
     params = learned_params(name, cfg, heads)
@@ -68,7 +69,7 @@ def one_and_parallel(name: str, cfg: dict, backend: str, parallel: fs.ParallelCo
 
 def check_method(name, cfg, backend, parallel, rank, world, piece=None, **call):
     """This rank's results equal its part of the one-process results (``piece``: default, ``shard``); ``call``:
-    more arguments of both calls."""
+    ``one_and_parallel``'s head counts and more arguments of both calls."""
     piece = piece or (lambda x: shard(x, rank, world))
     (o, lse, grads), (o_r, lse_r, grads_r) = one_and_parallel(name, cfg, backend, parallel, piece, **call)
     where = f"{name} on {backend}, rank {rank} of {world}"
