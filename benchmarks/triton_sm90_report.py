@@ -251,16 +251,15 @@ def main():
     ff = block_fwd_fp8.forward_tiles(dev, d)
     geo = block_fwd_fp8.fp8_geometry(block_q, block_k, 1 << 16, 1 << 16, ff, 50, False)
     f8 = "*fp8e4nv"
-    jobs.append(("fp8 quant blocks", fp8_quant._quant_blocks_kernel,
-                 dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32", V=q, V_AMAX="*fp32"),
-                 dict(BLOCK=block_k, BB=pow2(block_k, 16), D=d, BD=pow2(d, 16), SMOOTH=True, HAS_V=True,
-                      EMULATE=False), fp8_quant.block_warps(pow2(block_k, 16) * pow2(d, 16), True), 1))
-    jobs.append(("fp8 pool quant", fp8_quant._pool_quant_kernel,
-                 dict(Q=q, K=q, V=q, QM="*fp32", KM="*fp32", KS="*fp32", Q8=f8, QSC="*fp32", K8=f8, KSC="*fp32",
-                      V_AMAX="*fp32"),
-                 dict(BLOCK_Q=block_q, BLOCK_K=block_k, BBQ=pow2(block_q, 16), BBK=pow2(block_k, 16), D=d,
-                      BD=pow2(d, 16), EMULATE=False),
-                 fp8_quant.block_warps(pow2(max(block_q, block_k), 16) * pow2(d, 16), True), 1))
+    pointers = dict(X=q, MEAN="*fp32", OUT=f8, SCALE="*fp32", V=q, V_AMAX="*fp32", SUMS="*fp32", MEANS="*fp32")
+    for name, block, flags in (("fp8 quant K blocks", block_k, dict(SMOOTH=True, HAS_V=True)),
+                               ("fp8 pool quant Q", block_q, dict(HAS_MEANS=True)),
+                               ("fp8 pool quant K", block_k, dict(HAS_V=True, HAS_MEANS=True, HAS_SUMS=True)),
+                               ("fp8 pool K", block_k, dict(HAS_MEANS=True, HAS_SUMS=True, QUANT=False))):
+        flags = dict(dict(SMOOTH=False, HAS_V=False, HAS_MEANS=False, HAS_SUMS=False, QUANT=True), **flags)
+        jobs.append((name, fp8_quant._quant_blocks_kernel, pointers,
+                     dict(BLOCK=block, BB=pow2(block, 16), D=d, BD=pow2(d, 16), EMULATE=False, **flags),
+                     fp8_quant.block_warps(pow2(block, 16) * pow2(d, 16), flags["HAS_V"]), 1))
     jobs.append(("fp8 quant v", fp8_quant._quant_v_kernel, dict(V=q, SCALE="*fp32", OUT=f8),
                  dict(TILE=64, D=d, BD=pow2(d, 16), EMULATE=False), 8 if 64 * pow2(d, 16) >= 8192 else 4, 1))
     for permuted, ready in ((False, False), (True, False), (True, True)):

@@ -497,7 +497,8 @@ def test_methods_smooth_k_with_their_selections_mean(monkeypatch):
 def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
     """``fp8_quant.pool_quantize`` (strided q, k, v, GQA, ragged blocks): e4m3 Q and unsmoothed K per block with their
     scales bit for bit ``quantize_blocks``', V's amax ``max_N |v|``, the block means of q and k and k's block sums
-    within fp32 rounding of the PyTorch pooling (``pooling.naive.block_pooling``); the op's PyTorch path alike."""
+    within fp32 rounding of the PyTorch pooling (``pooling.naive.block_pooling``); the op's PyTorch path alike.
+    ``pool_quantize_queries`` (smoothed keys): the same pooling and Q's operands, bit for bit."""
     from flexsparse.triton.pooling import naive as pooling
     q, k, v = (x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2) for x in make_qkv(2, 4, 2, 45, 24))
     for block_q, block_k in ((16, 8), (32, 16)):
@@ -511,54 +512,65 @@ def test_pooling_pass_quantizes_q_and_k_as_the_prepass(dtype):
         reference = block_op._pool_quantize_reference(q, k, v, block_q, block_k)   # the op's PyTorch path
         assert all(map(torch.equal, reference[3:], (q8, q_scales, k8, k_scales, v_amax)))
         assert all(ts.rel_err(a, b) < 1e-6 for a, b in zip(reference[:3], (q_means, k_means, k_sums)))
-    columns = [x.transpose(2, 3).contiguous().transpose(2, 3) for x in (q, k, v)]      # channels strided: the op
-    assert all(map(torch.equal, block_op.pool_quantize(*columns, block_q, block_k),    # copies the rows
+        queries = fp8_quant.pool_quantize_queries(q, k, block_q, block_k)        # smoothed keys: Q's alone
+        assert all(map(torch.equal, (*queries[0], *queries[1]), (q_means, k_means, k_sums, q8, q_scales)))
+    columns = [x.transpose(2, 3).contiguous().transpose(2, 3) for x in (q, k, v)]      # channels strided: the ops
+    assert all(map(torch.equal, block_op.pool_quantize(*columns, block_q, block_k),    # copy the rows
                    (q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax)))
+    assert all(map(torch.equal, block_op.pool_quantize_queries(*columns[:2], block_q, block_k),
+                   (q_means, k_means, k_sums, q8, q_scales)))
 
 
 SINGLE_PASS = {"smooth_keys": False}
 
 
-def counted_pooling_passes(monkeypatch) -> list:
-    """A list that gets an entry per ``fp8_quant.pool_quantize`` call from here on (the pass still runs)."""
-    calls, pooling = [], fp8_quant.pool_quantize
-    monkeypatch.setattr(fp8_quant, "pool_quantize", lambda *a: calls.append(1) or pooling(*a))
+def counted_pooling_passes(monkeypatch, name: str = "pool_quantize") -> list:
+    """A list that gets an entry per call of ``fp8_quant``'s pooling pass ``name`` from here on (the pass still
+    runs)."""
+    calls, pooling = [], getattr(fp8_quant, name)
+    monkeypatch.setattr(fp8_quant, name, lambda *a: calls.append(1) or pooling(*a))
     return calls
 
 
 @cpu_only
+@pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("cfg", METHOD_CONFIGS, ids=lambda c: c["method"])
-def test_unsmoothed_keys_are_quantized_in_the_selections_pooling_pass(cfg, monkeypatch):
-    """``quant={"smooth_keys": False}``: the selection's pooling pass quantizes Q and K (``pool_quantize``) and the
-    FP8 branch takes them (no K pass, no mean): the same o, LSE and gradients as the kernels quantizing unsmoothed
-    inputs themselves, within the FP8 error of the torch backend's fake quantization of the unsmoothed spec, and
-    other than the smoothed forward's."""
+def test_selections_pooling_pass_quantizes_for_the_fp8_branch(cfg, quant, monkeypatch):
+    """The selection's pooling pass quantizes Q (``pool_quantize_queries``) and, with ``smooth_keys=False``, K
+    (``pool_quantize``), and the FP8 branch takes them (unsmoothed: no K pass, no mean): the same o, LSE and
+    gradients as the kernels quantizing the inputs themselves, within the FP8 error of the torch backend's fake
+    quantization of the spec; the unsmoothed forward other than the smoothed one."""
     n, d, heads = 75, 16, 2
     params = _params(cfg, d, heads, n)
-    config = {**cfg, "quant": SINGLE_PASS}
+    config = {**cfg, "quant": quant}
     q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(lambda: make_qkv(1, heads, 1, n, d), config,
                                                                    params, ("triton", "torch")))
     leaves = [q, k, v, *params.values()]
-    pooled = counted_pooling_passes(monkeypatch)
+    pooled = counted_pooling_passes(monkeypatch, "pool_quantize" if quant else "pool_quantize_queries")
+    handed, check = [], block_op.checked_pooled
+    monkeypatch.setattr(block_op, "checked_pooled", lambda *a: handed.append(check(*a)) or handed[-1])
     keys_pass = fp8_quant.quantize_keys
 
     def no_keys_pass(*args):
         raise AssertionError("the FP8 pre-pass quantized K again")
 
-    monkeypatch.setattr(fp8_quant, "quantize_keys", no_keys_pass)
+    if quant:
+        monkeypatch.setattr(fp8_quant, "quantize_keys", no_keys_pass)
     out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
-    assert pooled == [1]
+    assert pooled == [1] and handed and all(len(x) == (5 if quant else 2) for x in handed)
+    del handed[:]
     grads = _loss_grads(out, lse, leaves)
     monkeypatch.setattr(fp8_quant, "quantize_keys", keys_pass)
     monkeypatch.setattr(type(TRITON), "quantizing_pooling", backends.base.Backend.quantizing_pooling)
     own_out, own_lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
-    assert pooled == [1] and torch.equal(out, own_out) and torch.equal(lse, own_lse)
+    assert pooled == [1] and handed and all(x is None for x in handed)
+    assert torch.equal(out, own_out) and torch.equal(lse, own_lse)
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(grads, _loss_grads(own_out, own_lse,
                                                                                                  leaves)))
     with torch.no_grad():
         spec = flexsparse.attention(q, k, v, config, backend="torch", params=params)
         smoothed = flexsparse.attention(q, k, v, {**cfg, "quant": {}}, backend="triton", params=params)
-    assert ts.rel_err(out, spec) < 0.05 and not torch.equal(out, smoothed)
+    assert ts.rel_err(out, spec) < 0.05 and torch.equal(out, smoothed) != bool(quant)
 
 
 @cpu_only
@@ -609,18 +621,23 @@ def test_opcheck_cpu_fallback():
 
 @cpu_parent
 def test_op_takes_the_pooled_operands_together_and_unsmoothed():
-    """``block_attn_fp8``'s ``q8 ... v_amax``: opcheck with them (the CPU fallback quantizes itself, the same values);
-    some of them, or any with ``smooth_keys=True``, is a ValueError that names them."""
+    """``block_attn_fp8``'s ``q8 ... v_amax``: opcheck with all five unsmoothed and with ``q8, q_scales`` alone either
+    way (the CPU fallback quantizes itself, the same values); others, or all five with ``smooth_keys=True``, are a
+    ValueError that names them; the pooling ops' opcheck."""
     q, k, v = make_qkv(1, 2, 1, 40, 16)
     selection = random_selection(1, 2, 40, 40, 16, 16, 2)
     pooled = (torch.zeros(q.shape, dtype=torch.float16), torch.ones(1, 2, 3),
               torch.zeros(k.shape, dtype=torch.float16), torch.ones(1, 1, 3), torch.ones(1, 1, 16))
     args = (q, k, v, selection.indices, 16, 16, 0.25, False, None)
     with ts.interpreter_env(False):
-        torch.library.opcheck(block_op.block_attn_fp8.op, (*args, False, *pooled))
-        for bad in ((*args, False, *pooled[:3]), (*args, True, *pooled)):
-            with pytest.raises(ValueError, match=r"five operands .* together and with smooth_keys=False"):
+        for good in ((*args, False, *pooled), (*args, True, *pooled[:2]), (*args, False, *pooled[:2])):
+            torch.library.opcheck(block_op.block_attn_fp8.op, good)
+        for bad, names in (((*args, False, *pooled[:3]), "q8, q_scales, k8"), ((*args, True, *pooled), "v_amax"),
+                           ((*args, False, None, *pooled[1:3]), "q_scales, k8")):
+            with pytest.raises(ValueError, match=rf"five operands .* together and with smooth_keys=False.*{names}"):
                 block_op.block_attn_fp8(*bad)
+        torch.library.opcheck(block_op.pool_quantize.op, (q, k, v, 16, 8))
+        torch.library.opcheck(block_op.pool_quantize_queries.op, (q, k, 16, 8))
 
 
 @cpu_parent
@@ -641,8 +658,8 @@ def test_fullgraph_trace_of_quantized_training_step(quant, monkeypatch):
     torch._dynamo.reset()
     with ts.interpreter_env(False), ts.triton_ops_on_cpu():
         got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
-        # unsmoothed: the FP8 op gets the pooling pass's operands in the graph too
-        assert checked and all((x is not None) == bool(quant) for x in checked)
+        # the FP8 op gets the pooling pass's operands in the graph too: Q's, and K's unsmoothed
+        assert checked and all(x is not None and len(x) == (5 if quant else 2) for x in checked)
         grads = torch.autograd.grad(got, (q, k, v))
         want = step(q, k, v)
         want_grads = torch.autograd.grad(want, (q, k, v))
@@ -899,17 +916,18 @@ def test_gpu_methods_quantized_forward_and_gradients(cfg):
 
 
 @gpu
+@pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
-def test_gpu_single_pass_quantization(cfg, d, monkeypatch):
-    """``quant={"smooth_keys": False}`` on e4m3 (D = 128: the Gluon kernels on sm_90): the operands of the selection's
-    pooling pass give the o, LSE and gradients of the kernels quantizing the unsmoothed inputs themselves, bit for
+def test_gpu_pooling_pass_quantization(cfg, d, quant, monkeypatch):
+    """On e4m3 (D = 128: the Gluon kernels on sm_90) the operands of the selection's pooling pass (Q's; K's too with
+    ``smooth_keys=False``) give the o, LSE and gradients of the kernels quantizing the inputs themselves, bit for
     bit, within the FP8 error of the torch backend's fake quantization. Without the eager CUDA graphs, which would
     replay the first call's graph for the second."""
     monkeypatch.setenv("FLEXSPARSE_EAGER_GRAPHS", "0")
     n, heads = 4096, 4
     params = _params(cfg, d, heads, n, "cuda")
-    config = {**cfg, "deterministic": True, "quant": SINGLE_PASS}
+    config = {**cfg, "deterministic": True, "quant": quant}
     q, k, v = (x.requires_grad_() for x in ts.draw_selecting_alike(
         lambda: make_qkv(1, heads, 2, n, d, torch.bfloat16, "cuda"), config, params, ("triton", "torch")))
     leaves = [q, k, v, *params.values()]
@@ -928,8 +946,8 @@ def test_gpu_single_pass_quantization(cfg, d, monkeypatch):
 @pytest.mark.parametrize("quant", [{}, SINGLE_PASS], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("cfg", GPU_METHODS, ids=lambda c: c["method"])
 def test_gpu_compiled_quantized_training_no_graph_breaks(cfg, quant):
-    """fullgraph compile of forward + backward with quant on triton (unsmoothed: the pooling pass's FP8 operands in
-    the graph): one graph, no breaks, no recompiles over 3 steps with new inputs; matches eager."""
+    """fullgraph compile of forward + backward with quant on triton (the pooling pass's FP8 operands in the graph):
+    one graph, no breaks, no recompiles over 3 steps with new inputs; matches eager."""
     n, d, heads = 4096, 64, 4
     params = _params(cfg, d, heads, n, "cuda")
     config = Config.from_dict({**cfg, "quant": quant})

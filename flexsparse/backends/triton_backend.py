@@ -110,15 +110,18 @@ class TritonBackend(Backend):
         return pooling_op.block_means_pair(q, k, block_q, block_k)
 
     def quantizing_pooling(self, q, k, v, block_q: int, block_k: int, quant: QuantConfig | None):
-        """With ``quant`` of unsmoothed keys that the FP8 kernel runs, one pass pools q and k and quantizes them
-        (``flexsparse::pool_quantize``: e4m3 Q and K per block, V's amax), so that the FP8 branch reads them from the
-        selection instead of a pre-pass over Q and K; on q, k, v of one dtype (the FP8 op's inputs as they come),
-        else ``block_pooling``."""
-        if (quant is None or quant.smooth_keys or self.quant_unsupported(quant, "block") is not None
+        """With ``quant`` that the FP8 kernel runs, the pass that pools q quantizes Q per block, and for unsmoothed
+        keys the one that pools k quantizes K with V's amax (``flexsparse::pool_quantize_queries``,
+        ``flexsparse::pool_quantize``), so that the FP8 branch reads them from the selection instead of a pre-pass
+        over Q (and K); on q, k, v of one dtype (the FP8 op's inputs as they come), else ``block_pooling``."""
+        if (quant is None or self.quant_unsupported(quant, "block") is not None
                 or not q.dtype == k.dtype == v.dtype):
             return super().quantizing_pooling(q, k, v, block_q, block_k, quant)
         with torch.no_grad():
-            outputs = block_op.pool_quantize(q, k, v, block_q, block_k)
+            if quant.smooth_keys:
+                outputs = block_op.pool_quantize_queries(q, k, block_q, block_k)
+            else:
+                outputs = block_op.pool_quantize(q, k, v, block_q, block_k)
         return outputs[:3], PreparedOperands((q, k, v), list(outputs[3:]))
 
     def coarse_pooling(self, q, k, v, block_q: int, block_k: int):

@@ -27,7 +27,8 @@ class _BlockGrid:
 @dataclass(frozen=True, eq=False)
 class PreparedOperands:
     """Operands a backend's selection pass made for the attention of exactly the tensors ``sources`` (q, k, v):
-    the triton backend's e4m3 Q and K per block and V's amax from its pooling pass (``flexsparse::pool_quantize``).
+    the triton backend's e4m3 Q per block from its pooling pass, and for unsmoothed keys K's blocks and V's amax
+    (``flexsparse::pool_quantize_queries``, ``flexsparse::pool_quantize``).
     A backend uses them only where it attends those very tensors (``serves``); the others ignore them."""
 
     sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -48,7 +49,8 @@ class BlockSelection(_BlockGrid):
     key_mean: optional ``(B, Hk, 1, D)`` mean over the tokens of the keys the branches attend, in the accumulation
     dtype, from the block sums the selection pooled (methods with ``quant``): the FP8 forward's smoothing mean
     without a pass over K; ``None`` where the selection has none (a backend that needs one takes it from the keys).
-    prepared: optional ``PreparedOperands`` of the backend that selected (the FP8 operands of unsmoothed keys).
+    prepared: optional ``PreparedOperands`` of the backend that selected (the FP8 operands of Q, and of K for
+    unsmoothed keys).
     """
 
     indices: torch.Tensor

@@ -11,9 +11,10 @@ K's mean comes from the caller where its selection pooled the keys (the block su
 from ``pooling.naive.key_mean``; it is ``k.mean(dtype=float32)``'s up to fp32 rounding, and any mean gives the same
 attention up to quantization (the LSE takes the shift back; zeros: K unsmoothed). V's amax over N is taken by the
 programs that quantize K's blocks (per key block, then torch over the blocks; no launch of its own): bit for bit
-``channel_scales``'s amax. Unsmoothed, Q and K need no mean, so the selection's pooling pass quantizes them
-(``pool_quantize``: the block means and sums the selection wants, e4m3 Q and K with their scales and V's amax, in
-one launch) and only V^T is left to the pre-pass.
+``channel_scales``'s amax. Q needs no mean, so the selection's pooling pass quantizes it (``pool_quantize_queries``:
+the block means and sums the selection wants, and e4m3 Q with its scales from the launch that pools q); unsmoothed,
+K needs none either (``pool_quantize``: K's e4m3 blocks and V's amax from the launch that pools k), and only V^T is
+left to the pre-pass.
 
 V^T's keys may be stored permuted within aligned groups of 16 (``PERMUTED_KEYS``, ``key_slot``): the forward
 kernels then permute P's columns alike by relabelling (``permuted_columns``), which moves P from the score
@@ -111,13 +112,14 @@ def block_scale(amax):
 @triton.jit
 def quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SUMS, MEANS, x_b, x_h, x_n, v_b, v_h, v_n, b, h, bh, blk, N, T,
                    BLOCK: tl.constexpr, BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
-                   HAS_V: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_SUMS: tl.constexpr, EMULATE: tl.constexpr):
-    """Block ``blk`` of head ``(b, h)`` (flat ``bh``) of x ``(B, H, N, D)`` (strides ``x_b, x_h, x_n, 1``): its e4m3
-    values (``MEAN`` subtracted with ``SMOOTH``) to ``OUT`` (contiguous) and its scale to ``SCALE`` ``(B * H, T)``;
-    with ``HAS_MEANS`` the fp32 mean of its real rows (before any smoothing) at ``[bh, blk]`` of ``MEANS``
-    ``(B * H, T, D)``, with ``HAS_SUMS`` their sum in ``SUMS`` alike; with ``HAS_V`` the column amax of |V| over
-    the same rows at ``[bh, :, blk]`` of ``V_AMAX`` ``(B * H, D, T)`` fp32 (blocks innermost: torch then reduces
-    rows)."""
+                   HAS_V: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_SUMS: tl.constexpr, QUANT: tl.constexpr,
+                   EMULATE: tl.constexpr):
+    """Block ``blk`` of head ``(b, h)`` (flat ``bh``) of x ``(B, H, N, D)`` (strides ``x_b, x_h, x_n, 1``): with
+    ``QUANT`` its e4m3 values (``MEAN`` subtracted with ``SMOOTH``) to ``OUT`` (contiguous) and its scale to ``SCALE``
+    ``(B * H, T)``; with ``HAS_MEANS`` the fp32 mean of its real rows (before any smoothing) at ``[bh, blk]`` of
+    ``MEANS`` ``(B * H, T, D)``, with ``HAS_SUMS`` their sum in ``SUMS`` alike; with ``HAS_V`` the column amax of
+    |V| over the same rows at ``[bh, :, blk]`` of ``V_AMAX`` ``(B * H, D, T)`` fp32 (blocks innermost: torch then
+    reduces rows)."""
     local = tl.arange(0, BB)
     rows = blk * BLOCK + local
     dim = tl.arange(0, BD)
@@ -136,46 +138,30 @@ def quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SUMS, MEANS, x_b, x_h, x_n, v
         v = tl.load(V + b.to(tl.int64) * v_b + h.to(tl.int64) * v_h + row * v_n + dim[None, :], mask=ok, other=0.0)
         amax_v = tl.max(tl.abs(v.to(tl.float32)), axis=0)
         tl.store(V_AMAX + (bh.to(tl.int64) * D + dim) * T + blk, amax_v, mask=dim < D)
-    if SMOOTH:
-        mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
-        x = tl.where(ok, x - mean[None, :], 0.0)
-    scale = block_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
-    tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
-    tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
+    if QUANT:
+        if SMOOTH:
+            mean = tl.load(MEAN + bh.to(tl.int64) * D + dim, mask=dim < D, other=0.0)
+            x = tl.where(ok, x - mean[None, :], 0.0)
+        scale = block_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        dst = OUT + bh.to(tl.int64) * N * D + row * D + dim[None, :]
+        tl.store(dst, to_e4m3(x * scale, EMULATE), mask=ok)
+        tl.store(SCALE + bh.to(tl.int64) * T + blk, scale)
 
 
 @triton.jit
-def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T, BLOCK: tl.constexpr,
-                         BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SMOOTH: tl.constexpr,
-                         HAS_V: tl.constexpr, EMULATE: tl.constexpr):
-    """Program ``(block, b * H + h)``: ``quantize_block`` without sums. V's blocks in programs of their own (a third
-    grid axis) took the K launch from 150 to 168 µs at D=64 and from 377 to 404 at D=128 (B2 H8 N65536, H200)."""
+def _quant_blocks_kernel(X, MEAN, OUT, SCALE, V, V_AMAX, SUMS, MEANS, x_b, x_h, x_n, v_b, v_h, v_n, H, N, T,
+                         BLOCK: tl.constexpr, BB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         SMOOTH: tl.constexpr, HAS_V: tl.constexpr, HAS_MEANS: tl.constexpr, HAS_SUMS: tl.constexpr,
+                         QUANT: tl.constexpr, EMULATE: tl.constexpr):
+    """Program ``(block, b * H + h)``: ``quantize_block``. V's blocks in programs of their own (a third grid axis)
+    took the K launch from 150 to 168 µs at D=64 and from 377 to 404 at D=128 (B2 H8 N65536, H200). One launch for
+    Q's and K's blocks together (the third axis choosing the tensor, warps for K's) took 505 µs for ``sla2``'s
+    128-query blocks at D=128 against 154 + 277 of the passes it replaced (H200)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
-    quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SCALE, SCALE, x_b, x_h, x_n, v_b, v_h, v_n, b, bh - b * H, bh, blk,
-                   N, T, BLOCK, BB, D, BD, SMOOTH, HAS_V, False, False, EMULATE)
-
-
-@triton.jit
-def _pool_quant_kernel(Q, K, V, QM, KM, KS, Q8, QSC, K8, KSC, V_AMAX, q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n,
-                       H, HK, NQ, NK, TQ, TK, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BBQ: tl.constexpr,
-                       BBK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, EMULATE: tl.constexpr):
-    """``pool_quantize``: program ``(block, bh, 0)`` quantizes and pools query block ``block`` of q's head ``bh``,
-    ``(block, bh, 1)`` key block ``block`` of k's (with V's amax; KV heads past ``HK`` return). Programs past a
-    tensor's blocks return."""
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    if tl.program_id(2) == 0:
-        if blk < TQ:
-            b = bh // H
-            quantize_block(Q, Q, Q8, QSC, Q, Q, QM, QM, q_b, q_h, q_n, 0, 0, 0, b, bh - b * H, bh, blk, NQ, TQ,
-                           BLOCK_Q, BBQ, D, BD, False, False, True, False, EMULATE)
-    elif (bh < (tl.num_programs(1) // H) * HK) & (blk < TK):
-        b = bh // HK
-        quantize_block(K, K, K8, KSC, V, V_AMAX, KS, KM, k_b, k_h, k_n, v_b, v_h, v_n, b, bh - b * HK, bh, blk, NK, TK,
-                       BLOCK_K, BBK, D, BD, False, True, True, True, EMULATE)
+    quantize_block(X, MEAN, OUT, SCALE, V, V_AMAX, SUMS, MEANS, x_b, x_h, x_n, v_b, v_h, v_n, b, bh - b * H, bh, blk,
+                   N, T, BLOCK, BB, D, BD, SMOOTH, HAS_V, HAS_MEANS, HAS_SUMS, QUANT, EMULATE)
 
 
 @triton.jit
@@ -200,30 +186,39 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = Non
     """e4m3 ``x (B, H, N, D)`` per block of ``block`` tokens x D, after subtracting ``mean (B, H, D)`` fp32 when
     given. Returns the values ``(B, H, N, D)`` contiguous (``storage_dtype``) and fp32 scales ``(B, H, T)``,
     ``T = ceil(N / block)`` (``flexsparse.quant.block_scales``, the smoothing done in fp32 first)."""
-    return _launch_blocks(x, block, mean, None)[:2]
+    return _launch_blocks(x, block, mean)[:2]
 
 
 def quantize_keys(k: torch.Tensor, v: torch.Tensor, block: int,
                   mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blocks(k, block, mean)`` and, from the same pass, ``max_N |v| (B, Hk, D)`` fp32 of ``v`` (k's
     shape): ``(k8, k_scales, v_amax)``."""
-    return _launch_blocks(k, block, mean, v)
+    return _launch_blocks(k, block, mean, v)[:3]
 
 
-def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None, v: torch.Tensor | None):
-    """``_quant_blocks_kernel`` over ``x``: ``(values, scales, v_amax or None)``."""
+def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                   means: bool = False, sums: bool = False, quantize: bool = True):
+    """``_quant_blocks_kernel`` over ``x``: ``(values, scales, v_amax, block_means, block_sums)``, None where not
+    asked for (``v`` None, ``means`` / ``sums`` false, ``quantize`` false for the first two)."""
     bsz, heads, n, d = x.shape
     t = num_blocks(n, block)
-    out = torch.empty(bsz, heads, n, d, device=x.device, dtype=storage_dtype(x.device))
-    scales = torch.empty(bsz, heads, t, device=x.device, dtype=torch.float32)
-    v_amax = None if v is None else torch.empty(bsz, heads, d, t, device=x.device, dtype=torch.float32)
+
+    def buffer(wanted: bool, *shape, dtype=torch.float32):
+        return torch.empty(*shape, device=x.device, dtype=dtype) if wanted else None
+
+    out = buffer(quantize, bsz, heads, n, d, dtype=storage_dtype(x.device))
+    scales = buffer(quantize, bsz, heads, t)
+    v_amax = buffer(v is not None, bsz, heads, d, t)
+    block_means, block_sums = buffer(means, bsz, heads, t, d), buffer(sums, bsz, heads, t, d)
     bb, bd = pow2(block, 16), pow2(d, 16)
-    v_src, v_strides = (x, (0, 0, 0)) if v is None else (v, v.stride()[:3])      # x: unused slots (registry.launcher)
+    v_src, v_strides = (x, (0, 0, 0)) if v is None else (v, v.stride()[:3])
+    slots = [x if y is None else y for y in (out, scales, v_amax, block_sums, block_means)]   # x: unused slots
     launcher(_quant_blocks_kernel)[(t, bsz * heads)](
-        x, x if mean is None else mean.contiguous(), out, scales, v_src, x if v is None else v_amax, *x.stride()[:3],
+        x, x if mean is None else mean.contiguous(), slots[0], slots[1], v_src, *slots[2:], *x.stride()[:3],
         *v_strides, heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
-        EMULATE=out.dtype != E4M3, num_warps=block_warps(bb * bd, v is not None))
-    return out, scales, None if v_amax is None else v_amax.amax(dim=3)
+        HAS_MEANS=means, HAS_SUMS=sums, QUANT=quantize, EMULATE=storage_dtype(x.device) != E4M3,
+        num_warps=block_warps(bb * bd, v is not None))
+    return out, scales, None if v_amax is None else v_amax.amax(dim=3), block_means, block_sums
 
 
 def block_warps(elements: int, with_v: bool) -> int:
@@ -253,35 +248,32 @@ def quantize_v_transposed(v: torch.Tensor, amax: torch.Tensor, permute: bool = F
 
 
 def pool_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int):
-    """The selection's block pooling and the unsmoothed FP8 pre-pass of Q and K in one launch (``_pool_quant_kernel``):
-    ``((q_means, k_means, k_sums), quantized)``, the means ``(B, H, Tq, D)`` / ``(B, Hk, Tk, D)`` and k's block sums
-    in fp32 (``Backend.block_pooling``'s), ``quantized = [q8, q_scales, k8, k_scales, v_amax]``:
-    ``quantize_blocks(q, block_q)``, ``quantize_keys(k, v, block_k, None)``.
+    """The selection's block pooling and the unsmoothed FP8 pre-pass of Q and K, one launch each
+    (``_quant_blocks_kernel``): ``((q_means, k_means, k_sums), quantized)``, the means ``(B, H, Tq, D)`` /
+    ``(B, Hk, Tk, D)`` and k's block sums in fp32 (``Backend.block_pooling``'s), ``quantized = [q8, q_scales, k8,
+    k_scales, v_amax]``: ``quantize_blocks(q, block_q)``, ``quantize_keys(k, v, block_k, None)``.
 
     q: ``(B, H, Nq, D)``; k, v: ``(B, Hk, Nk, D)``; last dims contiguous."""
-    bsz, heads, nq, d = q.shape
-    kv_heads, nk = k.shape[1], k.shape[2]
-    tq, tk = num_blocks(nq, block_q), num_blocks(nk, block_k)
-    dtype = storage_dtype(q.device)
-    q8, k8 = q.new_empty(q.shape, dtype=dtype), k.new_empty(k.shape, dtype=dtype)
-    q_scales = q.new_empty(bsz, heads, tq, dtype=torch.float32)
-    k_scales = q.new_empty(bsz, kv_heads, tk, dtype=torch.float32)
-    q_means = q.new_empty(bsz, heads, tq, d, dtype=torch.float32)
-    k_means, k_sums = (q.new_empty(bsz, kv_heads, tk, d, dtype=torch.float32) for _ in range(2))
-    v_amax = q.new_empty(bsz, kv_heads, d, tk, dtype=torch.float32)
-    bbq, bbk, bd = pow2(block_q, 16), pow2(block_k, 16), pow2(d, 16)
-    launcher(_pool_quant_kernel)[(max(tq, tk), bsz * heads, 2)](
-        q, k, v, q_means, k_means, k_sums, q8, q_scales, k8, k_scales, v_amax, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], heads, kv_heads, nq, nk, tq, tk, BLOCK_Q=block_q, BLOCK_K=block_k, BBQ=bbq, BBK=bbk, D=d,
-        BD=bd, EMULATE=dtype != E4M3, num_warps=block_warps(max(bbq, bbk) * bd, True))
-    return (q_means, k_means, k_sums), [q8, q_scales, k8, k_scales, v_amax.amax(dim=3)]
+    q8, q_scales, _, q_means, _ = _launch_blocks(q, block_q, means=True)
+    k8, k_scales, v_amax, k_means, k_sums = _launch_blocks(k, block_k, v=v, means=True, sums=True)
+    return (q_means, k_means, k_sums), [q8, q_scales, k8, k_scales, v_amax]
+
+
+def pool_quantize_queries(q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int):
+    """``pool_quantize`` for smoothed keys: the same pooling, and e4m3 Q per block from the launch that pools q
+    (K's quantization needs the mean over all of K, so the FP8 pre-pass takes K): ``((q_means, k_means, k_sums),
+    [q8, q_scales])``. q: ``(B, H, Nq, D)``; k: ``(B, Hk, Nk, D)``; last dims contiguous."""
+    q8, q_scales, _, q_means, _ = _launch_blocks(q, block_q, means=True)
+    _, _, _, k_means, k_sums = _launch_blocks(k, block_k, means=True, sums=True, quantize=False)
+    return (q_means, k_means, k_sums), [q8, q_scales]
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
                  k_mean: torch.Tensor | None = None, pooled: list[torch.Tensor] | None = None):
     """The whole pre-pass: ``(q8, q_scales, k8, k_scales, k_mean, vt8, v_scales)``, ``quantize_blocks(q, block_q)``
-    (``pooled``'s where given) and ``quantize_kv``'s five. The Triton FP8 kernels take ``quantize_kv``'s and
-    quantize Q's blocks themselves or load ``pooled``'s."""
+    (``pooled``'s where given: ``pool_quantize``'s five or ``pool_quantize_queries``' two operands) and
+    ``quantize_kv``'s five. The Triton FP8 kernels take ``quantize_kv``'s and quantize Q's blocks themselves or load
+    ``pooled``'s."""
     q_part = pooled[:2] if pooled else quantize_blocks(q, block_q)
     return (*q_part, *quantize_kv(k, v, block_k, k_mean, pooled))
 
@@ -292,10 +284,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_k: int, k_mean: torch.Te
     ``quantize_v_transposed``, V^T's keys permuted where ``permutes_keys(block_k)``).
     ``k_mean``: the smoothing mean ``mean_N(k)`` ``(B, Hk, 1, D)`` or ``(B, Hk, D)`` fp32 where the caller has it
     (module docstring; zeros: K unsmoothed), else taken here; returned ``(B, Hk, D)`` contiguous. ``pooled``:
-    ``pool_quantize``'s quantized operands of these k, v (then K's pass is skipped; ``k_mean`` must be zeros)."""
+    ``pool_quantize``'s quantized operands of these k, v (then K's pass is skipped; ``k_mean`` must be zeros), or
+    ``pool_quantize_queries``' (Q's alone: K's pass runs)."""
     bsz, kv_heads, _, d = k.shape
+    pooled_keys = pooled[2:] if pooled else []
     if k_mean is None:
-        if pooled:
+        if pooled_keys:
             raise ValueError("quantize_kv with pooled (unsmoothed) operands needs k_mean: zeros of (B, Hk, D)")
         with torch.no_grad():
             k_mean = key_mean(k, block_k)
@@ -303,8 +297,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_k: int, k_mean: torch.Te
         raise ValueError(f"k_mean must hold one mean per batch, KV head and channel of k {tuple(k.shape)}, "
                          f"(B, Hk, 1, D) or (B, Hk, D); got shape {tuple(k_mean.shape)}")
     k_mean = k_mean.reshape(bsz, kv_heads, d).to(torch.float32).contiguous()
-    if pooled:
-        k8, k_scales, v_amax = pooled[2:]
+    if pooled_keys:
+        k8, k_scales, v_amax = pooled_keys
     else:
         k8, k_scales, v_amax = quantize_keys(k, v, block_k, k_mean)
     vt8, v_scales = quantize_v_transposed(v, v_amax, permutes_keys(block_k))

@@ -1,8 +1,9 @@
 """``torch.library`` ops of the block-sparse attention kernels: ``flexsparse::block_attn`` (O, LSE;
 differentiable), ``flexsparse::block_attn_bwd`` and ``flexsparse::block_attn_fp8`` (the FP8 forward of the
 quantized branch, differentiable by ``block_attn``'s backward evaluated at its own O and LSE: the QAT gradient of
-``flexsparse.quant.qat_attention``, with no second, unquantized forward), and ``flexsparse::pool_quantize`` (a
-selection's pooling with the FP8 operands of unsmoothed Q and K).
+``flexsparse.quant.qat_attention``, with no second, unquantized forward), ``flexsparse::pool_quantize`` (a
+selection's pooling with the FP8 operands of unsmoothed Q and K) and ``flexsparse::pool_quantize_queries`` (the same
+with Q's alone, for smoothed keys).
 
 Registered with ``triton_op`` (``triton_op`` + ``wrap_triton``, so ``torch.compile(fullgraph=True)`` sees the
 kernels; the op bodies are their own fake implementations). Bodies branch on the device: CUDA runs the
@@ -77,8 +78,9 @@ def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: in
     ``k_mean``: the smoothing mean ``mean_N k`` ``(B, Hk, 1, D)`` fp32 where the caller has it (the kernels'
     pre-pass then reads K once; the PyTorch path takes its own, the same up to fp32 rounding); ``q8 ... v_amax``:
     ``fp8_quant.pool_quantize``'s operands of these q, k, v (K unsmoothed) where the caller has them: the kernels'
-    pre-pass then quantizes V alone. Gradients: ``block_attn_bwd`` on the unquantized q, k, v with this forward's o
-    and LSE (SLA2's "backward(dO_s, O_s, Q, K, V)")."""
+    pre-pass then quantizes V alone; or ``q8`` and ``q_scales`` alone (``pool_quantize_queries``'). Gradients:
+    ``block_attn_bwd`` on the unquantized q, k, v with this forward's o and LSE (SLA2's "backward(dO_s, O_s, Q, K,
+    V)")."""
     pooled = checked_pooled(smooth_keys, q8, q_scales, k8, k_scales, v_amax)
     if not use_kernels(q):
         return _fake_quant_block_attn(q, k, v, _selection(indices, block_q, block_k, q, k), scale, smooth_keys)
@@ -87,16 +89,24 @@ def block_attn_fp8(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, block_q: in
                              k_mean=fp8_key_shift(k, k_mean, smooth_keys), pooled=pooled)
 
 
+POOLED_NAMES = ("q8", "q_scales", "k8", "k_scales", "v_amax")
+
+
 def checked_pooled(smooth_keys: bool, *pooled: Optional[Tensor]) -> Optional[list[Tensor]]:
-    """``[q8, q_scales, k8, k_scales, v_amax]`` (``fp8_quant.pool_quantize``'s) where all are given, None where none
-    is; ValueError for some, or for pooled operands with ``smooth_keys`` (they are of unsmoothed keys)."""
-    given = sum(x is not None for x in pooled)
-    if given == 0:
+    """``[q8, q_scales, k8, k_scales, v_amax]`` (``pool_quantize``'s) where all five are given and ``smooth_keys`` is
+    off (they are of unsmoothed keys), ``[q8, q_scales]`` (``pool_quantize_queries``') where only those two are,
+    None where none is; ValueError otherwise."""
+    given = [x is not None for x in pooled]
+    if not any(given):
         return None
-    if given != len(pooled) or smooth_keys:
-        raise ValueError("the FP8 ops take pool_quantize's five operands (q8, q_scales, k8, k_scales, v_amax) "
-                         f"together and with smooth_keys=False; got {given} of them, smooth_keys={smooth_keys}")
-    return list(pooled)
+    if all(given) and not smooth_keys:
+        return list(pooled)
+    if given == [True, True, False, False, False]:
+        return list(pooled[:2])
+    raise ValueError("the FP8 ops take pool_quantize's five operands (q8, q_scales, k8, k_scales, v_amax) together "
+                     "and with smooth_keys=False, or pool_quantize_queries' q8 and q_scales alone; got "
+                     f"{sum(given)} of them ({', '.join(n for n, g in zip(POOLED_NAMES, given) if g)}), "
+                     f"smooth_keys={smooth_keys}")
 
 
 def fp8_key_shift(k: Tensor, k_mean: Optional[Tensor], smooth_keys: bool) -> Optional[Tensor]:
@@ -118,6 +128,19 @@ def pool_quantize(q: Tensor, k: Tensor, v: Tensor, block_q: int,
         return _pool_quantize_reference(q, k, v, block_q, block_k)
     from .fp8_quant import pool_quantize as launch
     pooled, quantized = launch(*row_views(q, k, v), block_q, block_k)
+    return (*pooled, *quantized)
+
+
+@triton_op("flexsparse::pool_quantize_queries")
+def pool_quantize_queries(q: Tensor, k: Tensor, block_q: int,
+                          block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``pool_quantize`` for smoothed keys (``fp8_quant.pool_quantize_queries``): ``(q_means, k_means, k_sums, q8,
+    q_scales)``, the pooling and Q's FP8 operands alone (K's need the mean over all of K). q: ``(B, H, Nq, D)``;
+    k: ``(B, Hk, Nk, D)`` (strided rows read in place). No gradient."""
+    if not use_kernels(q):
+        return _pool_quantize_reference(q, k, k, block_q, block_k)[:5]
+    from .fp8_quant import pool_quantize_queries as launch
+    pooled, quantized = launch(*row_views(q, k), block_q, block_k)
     return (*pooled, *quantized)
 
 
