@@ -558,7 +558,7 @@ def test_selections_pooling_pass_quantizes_for_the_fp8_branch(cfg, quant, monkey
         monkeypatch.setattr(fp8_quant, "quantize_keys", no_keys_pass)
     out, lse = flexsparse.attention(q, k, v, config, backend="triton", return_lse=True, params=params)
     assert pooled == [1] and handed and all(len(x) == (5 if quant else 2) for x in handed)
-    del handed[:]
+    handed.clear()
     grads = _loss_grads(out, lse, leaves)
     monkeypatch.setattr(fp8_quant, "quantize_keys", keys_pass)
     monkeypatch.setattr(type(TRITON), "quantizing_pooling", backends.base.Backend.quantizing_pooling)

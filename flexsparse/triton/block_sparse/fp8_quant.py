@@ -206,7 +206,8 @@ def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = None
     def buffer(wanted: bool, *shape, dtype=torch.float32):
         return torch.empty(*shape, device=x.device, dtype=dtype) if wanted else None
 
-    out = buffer(quantize, bsz, heads, n, d, dtype=storage_dtype(x.device))
+    storage = storage_dtype(x.device)
+    out = buffer(quantize, bsz, heads, n, d, dtype=storage)
     scales = buffer(quantize, bsz, heads, t)
     v_amax = buffer(v is not None, bsz, heads, d, t)
     block_means, block_sums = buffer(means, bsz, heads, t, d), buffer(sums, bsz, heads, t, d)
@@ -216,7 +217,7 @@ def _launch_blocks(x: torch.Tensor, block: int, mean: torch.Tensor | None = None
     launcher(_quant_blocks_kernel)[(t, bsz * heads)](
         x, x if mean is None else mean.contiguous(), slots[0], slots[1], v_src, *slots[2:], *x.stride()[:3],
         *v_strides, heads, n, t, BLOCK=block, BB=bb, D=d, BD=bd, SMOOTH=mean is not None, HAS_V=v is not None,
-        HAS_MEANS=means, HAS_SUMS=sums, QUANT=quantize, EMULATE=storage_dtype(x.device) != E4M3,
+        HAS_MEANS=means, HAS_SUMS=sums, QUANT=quantize, EMULATE=storage != E4M3,
         num_warps=block_warps(bb * bd, v is not None))
     return out, scales, None if v_amax is None else v_amax.amax(dim=3), block_means, block_sums
 

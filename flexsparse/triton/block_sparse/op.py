@@ -138,22 +138,28 @@ def pool_quantize_queries(q: Tensor, k: Tensor, block_q: int,
     q_scales)``, the pooling and Q's FP8 operands alone (K's need the mean over all of K). q: ``(B, H, Nq, D)``;
     k: ``(B, Hk, Nk, D)`` (strided rows read in place). No gradient."""
     if not use_kernels(q):
-        return _pool_quantize_reference(q, k, k, block_q, block_k)[:5]
+        return _pool_queries_reference(q, k, block_q, block_k)
     from .fp8_quant import pool_quantize_queries as launch
     pooled, quantized = launch(*row_views(q, k), block_q, block_k)
     return (*pooled, *quantized)
 
 
 def _pool_quantize_reference(q: Tensor, k: Tensor, v: Tensor, block_q: int, block_k: int):
-    """``pool_quantize`` in PyTorch: the e4m3 values in ``float8_e4m3fn`` on CUDA, as fp16 elsewhere (the kernels'
-    stand-in, ``fp8_quant.storage_dtype``)."""
-    storage = E4M3 if q.device.type == "cuda" else torch.float16
-    quantized = []
-    for x, block in ((q, block_q), (k, block_k)):
-        values, scales = quantize_blocks(x, block)
-        quantized += [values.to(storage), scales[..., 0]]
-    v_amax = v.abs().amax(dim=2).float()
-    return (*(t.float() for t in pooling_naive.block_pooling(q, k, block_q, block_k)), *quantized, v_amax)
+    """``pool_quantize`` in PyTorch (``_pool_queries_reference``, then K's e4m3 blocks and V's amax)."""
+    return (*_pool_queries_reference(q, k, block_q, block_k), *_e4m3_blocks(k, block_k),
+            v.abs().amax(dim=2).float())
+
+
+def _pool_queries_reference(q: Tensor, k: Tensor, block_q: int, block_k: int):
+    """``pool_quantize_queries`` in PyTorch: ``pooling.naive.block_pooling``'s three in fp32, Q's e4m3 blocks."""
+    return (*(t.float() for t in pooling_naive.block_pooling(q, k, block_q, block_k)), *_e4m3_blocks(q, block_q))
+
+
+def _e4m3_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``quantize_blocks(x, block)``'s values in ``float8_e4m3fn`` on CUDA, as fp16 elsewhere (the kernels' stand-in,
+    ``fp8_quant.storage_dtype``), and its scales ``(B, H, T)``."""
+    values, scales = quantize_blocks(x, block)
+    return values.to(E4M3 if x.device.type == "cuda" else torch.float16), scales[..., 0]
 
 
 def _fake_quant_block_attn(q: Tensor, k: Tensor, v: Tensor, selection: BlockSelection, scale: float,
