@@ -167,6 +167,25 @@ def triton_ops_on_cpu():
         del backend.unsupported
 
 
+@contextlib.contextmanager
+def programs_reversed():
+    """Interpreted launches run their programs last to first inside the block. The interpreter runs a grid's programs
+    one at a time in order, so a result that depends on the order of atomic updates comes out the same every run;
+    against a run in reversed order it does not (a determinism test compares the two)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    in_order = InterpreterBuilder.set_grid_idx
+
+    def reversed_idx(builder, x, y, z):
+        nx, ny, nz = builder.grid_dim
+        in_order(builder, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    InterpreterBuilder.set_grid_idx = reversed_idx
+    try:
+        yield
+    finally:
+        InterpreterBuilder.set_grid_idx = in_order
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in fp64."""
     a, b = a.double(), b.double()
